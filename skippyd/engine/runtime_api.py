@@ -1,0 +1,190 @@
+"""The contract between the iteration scheduler worker and a runtime.
+
+The worker (``worker.py``) drives any object that satisfies :class:`Runtime`; the real one
+is ``runtime.LlamaRuntime`` over llama.cpp, tests may use a scripted fake. Everything that
+crosses this boundary is a plain dataclass defined here, so the worker never imports
+llama.cpp (reference §4.2, ``skippy-runtime`` types).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+#: llama.cpp's hard cap on sequence ids per context (reference §1, ``LLAMA_MAX_SEQ``).
+LLAMA_MAX_SEQ = 256
+#: Native limit on logit-bias entries per sampler (reference §4.2).
+MAX_LOGIT_BIAS = 256
+
+
+class IterationPhase(enum.Enum):
+    """What a request row in a batch is doing (``IterationBatchPhase``)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RuntimeFailure(Exception):
+    """Base of every error a runtime raises on purpose."""
+
+
+class LanesBusyError(RuntimeFailure):
+    """No execution lane is free for a new session."""
+
+
+class InvalidIterationError(RuntimeFailure, ValueError):
+    """A batch request is malformed; nothing was executed and no state changed."""
+
+
+class KvSlotUnavailableError(RuntimeFailure):
+    """llama_decode found no KV slot for the batch (return code 1): back-pressure.
+
+    The batch was not applied; sessions are exactly as before the call, so the caller may
+    free memory (evict cache entries, preempt a sequence) and retry.
+    """
+
+
+class DecodeFailedError(RuntimeFailure):
+    """llama_decode failed for a reason other than KV exhaustion."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Per-session sampling parameters (reference §4.2 ``SamplingConfig``).
+
+    ``temperature <= 0`` means greedy. Penalties look at the last ``penalty_last_n``
+    tokens of the session (prompt included); ``-1`` means the whole context.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+    """None draws a fresh seed per session."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, additive bias) pairs; at most :data:`MAX_LOGIT_BIAS`."""
+    ignore_eos: bool = False
+    """When set, end-of-generation tokens are masked out and never sampled."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self, n_vocab: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature: must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (got {self.top_k})")
+        for name in ("top_p", "min_p", "typical_p"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be within [0, 1] (got {value})")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty: must be > 0 (got {self.repeat_penalty})")
+        if self.penalty_last_n < -1:
+            raise ValueError(f"penalty_last_n: must be >= -1 (got {self.penalty_last_n})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias: at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})"
+            )
+        if n_vocab is not None:
+            for token_id, _bias in self.logit_bias:
+                if not 0 <= token_id < n_vocab:
+                    raise ValueError(
+                        f"logit_bias: token id {token_id} outside the vocabulary (0..{n_vocab - 1})"
+                    )
+
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass(slots=True)
+class IterationRequest:
+    """One session's rows in a batched iteration (``RuntimeIterationBatchRequest``).
+
+    Exactly one of ``token_ids`` (first stage) and ``input_rows`` (non-first stage,
+    float32 of shape ``(n_tokens, n_embd)``, token-major) carries the input.
+    """
+
+    session_id: str
+    token_ids: Sequence[int] = ()
+    input_rows: np.ndarray | None = None
+    positions: Sequence[int] | None = None
+    """Explicit positions, one per token; None continues the session."""
+    sampling: SamplingConfig | None = None
+    """None means greedy when sampling is needed."""
+    sample_last: bool = False
+    """Sample a token from the logits of the last row (final stages only)."""
+    phase: IterationPhase = IterationPhase.PREFILL
+
+    @property
+    def num_tokens(self) -> int:
+        if self.input_rows is not None:
+            return int(self.input_rows.shape[0])
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationSample:
+    """A token sampled for the request at ``request_index`` of the batch."""
+
+    request_index: int
+    token: int
+    is_eog: bool
+    """The token ends generation (EOS/EOT per the model's vocabulary)."""
+
+
+@dataclass(slots=True)
+class IterationOutput:
+    """Result of one batched call (``IterationBatchOutput``)."""
+
+    output_rows: list[np.ndarray | None] = field(default_factory=list)
+    """Per request, in order: captured activation rows (non-final stage) or None."""
+    samples: list[IterationSample] = field(default_factory=list)
+    """One entry per request with ``sample_last``, in request order."""
+    compute_s: float = 0.0
+    """Wall time spent inside llama.cpp for this call."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAlignment:
+    before_token_count: int
+    after_token_count: int
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What the worker needs from a runtime. Only the worker thread calls it."""
+
+    @property
+    def lane_count(self) -> int: ...
+
+    @property
+    def kv_pool_tokens(self) -> int: ...
+
+    def active_session_count(self) -> int: ...
+
+    def ensure_session_active(self, session_id: str) -> None: ...
+
+    def session_token_count(self, session_id: str) -> int | None: ...
+
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput: ...
+
+    def align_session_to_token_count_if_ahead(
+        self, session_id: str, target: int
+    ) -> SessionAlignment | None: ...
+
+    def trim_session(self, session_id: str, token_count: int) -> None: ...
+
+    def drop_session(self, session_id: str) -> None: ...
