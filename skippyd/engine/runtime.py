@@ -1,0 +1,450 @@
+"""RuntimeState over one llama.cpp context: lanes, sessions and batched iterations.
+
+One model and one context with ``n_seq_max = lane_count`` (plus sequence ids reserved for
+the prefix cache), a unified KV cell pool of ``ctx_size`` cells, and one reusable
+``llama_batch``. Sessions map to lanes (sequence ids); every call to
+:meth:`LlamaRuntime.iteration_batch_sampled` is exactly one ``llama_decode`` holding the
+rows of many sessions (DESIGN.md item 1; reference §4.2 ``RuntimeState``).
+
+No policy lives here: the worker decides what runs; this module only executes it. Only the
+worker thread may call a runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from llama_cpp import llama_cpp as L
+
+from skippyd.engine.gguf_tools import inspect_model
+from skippyd.engine.llama_ext import LayerOutputCapture, ensure_backend
+from skippyd.engine.runtime_api import (
+    LLAMA_MAX_SEQ,
+    DecodeFailedError,
+    InvalidIterationError,
+    IterationOutput,
+    IterationRequest,
+    IterationSample,
+    KvSlotUnavailableError,
+    LanesBusyError,
+    SamplingConfig,
+    SessionAlignment,
+)
+from skippyd.engine.sampling import SamplerChain
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_TYPES = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+    "iq4_nl": 20, "bf16": 30,
+}
+FLASH_ATTN_TYPES = {"auto": -1, "disabled": 0, "enabled": 1}
+_GREEDY = SamplingConfig(temperature=0.0)
+
+
+class ModelLoadError(Exception):
+    """llama.cpp could not load the model or create the context."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """How to open a runtime. ``first_stage``/``final_stage`` describe a layer slice."""
+
+    model_path: str
+    lane_count: int = 4
+    ctx_size: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    threads: int | None = None
+    threads_batch: int | None = None
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    first_stage: bool = True
+    final_stage: bool = True
+    reserved_seq_ids: int = 0
+    """Sequence ids beyond the lanes, kept for the prefix cache."""
+
+    def validate(self) -> None:
+        if not 1 <= self.lane_count <= LLAMA_MAX_SEQ - self.reserved_seq_ids:
+            raise ValueError(
+                f"lane_count: must be within 1..{LLAMA_MAX_SEQ - self.reserved_seq_ids}"
+                f" (got {self.lane_count})"
+            )
+        if self.ctx_size < 1 or self.n_batch < 1 or not 1 <= self.n_ubatch <= self.n_batch:
+            raise ValueError("ctx_size, n_batch must be >= 1 and 1 <= n_ubatch <= n_batch")
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in KV_CACHE_TYPES:
+                raise ValueError(f"{name}: unknown KV cache type {getattr(self, name)!r}")
+        if self.flash_attn not in FLASH_ATTN_TYPES:
+            raise ValueError(f"flash_attn: must be one of {sorted(FLASH_ATTN_TYPES)}")
+
+
+@dataclass(slots=True)
+class _Session:
+    seq_id: int
+    token_count: int = 0
+    history: list[int] = field(default_factory=list)
+    """Token ids in KV order (first stage, or a token sideband on later stages)."""
+    sampler: SamplerChain | None = None
+
+
+class LlamaRuntime:
+    """Lanes and batched iterations over one llama.cpp context.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, options: RuntimeOptions) -> None:
+        options.validate()
+        ensure_backend()
+        self.options = options
+        self.info = inspect_model(options.model_path)
+        self.n_embd = self.info.n_embd
+        self._model = self._load_model(options.model_path)
+        self._capture = (
+            None if options.final_stage
+            else LayerOutputCapture(self.info.n_layer, self.info.n_embd)
+        )
+        self._ctx = self._new_context(options)
+        self._mem = L.llama_get_memory(self._ctx)
+        # llama.cpp pads the cell pool (to 256); the padded size is the real capacity.
+        self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
+        self._eog_tokens = tuple(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
+        self._batch = L.llama_batch_init(
+            options.n_batch, 0 if options.first_stage else self.n_embd, 1
+        )
+        self._free_lanes = list(range(options.lane_count - 1, -1, -1))
+        self._sessions: dict[str, _Session] = {}
+        self.decode_calls = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    @staticmethod
+    def _load_model(path: str):
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0
+        model = L.llama_model_load_from_file(os.fsencode(path), params)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {path}")
+        return model
+
+    def _new_context(self, options: RuntimeOptions):
+        params = L.llama_context_default_params()
+        params.n_ctx = options.ctx_size
+        params.n_batch = options.n_batch
+        params.n_ubatch = options.n_ubatch
+        params.n_seq_max = options.lane_count + options.reserved_seq_ids
+        params.kv_unified = True
+        threads = options.threads or os.cpu_count() or 1
+        params.n_threads = threads
+        params.n_threads_batch = options.threads_batch or threads
+        params.type_k = KV_CACHE_TYPES[options.cache_type_k]
+        params.type_v = KV_CACHE_TYPES[options.cache_type_v]
+        params.flash_attn_type = FLASH_ATTN_TYPES[options.flash_attn]
+        params.no_perf = True
+        if self._capture is not None:
+            params.cb_eval = self._capture.callback
+            params.cb_eval_user_data = None
+        ctx = L.llama_init_from_model(self._model, params)
+        if not ctx:
+            L.llama_model_free(self._model)
+            raise ModelLoadError(
+                f"llama.cpp could not create a context (n_ctx={options.ctx_size},"
+                f" n_seq_max={params.n_seq_max})"
+            )
+        return ctx
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) is None:
+            return
+        for session in self._sessions.values():
+            if session.sampler is not None:
+                session.sampler.close()
+        self._sessions.clear()
+        L.llama_batch_free(self._batch)
+        L.llama_free(self._ctx)
+        L.llama_model_free(self._model)
+        self._ctx = None
+
+    def __enter__(self) -> LlamaRuntime:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    # -- facts -----------------------------------------------------------------------
+    @property
+    def lane_count(self) -> int:
+        return self.options.lane_count
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.n_ctx
+
+    @property
+    def eog_tokens(self) -> tuple[int, ...]:
+        return self._eog_tokens
+
+    @property
+    def context(self):
+        """The raw llama_context pointer, for prefix-cache operations on the worker thread."""
+        return self._ctx
+
+    def active_session_count(self) -> int:
+        return len(self._sessions)
+
+    def session_token_count(self, session_id: str) -> int | None:
+        session = self._sessions.get(session_id)
+        return None if session is None else session.token_count
+
+    def session_seq_id(self, session_id: str) -> int | None:
+        session = self._sessions.get(session_id)
+        return None if session is None else session.seq_id
+
+    def kv_cells_used(self) -> int:
+        """Cells held by the lanes' sessions (upper bound: shared cells count per session)."""
+        return sum(s.token_count for s in self._sessions.values())
+
+    # -- sessions --------------------------------------------------------------------
+    def ensure_session_active(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            return
+        if not self._free_lanes:
+            raise LanesBusyError("all execution lanes are busy")
+        seq_id = self._free_lanes.pop()
+        L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._sessions[session_id] = _Session(seq_id=seq_id)
+
+    def drop_session(self, session_id: str) -> None:
+        """Clear the session's KV and return its lane. Unknown ids are ignored."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        L.llama_memory_seq_rm(self._mem, session.seq_id, -1, -1)
+        if session.sampler is not None:
+            session.sampler.close()
+        self._free_lanes.append(session.seq_id)
+
+    def trim_session(self, session_id: str, token_count: int) -> None:
+        """Drop the session's KV from position ``token_count`` on (reference §4.2)."""
+        session = self._require(session_id)
+        if token_count < 0:
+            raise InvalidIterationError(f"trim_session: token_count must be >= 0 (got {token_count})")
+        L.llama_memory_seq_rm(self._mem, session.seq_id, token_count, -1)
+        session.token_count = min(session.token_count, token_count)
+        del session.history[token_count:]
+        self._reset_sampler(session)
+
+    def align_session_to_token_count_if_ahead(
+        self, session_id: str, target: int
+    ) -> SessionAlignment | None:
+        """Trim a session that is ahead of ``target``; never extend one (reference §4.2)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.token_count <= target:
+            return None
+        before = session.token_count
+        self.trim_session(session_id, target)
+        return SessionAlignment(before_token_count=before, after_token_count=target)
+
+    def _require(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise InvalidIterationError(f"unknown session {session_id}")
+        return session
+
+    @staticmethod
+    def _reset_sampler(session: _Session) -> None:
+        if session.sampler is not None:
+            session.sampler.close()
+            session.sampler = None
+
+    # -- iterations ------------------------------------------------------------------
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        """Run one ``llama_decode`` for every request; sample where asked.
+
+        Raises:
+            InvalidIterationError: the batch is malformed (nothing ran, nothing changed).
+            LanesBusyError: more new sessions than free lanes (nothing changed).
+            KvSlotUnavailableError: no KV slot; sessions are as before the call.
+            DecodeFailedError: llama.cpp failed otherwise; sessions are as before the call.
+        """
+        if not requests:
+            return IterationOutput()
+        starts = self._validate(requests)
+        new_ids = [r.session_id for r in requests if r.session_id not in self._sessions]
+        free = len(self._free_lanes)
+        if len(new_ids) > free:
+            raise LanesBusyError(
+                f"iteration requires {len(new_ids)} new sessions but only {free}"
+                " execution lanes are available"
+            )
+        for session_id in new_ids:
+            self.ensure_session_active(session_id)
+        sessions = [self._sessions[r.session_id] for r in requests]
+        for session, start in zip(sessions, starts, strict=True):
+            if start < session.token_count:  # replaying from an earlier position
+                L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
+        sample_rows = self._fill_batch(requests, sessions, starts)
+        started = time.perf_counter()
+        self._decode(requests, sessions, starts, new_ids)
+        compute_s = time.perf_counter() - started
+        return self._finish(requests, sessions, starts, sample_rows, compute_s)
+
+    def _validate(self, requests: Sequence[IterationRequest]) -> list[int]:
+        seen: set[str] = set()
+        total = 0
+        starts = []
+        for request in requests:
+            if request.session_id in seen:
+                raise InvalidIterationError(
+                    f"iteration contains duplicate session {request.session_id}"
+                )
+            seen.add(request.session_id)
+            self._validate_input(request)
+            total += request.num_tokens
+            starts.append(self._validate_positions(request))
+        if total > self.options.n_batch:
+            raise InvalidIterationError(
+                f"iteration holds {total} tokens but n_batch is {self.options.n_batch}"
+            )
+        return starts
+
+    def _validate_input(self, request: IterationRequest) -> None:
+        sid = request.session_id
+        if self.options.first_stage:
+            if request.input_rows is not None:
+                raise InvalidIterationError(f"session {sid}: a first stage takes tokens, not rows")
+            if not request.token_ids:
+                raise InvalidIterationError(f"session {sid}: no tokens to decode")
+            bad = [t for t in request.token_ids if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidIterationError(
+                    f"session {sid}: token id {bad[0]} outside the vocabulary (0..{self.n_vocab - 1})"
+                )
+        else:
+            rows = request.input_rows
+            if rows is None or rows.ndim != 2 or rows.shape[1] != self.n_embd or len(rows) == 0:
+                raise InvalidIterationError(
+                    f"session {sid}: a non-first stage takes float32 rows of width {self.n_embd}"
+                )
+            if request.token_ids and len(request.token_ids) != len(rows):
+                raise InvalidIterationError(f"session {sid}: token sideband length != row count")
+        if request.sample_last and not self.options.final_stage:
+            raise InvalidIterationError(f"session {sid}: only the final stage can sample")
+        if request.sampling is not None:
+            try:
+                request.sampling.validate(self.n_vocab)
+            except ValueError as exc:
+                raise InvalidIterationError(f"session {sid}: {exc}") from exc
+
+    def _validate_positions(self, request: IterationRequest) -> int:
+        session = self._sessions.get(request.session_id)
+        current = 0 if session is None else session.token_count
+        if request.positions is None:
+            return current
+        positions = list(request.positions)
+        n = request.num_tokens
+        if len(positions) != n or positions != list(range(positions[0], positions[0] + n)):
+            raise InvalidIterationError(
+                f"session {request.session_id}: positions must be {n} consecutive integers"
+            )
+        if not 0 <= positions[0] <= current:
+            raise InvalidIterationError(
+                f"session {request.session_id}: first position {positions[0]} would leave a gap"
+                f" (session holds {current} tokens)"
+            )
+        if positions[-1] >= self.n_ctx:
+            raise InvalidIterationError(
+                f"session {request.session_id}: position {positions[-1]} beyond the context"
+                f" ({self.n_ctx} cells)"
+            )
+        return positions[0]
+
+    def _fill_batch(self, requests, sessions, starts) -> list[int]:
+        """Write every row into the reusable batch; returns the row to sample per request."""
+        batch = self._batch
+        all_outputs = self._capture is not None  # trap (a): llama.cpp drops non-output rows
+        row = 0
+        sample_rows = []
+        for request, session, start in zip(requests, sessions, starts, strict=True):
+            n = request.num_tokens
+            if self.options.first_stage:
+                for i, token in enumerate(request.token_ids):
+                    batch.token[row + i] = token
+            else:
+                rows = np.ascontiguousarray(request.input_rows, dtype=np.float32)
+                ctypes.memmove(
+                    ctypes.addressof(batch.embd.contents) + row * self.n_embd * 4,
+                    rows.ctypes.data, rows.nbytes,
+                )
+            for i in range(n):
+                batch.pos[row + i] = start + i
+                batch.n_seq_id[row + i] = 1
+                batch.seq_id[row + i][0] = session.seq_id
+                batch.logits[row + i] = all_outputs
+            if request.sample_last:
+                batch.logits[row + n - 1] = True
+            sample_rows.append(row + n - 1)
+            row += n
+        batch.n_tokens = row
+        return sample_rows
+
+    def _decode(self, requests, sessions, starts, new_ids) -> None:
+        if self._capture is not None:
+            self._capture.begin()
+        ret = L.llama_decode(self._ctx, self._batch)
+        self.decode_calls += 1
+        # A non-final stage stops the graph from its eval callback: llama.cpp reports that
+        # as an abort (2) although the layers it owns all ran.
+        if ret == 0 or (ret == 2 and self._capture is not None):
+            return
+        for session, start in zip(sessions, starts, strict=True):
+            L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
+        for session_id in new_ids:
+            self.drop_session(session_id)
+        if ret == 1:
+            raise KvSlotUnavailableError(
+                f"no KV slot for {self._batch.n_tokens} tokens ({self.n_ctx} cells in the pool)"
+            )
+        raise DecodeFailedError(f"llama_decode failed with code {ret}")
+
+    def _finish(self, requests, sessions, starts, sample_rows, compute_s) -> IterationOutput:
+        output = IterationOutput(compute_s=compute_s)
+        captured = self._capture.take() if self._capture is not None else None
+        row = 0
+        for index, (request, session, start) in enumerate(zip(requests, sessions, starts)):
+            n = request.num_tokens
+            session.token_count = start + n
+            tokens = list(request.token_ids)
+            if tokens:
+                del session.history[start:]
+                session.history.extend(tokens)
+                if session.sampler is not None:
+                    session.sampler.observe(tokens)
+            output.output_rows.append(None if captured is None else captured[row : row + n])
+            row += n
+            if request.sample_last:
+                token = self._sample(session, request, sample_rows[index])
+                output.samples.append(
+                    IterationSample(index, token, is_eog=token in self._eog_tokens)
+                )
+        return output
+
+    def _sample(self, session: _Session, request: IterationRequest, row: int) -> int:
+        config = request.sampling or _GREEDY
+        if session.sampler is None or session.sampler.config != config:
+            self._reset_sampler(session)
+            session.sampler = SamplerChain(
+                config, n_vocab=self.n_vocab, n_ctx=self.n_ctx,
+                eog_tokens=self._eog_tokens,
+            )
+            session.sampler.observe(session.history)
+        return session.sampler.sample(self._ctx, row)

@@ -1,0 +1,143 @@
+"""Tokenization, incremental detokenization and chat templates from a GGUF's vocabulary.
+
+The tokenizer loads its own vocabulary-only copy of the model, separate from the
+runtime's context, so HTTP handlers can tokenize on their own threads without ever
+touching the objects the worker thread owns.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import threading
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from llama_cpp import llama_cpp as L
+
+from skippyd.engine.llama_ext import ensure_backend
+
+
+class TokenizerError(ValueError):
+    """Text could not be tokenized or a chat could not be rendered."""
+
+
+class Tokenizer:
+    """Thread-safe tokenizer over a vocabulary-only load of a GGUF model."""
+
+    def __init__(self, model_path: str | os.PathLike) -> None:
+        ensure_backend()
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        self._model = L.llama_model_load_from_file(os.fsencode(str(model_path)), params)
+        if not self._model:
+            raise TokenizerError(f"could not load the vocabulary of {model_path}")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        self.bos_token_id = int(L.llama_vocab_bos(self._vocab))
+        self.eos_token_id = int(L.llama_vocab_eos(self._vocab))
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        self._pieces: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self.chat_template = self._metadata("tokenizer.chat_template")
+        self._template = _compile_template(self.chat_template) if self.chat_template else None
+
+    def close(self) -> None:
+        if self._model:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def _metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            L.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids for ``text``; ``add_special`` adds BOS when the model wants it."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buf = (L.llama_token * capacity)()
+        n = L.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:
+            capacity = -n
+            buf = (L.llama_token * capacity)()
+            n = L.llama_tokenize(
+                self._vocab, data, len(data), buf, capacity, add_special, parse_special
+            )
+        if n < 0:
+            raise TokenizerError("text could not be tokenized")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token renders to (special/control tokens render as nothing)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(256)
+            n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[: max(n, 0)]
+            with self._lock:
+                self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self._vocab, token))
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own chat template (Jinja, sandboxed)."""
+        if self._template is None:
+            raise TokenizerError("the model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.detokenize([self.bos_token_id]) if self.bos_token_id >= 0 else "",
+                eos_token=self.detokenize([self.eos_token_id]) if self.eos_token_id >= 0 else "",
+            )
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text without splitting a UTF-8 character.
+
+    :meth:`feed` returns the text that became complete with this token; bytes of a
+    character split across tokens are held until the character is whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token: int) -> str:
+        return self._decoder.decode(self._tokenizer.token_bytes(token))
+
+    def flush(self) -> str:
+        """Whatever is still held, with an incomplete character replaced by U+FFFD."""
+        return self._decoder.decode(b"", final=True)
