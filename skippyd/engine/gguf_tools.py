@@ -11,12 +11,15 @@ import hashlib
 import logging
 import os
 import re
+import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
+
+from skippyd.engine import gguf_scan
 
 logger = logging.getLogger(__name__)
 
@@ -64,56 +67,45 @@ class ModelInfo:
         return data
 
 
-def open_reader(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF for reading, turning every failure into :class:`ModelFileError`."""
+def _read(path: str | os.PathLike) -> gguf_scan.GGUFHeader:
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file not found: {p}")
     try:
-        return gguf.GGUFReader(str(p), "r")
-    except Exception as exc:  # gguf raises ValueError, struct errors, IndexError...
+        return gguf_scan.read_header(p)
+    except gguf_scan.GGUFFormatError as exc:
         raise ModelFileError(f"{p}: not a readable GGUF file ({exc})") from exc
-
-
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    try:
-        return field.contents()
-    except Exception:
-        return default
 
 
 def inspect_model(path: str | os.PathLike) -> ModelInfo:
     """Scan a GGUF's metadata (no weights are read)."""
-    reader = open_reader(path)
-    arch = _field(reader, "general.architecture")
+    header = _read(path)
+    arch = header.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{path}: general.architecture is missing")
-    n_layer = _field(reader, f"{arch}.block_count")
-    n_embd = _field(reader, f"{arch}.embedding_length")
+    n_layer = header.get(f"{arch}.block_count")
+    n_embd = header.get(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelFileError(f"{path}: {arch}.block_count or {arch}.embedding_length missing")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else 0)
+    tokens = header.kv.get("tokenizer.ggml.tokens")
+    n_vocab = header.get(f"{arch}.vocab_size") or (tokens.length if tokens else 0)
     return ModelInfo(
         path=str(path),
         architecture=arch,
-        name=_field(reader, "general.name"),
+        name=header.get("general.name"),
         n_layer=n_layer,
         n_embd=n_embd,
         n_vocab=int(n_vocab),
-        n_ctx_train=_field(reader, f"{arch}.context_length"),
-        quantization=_quantization_label(reader),
+        n_ctx_train=header.get(f"{arch}.context_length"),
+        quantization=_quantization_label(header),
         file_bytes=Path(path).stat().st_size,
-        has_chat_template=isinstance(_field(reader, "tokenizer.chat_template"), str),
-        recurrent_state_bytes_per_layer=_recurrent_bytes_per_layer(reader, arch, n_layer),
+        has_chat_template=isinstance(header.get("tokenizer.chat_template"), str),
+        recurrent_state_bytes_per_layer=_recurrent_bytes_per_layer(header, arch, n_layer),
     )
 
 
-def _quantization_label(reader: gguf.GGUFReader) -> str:
-    file_type = _field(reader, "general.file_type")
+def _quantization_label(header: gguf_scan.GGUFHeader) -> str:
+    file_type = header.get("general.file_type")
     if isinstance(file_type, int):
         try:
             return gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
@@ -121,33 +113,33 @@ def _quantization_label(reader: gguf.GGUFReader) -> str:
             pass
     # Fall back to the most common type among the layer weights.
     counts: dict[str, int] = {}
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         if tensor.name.startswith("blk.") and tensor.name.endswith(".weight"):
-            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+            counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
     return max(counts, key=counts.__getitem__) if counts else "unknown"
 
 
-def _recurrent_bytes_per_layer(reader: gguf.GGUFReader, arch: str, n_layer: int) -> tuple[int, ...]:
+def _recurrent_bytes_per_layer(header, arch: str, n_layer: int) -> tuple[int, ...]:
     """f32 state a sequence keeps per recurrent layer (conv + ssm, or token-shift + wkv).
 
     Attention-only layers keep no recurrent state: their KV lives in the cell pool.
     """
     layers_with_ssm = {
         int(m.group(1))
-        for t in reader.tensors
+        for t in header.tensors
         if (m := _LAYER_TENSOR.match(t.name)) and m.group(2).startswith(("ssm_", "time_mix"))
     }
     if not layers_with_ssm:
         return (0,) * n_layer
-    d_conv = _field(reader, f"{arch}.ssm.conv_kernel", 0) or 0
-    d_inner = _field(reader, f"{arch}.ssm.inner_size", 0) or 0
-    d_state = _field(reader, f"{arch}.ssm.state_size", 0) or 0
-    n_group = _field(reader, f"{arch}.ssm.group_count", 0) or 0
+    d_conv = header.get(f"{arch}.ssm.conv_kernel", 0)
+    d_inner = header.get(f"{arch}.ssm.inner_size", 0)
+    d_state = header.get(f"{arch}.ssm.state_size", 0)
+    n_group = header.get(f"{arch}.ssm.group_count", 0)
     if d_inner:
         per_layer = 4 * (max(0, d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner)
     else:  # RWKV: two token-shift rows plus the wkv state (head_size x n_embd)
-        n_embd = _field(reader, f"{arch}.embedding_length", 0) or 0
-        head = _field(reader, f"{arch}.wkv.head_size", 64) or 64
+        n_embd = header.get(f"{arch}.embedding_length", 0)
+        head = header.get(f"{arch}.wkv.head_size", 64)
         per_layer = 4 * (2 * n_embd + head * n_embd)
     return tuple(per_layer if i in layers_with_ssm else 0 for i in range(n_layer))
 
@@ -179,13 +171,16 @@ def slice_model(
     """
     info = inspect_model(source)
     _check_range(info, layer_start, layer_end)
-    reader = open_reader(source)
+    header = _read(source)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
-    os.close(fd)
     try:
-        _write_slice(reader, info, layer_start, layer_end, tmp_name, progress)
+        with os.fdopen(fd, "wb") as dst, open(source, "rb") as src:
+            _write_slice(src, dst, header, info, layer_start, layer_end, progress)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; a slice is as public as its source
         os.replace(tmp_name, out)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -194,8 +189,8 @@ def slice_model(
     return out
 
 
-def _kept_tensors(reader: gguf.GGUFReader, layer_start: int, layer_end: int):
-    for tensor in reader.tensors:
+def _kept_tensors(header, layer_start: int, layer_end: int):
+    for tensor in header.tensors:
         match = _LAYER_TENSOR.match(tensor.name)
         if match is None:
             yield tensor.name, tensor
@@ -205,50 +200,60 @@ def _kept_tensors(reader: gguf.GGUFReader, layer_start: int, layer_end: int):
             yield f"blk.{layer - layer_start}.{match.group(2)}", tensor
 
 
-def _write_slice(reader, info: ModelInfo, layer_start, layer_end, path, progress) -> None:
-    arch = info.architecture
-    writer = gguf.GGUFWriter(path, arch, endianess=reader.endianess)
-    block_key = f"{arch}.block_count"
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        if field.name == block_key:
-            value = layer_end - layer_start
-        elif _is_per_layer_array(field, info.n_layer):
-            value = value[layer_start:layer_end]
-        writer.add_key_value(field.name, value, vtype, sub_type=sub_type)
-    writer.add_key_value("skippyd.slice.layer_start", layer_start, gguf.GGUFValueType.UINT32)
-    writer.add_key_value("skippyd.slice.layer_end", layer_end, gguf.GGUFValueType.UINT32)
-    writer.add_key_value("skippyd.slice.source_layers", info.n_layer, gguf.GGUFValueType.UINT32)
-    kept = list(_kept_tensors(reader, layer_start, layer_end))
-    total = sum(int(t.n_bytes) for _, t in kept)
+def _slice_metadata(src, header, info: ModelInfo, layer_start: int, layer_end: int) -> list[bytes]:
+    """Every key/value pair, copied verbatim unless it describes the layers."""
+    block_key = f"{info.architecture}.block_count"
+    pairs = []
+    for item in header.kv.values():
+        if item.key == block_key:
+            pairs.append(gguf_scan.encode_kv(item.key, item.type, layer_end - layer_start))
+        elif _is_per_layer_array(item, info.n_layer):
+            pairs.append(gguf_scan.encode_kv(item.key, item.type, item.value[layer_start:layer_end]))
+        else:
+            src.seek(item.span[0])
+            pairs.append(src.read(item.span[1] - item.span[0]))
+    for key, value in (("layer_start", layer_start), ("layer_end", layer_end),
+                       ("source_layers", info.n_layer)):
+        pairs.append(gguf_scan.encode_kv(f"skippyd.slice.{key}", 4, value))
+    return pairs
+
+
+def _write_slice(src, dst, header, info, layer_start, layer_end, progress) -> None:
+    pairs = _slice_metadata(src, header, info, layer_start, layer_end)
+    kept = list(_kept_tensors(header, layer_start, layer_end))
+    align = header.alignment
+    infos, offset = [], 0
     for name, tensor in kept:
-        writer.add_tensor_info(
-            name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    done = 0
+        infos.append(gguf_scan.encode_tensor_info(name, tensor.dims, tensor.type, offset))
+        offset += tensor.nbytes + (-tensor.nbytes % align)
+    dst.write(gguf_scan.MAGIC + struct.pack("<IQQ", header.version, len(kept), len(pairs)))
+    for blob in (*pairs, *infos):
+        dst.write(blob)
+    dst.write(gguf_scan.padding(dst.tell(), align))
+    total, done = sum(t.nbytes for _, t in kept), 0
     for _name, tensor in kept:
-        writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
-        done += int(tensor.n_bytes)
+        src.seek(header.data_offset + tensor.offset)
+        remaining = tensor.nbytes
+        while remaining:
+            chunk = src.read(min(remaining, 8 << 20))
+            if not chunk:
+                raise ModelFileError(f"{info.path}: tensor {tensor.name} is truncated")
+            dst.write(chunk)
+            remaining -= len(chunk)
+        dst.write(gguf_scan.padding(tensor.nbytes, align))
+        done += tensor.nbytes
         if progress is not None:
             progress(done, total)
-    writer.close()
 
 
-def _is_per_layer_array(field, n_layer: int) -> bool:
+def _is_per_layer_array(item: gguf_scan.KeyValue, n_layer: int) -> bool:
     """Some architectures store per-layer hyper-parameters as arrays (head counts...)."""
     return (
-        field.types[0] == gguf.GGUFValueType.ARRAY
-        and len(field.types) == 2
-        and field.types[1] != gguf.GGUFValueType.STRING
-        and len(field.data) == n_layer
-        and not field.name.startswith("tokenizer.")
+        item.type == gguf_scan.ARRAY
+        and item.item_type not in (None, gguf_scan.STRING)
+        and item.value is not None
+        and item.length == n_layer
+        and not item.key.startswith("tokenizer.")
     )
 
 

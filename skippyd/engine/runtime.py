@@ -420,7 +420,7 @@ class LlamaRuntime:
         output = IterationOutput(compute_s=compute_s)
         captured = self._capture.take() if self._capture is not None else None
         row = 0
-        for index, (request, session, start) in enumerate(zip(requests, sessions, starts)):
+        for index, (request, session, start) in enumerate(zip(requests, sessions, starts, strict=True)):
             n = request.num_tokens
             session.token_count = start + n
             tokens = list(request.token_ids)
