@@ -1,0 +1,104 @@
+"""Stage configuration: one TOML file loaded into a frozen, validated dataclass tree.
+
+One file configures one stage process (reference §4.1 ``StageConfig``, adapted): which
+model and layers it owns (``[stage]``), how llama.cpp runs them (``[runtime]``), the
+OpenAI-compatible API of the first stage (``[http]``), the local control socket
+(``[control]``), logging (``[telemetry]``), the prefix cache (``[kv_cache]``) and the
+stage-to-stage link (``[link]``, ``[upstream]``, ``[downstream]``).
+
+:func:`load_config` and :func:`parse_config` collect every problem before raising one
+:class:`ConfigError` whose issues name their key path (``runtime.lane_count``).
+Defaults that depend on other values or on the machine (threads, the control socket,
+the model id, the prompt limit) are resolved while parsing, so a loaded config holds
+concrete values and :func:`config_to_toml` writes it back as an equal config. Only
+``stage.layer_end`` stays open until :func:`check_layer_range` sees the model.
+
+Modules: ``schema`` (the tree and per-key rules), ``loader`` (parsing, overrides),
+``rules`` (cross-key and pipeline rules), ``dump`` (writing), ``defaults`` (machine
+defaults), ``errors``.
+"""
+
+from skippyd.config.defaults import (
+    DEFAULT_MODEL_FILE,
+    MODEL_PACKAGE,
+    available_cpus,
+    candidate_socket_paths,
+    default_model_path,
+    default_socket_path,
+    model_id_for,
+)
+from skippyd.config.dump import config_to_dict, config_to_toml, example_config_toml
+from skippyd.config.errors import ConfigError, ConfigIssue
+from skippyd.config.loader import (
+    OVERRIDE_KEYS,
+    apply_overrides,
+    check_layer_range,
+    default_config,
+    load_config,
+    parse_config,
+)
+from skippyd.config.rules import check_pipeline
+from skippyd.config.schema import (
+    FLASH_ATTN_TYPE_IDS,
+    GGML_TYPE_IDS,
+    LOG_LEVELS,
+    MAX_LANES,
+    CacheType,
+    ControlSection,
+    FlashAttn,
+    HttpSection,
+    KvCacheMode,
+    KvCachePayload,
+    KvCacheSection,
+    LinkSection,
+    LogLevel,
+    PeerConfig,
+    RuntimeSection,
+    StageConfig,
+    StageSection,
+    TelemetryLevel,
+    TelemetrySection,
+    parse_host_port,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_FILE",
+    "FLASH_ATTN_TYPE_IDS",
+    "GGML_TYPE_IDS",
+    "LOG_LEVELS",
+    "MAX_LANES",
+    "MODEL_PACKAGE",
+    "OVERRIDE_KEYS",
+    "CacheType",
+    "ConfigError",
+    "ConfigIssue",
+    "ControlSection",
+    "FlashAttn",
+    "HttpSection",
+    "KvCacheMode",
+    "KvCachePayload",
+    "KvCacheSection",
+    "LinkSection",
+    "LogLevel",
+    "PeerConfig",
+    "RuntimeSection",
+    "StageConfig",
+    "StageSection",
+    "TelemetryLevel",
+    "TelemetrySection",
+    "apply_overrides",
+    "available_cpus",
+    "candidate_socket_paths",
+    "check_layer_range",
+    "check_pipeline",
+    "config_to_dict",
+    "config_to_toml",
+    "default_config",
+    "default_model_path",
+    "default_socket_path",
+    "example_config_toml",
+    "load_config",
+    "model_id_for",
+    "parse_config",
+    "parse_host_port",
+]

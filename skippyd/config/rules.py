@@ -1,0 +1,210 @@
+"""Rules that span several keys of one config, and of the configs of a pipeline.
+
+Each rule skips keys already reported bad (:meth:`IssueCollector.clean`), so one
+mistake gives one message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from itertools import pairwise
+
+from skippyd.config.errors import ConfigError, IssueCollector
+from skippyd.config.schema import (
+    MAX_SOCKET_PATH_BYTES,
+    UNQUANTIZED_CACHE_TYPES,
+    PeerConfig,
+    StageConfig,
+    parse_host_port,
+)
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+
+def check_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    """Apply every cross-field rule to ``config``.
+
+    Args:
+        config: The tree built from the valid keys (bad keys hold their defaults).
+        present: The sections the input named.
+        issues: Receives the problems; keys already in ``issues.bad`` are skipped.
+    """
+    for rule in (_layer_rules, _runtime_rules, _http_rules, _peer_rules, _link_rules,
+                 _control_rules):
+        rule(config, present, issues)
+
+
+def _layer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    stage = config.stage
+    if (stage.layer_end is not None and issues.clean("stage.layer_start", "stage.layer_end")
+            and stage.layer_end <= stage.layer_start):
+        issues.add("stage.layer_end", f"must be greater than layer_start "
+                   f"(got {stage.layer_end} <= {stage.layer_start})")
+    if not issues.clean("stage.index", "stage.layer_start"):
+        return
+    if stage.index == 0 and stage.layer_start > 0:
+        issues.add("stage.layer_start",
+                   f"must be 0 when stage.index is 0 (got {stage.layer_start})")
+    elif stage.index > 0 and stage.layer_start == 0:
+        issues.add("stage.layer_start", f"must be greater than 0 when stage.index is "
+                   f"{stage.index} (only stage 0 starts at layer 0)")
+
+
+def _runtime_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    runtime = config.runtime
+    if issues.clean("runtime.n_batch", "runtime.n_ubatch") and runtime.n_ubatch > runtime.n_batch:
+        issues.add("runtime.n_ubatch",
+                   f"must be at most n_batch (got {runtime.n_ubatch} > {runtime.n_batch})")
+    # NOTE: llama.cpp refuses a quantized V cache without flash attention.
+    if (issues.clean("runtime.cache_type_v", "runtime.flash_attn")
+            and runtime.flash_attn == "disabled"
+            and runtime.cache_type_v not in UNQUANTIZED_CACHE_TYPES):
+        issues.add("runtime.cache_type_v", "a quantized V cache needs flash attention "
+                   f'(got "{runtime.cache_type_v}" with flash_attn = "disabled")')
+
+
+def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    stage = config.stage
+    if ("http" in present and not stage.is_first
+            and issues.clean("stage.index", "stage.layer_start")):
+        issues.add("http", f"only the first stage serves HTTP (stage.index {stage.index}, "
+                   f"layer_start {stage.layer_start}); remove [http]")
+    http = config.http
+    if http is None:
+        return
+    ctx_size = config.runtime.ctx_size
+    if (issues.clean("http.max_prompt_tokens", "runtime.ctx_size")
+            and http.max_prompt_tokens > ctx_size):
+        issues.add("http.max_prompt_tokens", f"must be at most runtime.ctx_size "
+                   f"(got {http.max_prompt_tokens} > {ctx_size})")
+    if (issues.clean("http.default_max_tokens", "http.max_tokens_limit")
+            and http.default_max_tokens > http.max_tokens_limit):
+        issues.add("http.default_max_tokens", f"must be at most max_tokens_limit "
+                   f"(got {http.default_max_tokens} > {http.max_tokens_limit})")
+
+
+def _peer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    stage = config.stage
+    if issues.clean("stage.index", "stage.layer_start", "upstream"):
+        if not stage.is_first and config.upstream is None:
+            issues.add("upstream", "required on a stage after the first "
+                       f"(stage.index {stage.index}, layer_start {stage.layer_start})")
+        elif stage.is_first and config.upstream is not None:
+            issues.add("upstream", "not allowed on the first stage (stage.index 0, "
+                       "layer_start 0)")
+        elif config.upstream is not None:
+            _peer_index_rule("upstream", config.upstream, stage.index - 1, "- 1", issues)
+    if config.downstream is not None:
+        _peer_index_rule("downstream", config.downstream, stage.index + 1, "+ 1", issues)
+        if stage.layer_end is None and issues.clean("stage.layer_end"):
+            issues.add("stage.layer_end", "required when [downstream] is set "
+                       "(the next stage owns the layers after it)")
+    for name, peer in (("upstream", config.upstream), ("downstream", config.downstream)):
+        if (peer is not None and peer.stage_id == stage.id
+                and issues.clean(f"{name}.stage_id", "stage.id")):
+            issues.add(f"{name}.stage_id", f'must differ from stage.id (both "{stage.id}")')
+
+
+def _peer_index_rule(
+    name: str, peer: PeerConfig, expected: int, offset: str, issues: IssueCollector
+) -> None:
+    if issues.clean(f"{name}.stage_index", "stage.index") and peer.stage_index != expected:
+        issues.add(f"{name}.stage_index",
+                   f"must be stage.index {offset} = {expected} (got {peer.stage_index})")
+
+
+def _link_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    link = config.link
+    if (present & {"upstream", "downstream"} and link.secret is None
+            and issues.clean("link.secret")):
+        issues.add("link.secret", "required when [upstream] or [downstream] is set")
+    if (not config.is_first and link.listen is None
+            and issues.clean("link.listen", "stage.index", "stage.layer_start")):
+        issues.add("link.listen", "required on a stage after the first "
+                   "(the upstream stage connects to it)")
+    if (config.http is not None and link.listen is not None
+            and issues.clean("link.listen", "http.listen")):
+        port = parse_host_port(link.listen)[1]
+        if port != 0 and port == config.http.address[1]:
+            issues.add("link.listen", f"must use another port than http.listen "
+                       f"(both use {port})")
+
+
+def _control_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    size = len(os.fsencode(config.control.socket))
+    if size > MAX_SOCKET_PATH_BYTES and issues.clean("control.socket", "stage.id"):
+        issues.add("control.socket", f"must be at most {MAX_SOCKET_PATH_BYTES} bytes for a "
+                   f"Unix socket (got {size}); set a shorter path")
+
+
+def check_pipeline(configs: Sequence[StageConfig]) -> None:
+    """Check that stage configs, listed in pipeline order, chain into one pipeline.
+
+    Issue keys are prefixed with the stage's position: ``stages[1].stage.layer_start``.
+
+    Args:
+        configs: Each stage's validated config, stage 0 first.
+
+    Raises:
+        ConfigError: Indexes, layer ranges, peers, endpoints, secrets or model ids do
+            not line up.
+        ValueError: ``configs`` is empty.
+    """
+    if not configs:
+        raise ValueError("check_pipeline needs at least one stage config")
+    issues = IssueCollector()
+    for position, config in enumerate(configs):
+        if config.stage.index != position:
+            issues.add(f"stages[{position}].stage.index",
+                       f"must be {position} (got {config.stage.index})")
+    last = len(configs) - 1
+    if configs[-1].downstream is not None:
+        issues.add(f"stages[{last}].downstream", "the last stage must have no [downstream]")
+    for position, (before, after) in enumerate(pairwise(configs)):
+        _check_hop(position, before, after, issues)
+    if issues:
+        raise ConfigError(issues.items, "<pipeline>")
+
+
+def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCollector) -> None:
+    j = i + 1
+    if before.stage.layer_end != after.stage.layer_start:
+        issues.add(f"stages[{j}].stage.layer_start", f"must equal stages[{i}].stage.layer_end "
+                   f"(got {after.stage.layer_start}, expected {before.stage.layer_end})")
+    if before.stage.model_id != after.stage.model_id:
+        issues.add(f"stages[{j}].stage.model_id", f'must equal stages[{i}].stage.model_id '
+                   f'(got "{after.stage.model_id}", expected "{before.stage.model_id}")')
+    if before.link.secret != after.link.secret:
+        issues.add(f"stages[{j}].link.secret", f"must equal stages[{i}].link.secret")
+    _check_peer(f"stages[{i}].downstream", before.downstream, after, f"stages[{j}]", issues)
+    _check_peer(f"stages[{j}].upstream", after.upstream, before, f"stages[{i}]", issues)
+
+
+def _check_peer(
+    key: str, peer: PeerConfig | None, target: StageConfig, label: str, issues: IssueCollector
+) -> None:
+    if peer is None:
+        issues.add(key, f"missing; {label} ({target.stage.id}) is next to it")
+        return
+    if peer.stage_id != target.stage.id:
+        issues.add(f"{key}.stage_id", f'must be "{target.stage.id}" (got "{peer.stage_id}")')
+    listen = target.link.listen
+    if listen is None:
+        issues.add(f"{key}.endpoint", f"{label} has no link.listen for it to reach")
+    elif not _reaches(peer.endpoint, listen):
+        issues.add(f"{key}.endpoint", f'must reach {label}.link.listen "{listen}" '
+                   f'(got "{peer.endpoint}")')
+
+
+def _reaches(endpoint: str, listen: str) -> bool:
+    """Whether a peer dialling ``endpoint`` reaches a socket bound to ``listen``.
+
+    Hosts are compared as written; a wildcard listen host matches any.
+    """
+    host, port = parse_host_port(endpoint)
+    listen_host, listen_port = parse_host_port(listen)
+    return port == listen_port and (listen_host in _WILDCARD_HOSTS or host == listen_host)

@@ -1,0 +1,405 @@
+"""The stage config tree: frozen dataclasses whose fields carry their validation rules.
+
+Each TOML section is one dataclass and each key one field, with the same name. A field's
+``metadata`` holds its range (``lo``/``hi``) and an optional ``check`` that normalises
+the value or raises ``ValueError``; choices are ``Literal`` types. The loader reads
+these rules, so adding a key means adding a field here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from skippyd.config.defaults import (
+    available_cpus,
+    default_model_path,
+    default_socket_path,
+    model_id_for,
+)
+
+logger = logging.getLogger(__name__)
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+FlashAttn = Literal["auto", "enabled", "disabled"]
+TelemetryLevel = Literal["summary", "debug"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
+KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
+
+#: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
+GGML_TYPE_IDS: dict[str, int] = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+    "iq4_nl": 20, "bf16": 30,
+}
+#: llama.cpp ``LLAMA_FLASH_ATTN_TYPE_*`` values.
+FLASH_ATTN_TYPE_IDS: dict[str, int] = {"auto": -1, "disabled": 0, "enabled": 1}
+#: :mod:`logging` levels of ``telemetry.log_level``.
+LOG_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG, "info": logging.INFO,
+    "warning": logging.WARNING, "error": logging.ERROR,
+}
+#: KV cache types that need no flash attention when used for V.
+UNQUANTIZED_CACHE_TYPES = frozenset({"f32", "f16", "bf16"})
+# NOTE: llama.cpp caps sequence ids at 256 (LLAMA_MAX_SEQ) and the prefix cache needs
+# ids beyond the lanes, hence at most 255 lanes.
+MAX_LANES = 255
+#: ``sun_path`` holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
+MIN_SECRET_CHARS = 16
+MIB = 1 << 20
+_STAGE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def show_value(value: Any) -> str:
+    """Render a config value for an error message, TOML-style."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool | int | float | str):
+        text = json.dumps(value)
+        return text if len(text) <= 80 else text[:76] + '..."'
+    return str(value)
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (IPv6 as ``"[::1]:port"``) into host and port.
+
+    Raises:
+        ValueError: ``text`` is not of that form or the port is out of range.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"expected host:port, IPv6 hosts in brackets (got {show_value(text)})")
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError(f"expected host:port (got {show_value(text)})")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port must be at most 65535 (got {port})")
+    return host, port
+
+
+def _check_listen(value: str) -> str:
+    parse_host_port(value)
+    return value
+
+
+def _check_endpoint(value: str) -> str:
+    scheme, sep, rest = value.partition("://")
+    if sep and scheme != "tcp":
+        raise ValueError(f'unsupported scheme "{scheme}" (expected host:port or tcp://host:port)')
+    address = rest if sep else value
+    if parse_host_port(address)[1] == 0:
+        raise ValueError("port must be between 1 and 65535 (got 0)")
+    return address
+
+
+def _check_stage_id(value: str) -> str:
+    if not _STAGE_ID_RE.fullmatch(value):
+        raise ValueError(
+            'must be 1-64 letters, digits, ".", "_" or "-", starting with a letter or digit'
+            f" (got {show_value(value)})"
+        )
+    return value
+
+
+def _check_non_empty(value: str) -> str:
+    if not value:
+        raise ValueError("must not be empty (leave the key out instead)")
+    return value
+
+
+def _check_secret(value: str) -> str:
+    # NOTE: never echo the secret itself in a message.
+    if len(value) < MIN_SECRET_CHARS:
+        raise ValueError(f"must be at least {MIN_SECRET_CHARS} characters (got {len(value)})")
+    return value
+
+
+def _setting(
+    default: Any = MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    check: Callable[[Any], Any] | None = None,
+    factory: Any = MISSING,
+    derived: bool = False,
+) -> Any:
+    """A dataclass field with its validation rules in ``metadata``.
+
+    ``check`` returns the (possibly normalised) value or raises ``ValueError``.
+    ``derived`` marks a field without a static default whose value parsing computes
+    when the key is absent; any other field without a default is required.
+    """
+    meta = {"lo": lo, "hi": hi, "check": check, "derived": derived}
+    return field(default=default, default_factory=factory, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSection:
+    """``[stage]``: the model this process serves and the layers ``[start, end)`` it owns."""
+
+    id: str = _setting("stage-0", check=_check_stage_id)
+    """Stage name; names the default control socket and appears in telemetry."""
+    index: int = _setting(0, lo=0)
+    """Position in the pipeline; stage 0 takes tokens and serves HTTP."""
+    model_id: str = _setting(model_id_for(None), check=_check_non_empty)
+    """Served model id; defaults to the model file name without ``.gguf``."""
+    model_path: str | None = _setting(None, check=_check_non_empty)
+    """GGUF file; ``None`` means the embedded SmolLM2-135M model."""
+    layer_start: int = _setting(0, lo=0)
+    """First owned layer."""
+    layer_end: int | None = _setting(None, lo=1)
+    """One past the last owned layer; ``None`` means the model's last layer."""
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage takes tokens (rather than activations) as input."""
+        return self.index == 0 and self.layer_start == 0
+
+    @property
+    def num_layers(self) -> int | None:
+        """Owned layer count, or ``None`` until the range is resolved."""
+        return None if self.layer_end is None else self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSection:
+    """``[runtime]``: the llama.cpp context and the iteration scheduler."""
+
+    ctx_size: int = _setting(4096, lo=16, hi=1 << 24)
+    """Shared KV cell pool in tokens, for all lanes together."""
+    lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
+    """Concurrent sequences (llama.cpp sequence ids)."""
+    n_batch: int = _setting(2048, lo=1, hi=1 << 16)
+    """Most tokens in one ``llama_decode`` call."""
+    n_ubatch: int = _setting(512, lo=1, hi=1 << 16)
+    """Micro-batch size; at most ``n_batch``."""
+    threads: int = _setting(factory=available_cpus, lo=1, hi=1024)
+    """Threads for decoding; defaults to the CPUs available to the process."""
+    threads_batch: int = _setting(factory=available_cpus, lo=1, hi=1024)
+    """Threads for prompt processing; defaults to ``threads``."""
+    cache_type_k: CacheType = "f16"
+    """Element type of the K cache."""
+    cache_type_v: CacheType = "f16"
+    """Element type of the V cache; quantized types need flash attention."""
+    flash_attn: FlashAttn = "auto"
+    """Flash attention: let llama.cpp decide, force it on, or off."""
+    safe_mode: bool = False
+    """Serialise every sequence (one per decode): a debugging fallback."""
+    continuous_batching: bool = True
+    """Admit new sequences into running batches."""
+    queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
+    """Generations that may wait for a lane; beyond it requests are refused."""
+    slice_cache_dir: str | None = _setting(None, check=_check_non_empty)
+    """Where sliced stage models are cached; ``None`` means the default cache dir."""
+
+    @property
+    def ggml_type_k(self) -> int:
+        """``cache_type_k`` as a llama.cpp ``ggml_type`` id."""
+        return GGML_TYPE_IDS[self.cache_type_k]
+
+    @property
+    def ggml_type_v(self) -> int:
+        """``cache_type_v`` as a llama.cpp ``ggml_type`` id."""
+        return GGML_TYPE_IDS[self.cache_type_v]
+
+    @property
+    def flash_attn_type(self) -> int:
+        """``flash_attn`` as a llama.cpp ``llama_flash_attn_type`` value."""
+        return FLASH_ATTN_TYPE_IDS[self.flash_attn]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSection:
+    """``[http]``: the OpenAI-compatible API (first stage only) and its limits."""
+
+    listen: str = _setting("127.0.0.1:8080", check=_check_listen)
+    """``host:port`` to serve on; port 0 picks a free port."""
+    api_key: str | None = _setting(None, check=_check_non_empty)
+    """Bearer token clients must send; ``None`` disables authentication."""
+    model_alias: str | None = _setting(None, check=_check_non_empty)
+    """Model name the API reports instead of ``stage.model_id``."""
+    default_max_tokens: int = _setting(256, lo=1)
+    """``max_tokens`` of requests that give none."""
+    max_body_bytes: int = _setting(MIB, lo=1024, hi=1 << 30)
+    """Largest request body accepted."""
+    max_prompt_tokens: int = _setting(4096, lo=1)
+    """Longest prompt accepted; defaults to ``runtime.ctx_size``."""
+    max_tokens_limit: int = _setting(4096, lo=1)
+    """Largest ``max_tokens`` a request may ask for."""
+    max_stop_strings: int = _setting(4, lo=0, hi=64)
+    """Most stop strings per request."""
+    max_stop_length: int = _setting(256, lo=1, hi=65536)
+    """Longest stop string, in characters."""
+    max_logit_bias: int = _setting(256, lo=0, hi=256)
+    """Most logit-bias entries per request (llama.cpp allows 256)."""
+    max_connections: int = _setting(256, lo=1, hi=65536)
+    """Concurrent HTTP connections."""
+    drain_timeout_s: float = _setting(30.0, lo=0.0, hi=3600.0)
+    """How long shutdown waits for running requests."""
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``listen`` split into host and port."""
+        return parse_host_port(self.listen)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSection:
+    """``[control]``: the local Unix socket that feeds ``skippyd top``."""
+
+    socket: str = _setting(
+        factory=lambda: str(default_socket_path("stage-0")), check=_check_non_empty
+    )
+    """Socket path; defaults to :func:`default_socket_path` of ``stage.id``."""
+    group: str | None = _setting(None, check=_check_non_empty)
+    """Group granted access (mode 0660); ``None`` keeps the socket owner-only."""
+
+    @property
+    def socket_path(self) -> Path:
+        """``socket`` as a path."""
+        return Path(self.socket)
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySection:
+    """``[telemetry]``: event detail and log verbosity."""
+
+    level: TelemetryLevel = "summary"
+    """``debug`` adds per-iteration events."""
+    log_level: LogLevel = "info"
+    """Threshold of the ``skippyd`` loggers."""
+
+    @property
+    def log_level_number(self) -> int:
+        """``log_level`` as a :mod:`logging` level."""
+        return LOG_LEVELS[self.log_level]
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSection:
+    """``[kv_cache]``: the prefix cache (reference §4.1 ``StageKvCacheConfig``)."""
+
+    mode: KvCacheMode = "auto"
+    """``disabled``, ``auto``, ``record`` only, or ``lookup-record``."""
+    payload: KvCachePayload = "auto"
+    """What an entry holds: resident KV, KV plus recurrent state, or the full state."""
+    max_entries: int = _setting(64, lo=0)
+    """Most cached prefixes."""
+    max_bytes: int = _setting(0, lo=0)
+    """Budget of resident entries; 0 means unbounded."""
+    host_ram_bytes: int = _setting(256 * MIB, lo=0)
+    """Budget of the host-RAM tier of saved states; 0 disables the tier."""
+    min_tokens: int = _setting(64, lo=1)
+    """Shortest prefix worth caching."""
+    shared_prefix_stride_tokens: int = _setting(128, lo=1)
+    """Spacing of the shared-prefix record points."""
+    shared_prefix_record_limit: int = _setting(2, lo=0)
+    """Most shared-prefix records made per request."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the prefix cache runs at all."""
+        return self.mode != "disabled"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSection:
+    """``[link]``: the stage-to-stage TCP link of split serving."""
+
+    listen: str | None = _setting(None, check=_check_listen)
+    """``host:port`` to accept stage connections on; required on every later stage."""
+    secret: str | None = _setting(None, check=_check_secret)
+    """Secret shared by the pipeline's stages; required when a peer is set."""
+    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=1 << 32)
+    """Largest frame accepted from a peer."""
+    connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
+    """How long to keep trying to reach a peer (reference §4.3: 60 s)."""
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``listen`` split into host and port, or ``None``."""
+        return None if self.listen is None else parse_host_port(self.listen)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """``[upstream]`` / ``[downstream]``: a neighbouring stage."""
+
+    stage_id: str = _setting(check=_check_stage_id)
+    """The peer's ``stage.id``."""
+    stage_index: int = _setting(lo=0, derived=True)
+    """The peer's ``stage.index``; defaults to this stage's index - 1 / + 1."""
+    endpoint: str = _setting(check=_check_endpoint)
+    """The peer's link address, ``host:port`` (a ``tcp://`` prefix is stripped)."""
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``endpoint`` split into host and port."""
+        return parse_host_port(self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    """The whole configuration of one stage process; build it with the loader."""
+
+    stage: StageSection = field(default_factory=StageSection)
+    """``[stage]``."""
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    """``[runtime]``."""
+    http: HttpSection | None = field(default_factory=HttpSection)
+    """``[http]``; ``None`` on every stage but the first."""
+    control: ControlSection = field(default_factory=ControlSection)
+    """``[control]``."""
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    """``[telemetry]``."""
+    kv_cache: KvCacheSection = field(default_factory=KvCacheSection)
+    """``[kv_cache]``."""
+    link: LinkSection = field(default_factory=LinkSection)
+    """``[link]``."""
+    upstream: PeerConfig | None = None
+    """The previous stage; ``None`` on the first stage."""
+    downstream: PeerConfig | None = None
+    """The next stage; ``None`` on the final stage."""
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The input as written, before defaults; ``apply_overrides`` starts from it."""
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage takes tokens and serves HTTP."""
+        return self.stage.is_first
+
+    @property
+    def is_final(self) -> bool:
+        """Whether this stage produces logits (it has no downstream)."""
+        return self.downstream is None
+
+    @property
+    def resolved_model_path(self) -> Path:
+        """``stage.model_path``, or the embedded model (may raise ``ConfigError``)."""
+        if self.stage.model_path is not None:
+            return Path(self.stage.model_path)
+        return default_model_path()
+
+    @property
+    def served_model_id(self) -> str:
+        """The model name the API reports: ``http.model_alias`` or ``stage.model_id``."""
+        alias = self.http.model_alias if self.http is not None else None
+        return alias or self.stage.model_id
+
+
+#: TOML section name -> dataclass, in file order.
+SECTIONS: dict[str, type] = {
+    "stage": StageSection, "runtime": RuntimeSection, "http": HttpSection,
+    "control": ControlSection, "telemetry": TelemetrySection, "kv_cache": KvCacheSection,
+    "link": LinkSection, "upstream": PeerConfig, "downstream": PeerConfig,
+}
