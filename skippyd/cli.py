@@ -1,0 +1,191 @@
+"""The ``skippyd`` command line: serve, config, model, bench.
+
+Commands stay thin: they build a config, call one library function and map typed errors
+to an exit code with a message on stderr. Heavy imports happen inside the commands so
+``skippyd --help`` and ``skippyd config check`` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from skippyd import __version__
+from skippyd.config import (
+    ConfigError,
+    StageConfig,
+    check_layer_range,
+    config_to_dict,
+    example_config_toml,
+    load_config,
+)
+
+app = typer.Typer(
+    help="skippyd: a llama.cpp stage daemon with continuous batching and an OpenAI API.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+config_app = typer.Typer(help="Write, check and show stage configs.", no_args_is_help=True)
+model_app = typer.Typer(help="Inspect and slice GGUF models.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(model_app, name="model")
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+ConfigPath = Annotated[
+    Path, typer.Argument(help="Stage config (TOML).", envvar="SKIPPYD_CONFIG", show_default=False)
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+EXIT_CONFIG = 2
+EXIT_MODEL = 3
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``message`` on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def load_checked_config(path: Path | None, **overrides) -> StageConfig:
+    """Load (or default) a config, apply CLI overrides and check it against its model."""
+    from skippyd.config import apply_overrides, default_config
+    from skippyd.engine.gguf_tools import ModelFileError, inspect_model
+
+    try:
+        config = load_config(path) if path is not None else default_config()
+        if any(v is not None for v in overrides.values()):
+            config = apply_overrides(config, **overrides)
+        info = inspect_model(config.resolved_model_path)
+        return check_layer_range(config, info.n_layer)
+    except ConfigError as exc:
+        raise fail(f"invalid config {exc.source or ''}\n{exc}", EXIT_CONFIG) from None
+    except ModelFileError as exc:
+        raise fail(str(exc), EXIT_MODEL) from None
+
+
+@app.callback(invoke_without_command=True)
+def main_callback(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """skippyd: serve GGUF models with llama.cpp, one layer range per process."""
+    if version:
+        stdout.print(f"skippyd {__version__}")
+        raise typer.Exit()
+
+
+# -- config ----------------------------------------------------------------------------
+@config_app.command("init")
+def config_init(
+    path: Annotated[Path | None, typer.Argument(help="Where to write (default: stdout).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a complete example stage config."""
+    text = example_config_toml()
+    if path is None:
+        typer.echo(text, nl=False)
+        return
+    if path.exists() and not force:
+        raise fail(f"{path} exists; pass --force to overwrite it")
+    path.write_text(text, encoding="utf-8")
+    stderr.print(f"wrote {path}")
+
+
+@config_app.command("check")
+def config_check(path: ConfigPath) -> None:
+    """Validate a config, including its layer range against the model (exit 0 when valid)."""
+    config = load_checked_config(path)
+    stdout.print(
+        f"[green]ok[/] {path}: stage {config.stage.id} (index {config.stage.index}),"
+        f" layers {config.stage.layer_start}:{config.stage.layer_end} of {config.stage.model_id}"
+    )
+
+
+@config_app.command("show")
+def config_show(path: ConfigPath, as_json: JsonFlag = False) -> None:
+    """Print the resolved config, defaults included."""
+    from skippyd.config import config_to_toml
+
+    config = load_checked_config(path)
+    if as_json:
+        typer.echo(json.dumps(config_to_dict(config), indent=2))
+    else:
+        typer.echo(config_to_toml(config), nl=False)
+
+
+# -- model -----------------------------------------------------------------------------
+@model_app.command("inspect")
+def model_inspect(
+    path: Annotated[Path, typer.Argument(help="GGUF model file.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Print a model's architecture, size, quantization and per-layer recurrent state."""
+    from skippyd.engine.gguf_tools import ModelFileError, inspect_model
+
+    try:
+        info = inspect_model(path)
+    except ModelFileError as exc:
+        raise fail(str(exc), EXIT_MODEL) from None
+    if as_json:
+        typer.echo(json.dumps(info.to_dict(), indent=2))
+        return
+    table = Table(show_header=False, title=str(path))
+    rows = [
+        ("architecture", info.architecture), ("name", info.name or "-"),
+        ("layers", info.n_layer), ("n_embd", info.n_embd), ("vocab", info.n_vocab),
+        ("trained context", info.n_ctx_train or "-"), ("quantization", info.quantization),
+        ("file size", f"{info.file_bytes / 2**20:.1f} MiB"),
+        ("chat template", "yes" if info.has_chat_template else "no"),
+        ("recurrent state/seq", f"{info.recurrent_bytes()} bytes"),
+    ]
+    for key, value in rows:
+        table.add_row(key, str(value))
+    nonzero = [f"{i}:{b}" for i, b in enumerate(info.recurrent_state_bytes_per_layer) if b]
+    table.add_row("recurrent layers", ", ".join(nonzero) or "none (pure attention)")
+    stdout.print(table)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise typer.BadParameter("expected START:END, e.g. 0:15") from None
+    return start, end
+
+
+@model_app.command("slice")
+def model_slice(
+    path: Annotated[Path, typer.Argument(help="Source GGUF model.")],
+    layers: Annotated[str, typer.Option("--layers", help="Layer range START:END (end exclusive).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Stage GGUF to write.")],
+) -> None:
+    """Write the stage model for a layer range: a shallower GGUF stock llama.cpp loads."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from skippyd.engine.gguf_tools import ModelFileError, slice_model
+
+    start, end = parse_layers(layers)
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=stderr, transient=False) as progress:
+        task = progress.add_task(f"slicing {start}:{end}", total=None)
+        try:
+            slice_model(path, start, end, output,
+                        progress=lambda done, total: progress.update(task, completed=done, total=total))
+        except ModelFileError as exc:
+            raise fail(str(exc), EXIT_MODEL) from None
+    stdout.print(f"wrote {output} (layers {start}:{end} of {path.name})")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
