@@ -1,0 +1,74 @@
+"""How long the pure policy takes per iteration, to compare with a real runtime step.
+
+Not a test: a measurement. The result is the scheduling overhead the worker adds on top
+of every native batch, for a steady state of decoding sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+from skippyd.engine.policy import (
+    LLAMA_MAX_SEQ,
+    IterationPlan,
+    IterationPrediction,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Prompt length of every measured sequence (short: the prefill is not what is timed).
+_PROMPT_TOKENS = 16
+
+
+def _predict_all(plan: IterationPlan) -> list[IterationPrediction]:
+    return [IterationPrediction(index, 1) for index, work in enumerate(plan.work)
+            if work.sample_last]
+
+
+def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
+    """Median seconds of one ``plan_iteration`` + ``complete_iteration`` while decoding.
+
+    Builds a scheduler with ``num_sequences`` admitted sequences, runs their prefill, then
+    times ``samples`` decode iterations in which every sequence advances one token.
+
+    Args:
+        num_sequences: Concurrently decoding sequences (1 .. ``LLAMA_MAX_SEQ``).
+        samples: Timed iterations (>= 1).
+
+    Returns:
+        The median duration of one step, in seconds.
+
+    Raises:
+        ValueError: A count is out of range.
+    """
+    if not 1 <= num_sequences <= LLAMA_MAX_SEQ:
+        raise ValueError(f"num_sequences must be in 1..{LLAMA_MAX_SEQ}, got {num_sequences}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    config = SchedulerConfig(
+        max_active_sequences=num_sequences,
+        reserved_sequence_ids=0,
+        max_waiting_sequences=num_sequences,
+        max_tokens_per_iteration=max(num_sequences * _PROMPT_TOKENS, num_sequences),
+    )
+    scheduler = Scheduler(config)
+    horizon = samples + 2  # never finish inside the measurement
+    for index in range(num_sequences):
+        prompt = list(range(index * _PROMPT_TOKENS, (index + 1) * _PROMPT_TOKENS))
+        scheduler.submit(Sequence(f"seq-{index:03d}", prompt, horizon))
+    prefill = scheduler.plan_iteration()
+    scheduler.complete_iteration(prefill, _predict_all(prefill))
+    durations = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        plan = scheduler.plan_iteration()
+        scheduler.complete_iteration(plan, _predict_all(plan))
+        durations.append(time.perf_counter() - started)
+        if len(plan.work) != num_sequences:
+            raise RuntimeError(f"expected {num_sequences} decode rows, planned {len(plan.work)}")
+    return statistics.median(durations)

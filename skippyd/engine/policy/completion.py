@@ -1,0 +1,52 @@
+"""Applying what the runtime sampled to the sequences of a plan (reference §1.7)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from skippyd.engine.policy.errors import PolicyInputError
+from skippyd.engine.policy.plan import IterationPlan, IterationPrediction
+from skippyd.engine.policy.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+def index_predictions(
+    plan: IterationPlan, predictions: Iterable[IterationPrediction]
+) -> dict[int, int | None]:
+    """Map work index to token; a duplicated index maps to None (treated as missing)."""
+    if not isinstance(plan, IterationPlan):
+        raise PolicyInputError(f"complete_iteration needs an IterationPlan, got "
+                               f"{type(plan).__name__}")
+    records = list(predictions)
+    for record in records:
+        if not isinstance(record, IterationPrediction):
+            raise PolicyInputError(f"predictions must be IterationPrediction, got "
+                                   f"{type(record).__name__}")
+    predicted: dict[int, int | None] = {}
+    for record in records:
+        if record.work_index >= len(plan.work):
+            continue
+        predicted[record.work_index] = (
+            None if record.work_index in predicted else record.token
+        )
+    return predicted
+
+
+def apply_prediction(
+    sequence: Sequence, token: int | None, finished: list[str], failed: list[str]
+) -> None:
+    """Apply one sampling row's outcome to its sequence (reference §1.7 step 2)."""
+    if token is None:
+        sequence.status = SequenceStatus.FAILED
+        failed.append(sequence.id)
+        logger.warning("no prediction for the sampling row of %s: sequence failed", sequence.id)
+    elif token < 0:
+        sequence.status = SequenceStatus.FINISHED  # stop signal; the token is not kept
+        finished.append(sequence.id)
+    else:
+        sequence.generated_tokens.append(token)
+        if len(sequence.generated_tokens) >= sequence.max_tokens:
+            sequence.status = SequenceStatus.FINISHED
+            finished.append(sequence.id)

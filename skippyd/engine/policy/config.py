@@ -1,0 +1,148 @@
+"""Scheduler settings and memory components (reference §1.2, §1.3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from skippyd.engine.policy.errors import PolicyInputError, SchedulerConfigError, checked_count
+
+logger = logging.getLogger(__name__)
+
+#: llama.cpp's hard cap on sequence ids per context (reference §1).
+LLAMA_MAX_SEQ = 256
+#: Stands for the original's ``usize::MAX``: "no limit".
+UNLIMITED = sys.maxsize
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryComponent:
+    """One independently constrained memory pool (reference §1.3).
+
+    Units are abstract "bytes"; a KV pool may well count tokens (1 per token).
+    """
+
+    name: str
+    capacity_bytes: int
+    resident_bytes: int = 0
+    """Already occupied by state the scheduler does not manage (weights, pinned pages)."""
+    bytes_per_token: int = 0
+    bytes_per_sequence: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SchedulerConfigError("memory_components.name", "must be a non-empty string")
+        for name in ("capacity_bytes", "resident_bytes", "bytes_per_token", "bytes_per_sequence"):
+            try:
+                checked_count(getattr(self, name), name)
+            except PolicyInputError as error:
+                raise SchedulerConfigError(f"memory_components[{self.name}].{name}",
+                                           str(error)) from None
+
+    def available_bytes(self) -> int:
+        """Capacity left for the scheduler: ``max(0, capacity - resident)``."""
+        return max(0, self.capacity_bytes - self.resident_bytes)
+
+    def reservation_bytes(self, admission_tokens: int) -> int:
+        """What admitting a sequence of ``admission_tokens`` tokens reserves here."""
+        return self.bytes_per_sequence + self.bytes_per_token * admission_tokens
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """What a request would cost at its full generation ceiling (helper only)."""
+        return self.bytes_per_sequence + self.bytes_per_token * (prompt_tokens + max_tokens)
+
+
+_COUNT_FIELDS = (
+    "max_active_sequences",
+    "reserved_sequence_ids",
+    "max_waiting_sequences",
+    "max_tokens_per_iteration",
+    "prefill_chunk_tokens",
+    "max_prefill_sequences_per_iteration",
+    "max_consecutive_prefill_iterations",
+    "cache_aging_cost_per_iteration",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduler knobs; ``Scheduler`` always works on ``normalized()`` (reference §1.2).
+
+    Counts must be non-negative integers (a negative value raises
+    :class:`SchedulerConfigError`); zero and oversize values are clamped by
+    :meth:`normalized` exactly as the original does.
+    """
+
+    max_active_sequences: int = 32
+    """Most sequences admitted at once; capped at ``LLAMA_MAX_SEQ - reserved_sequence_ids``."""
+    reserved_sequence_ids: int = 16
+    """Sequence ids kept away from the scheduler (other users of the context)."""
+    max_waiting_sequences: int = 256
+    """Waiting-queue capacity; ``submit`` beyond it fails with ``QueueFullError``."""
+    max_tokens_per_iteration: int = 2048
+    """Token budget of one native iteration (prefill chunks plus decode rows)."""
+    prefill_chunk_tokens: int = 256
+    """Most prompt/recompute tokens of one sequence per iteration."""
+    max_prefill_sequences_per_iteration: int = UNLIMITED
+    """Most distinct sequences prefilling in one plan (1 for recurrent models)."""
+    max_consecutive_prefill_iterations: int = UNLIMITED
+    """Prefill-only iterations allowed back to back while decoders wait."""
+    mixed_prefill_decode: bool = False
+    """Allow decode rows and prefill rows in one iteration, subject to calibration (§1.6)."""
+    cache_aging_cost_per_iteration: int = 4096
+    """Credit a waiting request gains per turn (anti-starvation)."""
+    group_waiting_prefixes: bool = True
+    """Enable the waiting-prefix DFS tie-break (§2.3)."""
+    iteration_interval_s: float = 0.002
+    """Worker poll window between turns; the policy itself never uses it."""
+    memory_components: tuple[MemoryComponent, ...] = field(default_factory=tuple)
+    """Independently constrained memory pools (§1.3)."""
+
+    def __post_init__(self) -> None:
+        for name in _COUNT_FIELDS:
+            try:
+                checked_count(getattr(self, name), name)
+            except PolicyInputError as error:
+                raise SchedulerConfigError(name, str(error)) from None
+        for name in ("mixed_prefill_decode", "group_waiting_prefixes"):
+            if not isinstance(getattr(self, name), bool):
+                raise SchedulerConfigError(name, "must be a bool")
+        interval = self.iteration_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
+            math.isfinite(interval) and interval >= 0
+        ):
+            raise SchedulerConfigError("iteration_interval_s",
+                                       f"must be a finite number >= 0, got {interval!r}")
+        object.__setattr__(self, "memory_components", _components(self.memory_components))
+
+    def normalized(self) -> SchedulerConfig:
+        """Apply the original's clamps (reference §1.2) and return the result."""
+        hard_limit = max(1, LLAMA_MAX_SEQ - self.reserved_sequence_ids)
+        max_tokens = max(1, self.max_tokens_per_iteration)
+        return dataclasses.replace(
+            self,
+            max_active_sequences=min(max(self.max_active_sequences, 1), hard_limit),
+            max_waiting_sequences=max(1, self.max_waiting_sequences),
+            max_tokens_per_iteration=max_tokens,
+            prefill_chunk_tokens=min(max(self.prefill_chunk_tokens, 1), max_tokens),
+            max_prefill_sequences_per_iteration=max(1, self.max_prefill_sequences_per_iteration),
+            max_consecutive_prefill_iterations=max(1, self.max_consecutive_prefill_iterations),
+            cache_aging_cost_per_iteration=max(1, self.cache_aging_cost_per_iteration),
+        )
+
+
+def _components(components: Iterable[MemoryComponent]) -> tuple[MemoryComponent, ...]:
+    result = tuple(components)
+    for component in result:
+        if not isinstance(component, MemoryComponent):
+            raise SchedulerConfigError(
+                "memory_components", f"entries must be MemoryComponent, got {component!r}"
+            )
+    names = [component.name for component in result]
+    if len(set(names)) != len(names):
+        raise SchedulerConfigError("memory_components", f"names must be unique: {names}")
+    return result

@@ -1,0 +1,194 @@
+"""Building the work rows of one iteration (reference §1.5, §1.6).
+
+These functions advance the prefill cursors of the sequences they plan; the scheduler
+calls them on its admitted sequences, always in sorted-id order so that identical
+inputs give identical plans.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+from skippyd.engine.policy.config import SchedulerConfig
+from skippyd.engine.policy.plan import (
+    IterationPhase,
+    IterationPlan,
+    IterationWork,
+)
+from skippyd.engine.policy.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PlanDraft:
+    """Work being assembled for one iteration, with its remaining token budget."""
+
+    budget: int
+    work: list[IterationWork]
+    prefill_sequences: int = 0
+
+    def add_decode(self, sequence: Sequence) -> None:
+        """Emit the pending token of a caught-up sequence at the next position.
+
+        The cursor moves one past the replay length: the decoded token now occupies that
+        position, so an uninterrupted sequence never replays it (reference §1.5).
+        """
+        token = sequence.pending_decode_token()
+        if token is None:
+            raise RuntimeError(f"decode planned for {sequence.id!r} without a pending token")
+        position = sequence.recompute_token_count()
+        self.work.append(IterationWork(
+            sequence_id=sequence.id,
+            tokens=(token,),
+            positions=(position,),
+            sample_last=True,
+            phase=IterationPhase.DECODE,
+            sampling=sequence.sampling,
+        ))
+        sequence.prefill_cursor = position + 1
+        self.budget -= 1
+
+    def add_prefill_chunk(self, sequence: Sequence, chunk_tokens: int) -> None:
+        """Emit the next prompt/recompute chunk of a sequence that still needs replay.
+
+        Only a prefill that reaches the end of the prompt samples; recompute never does,
+        because its pending decode token already exists (reference §1.5).
+        """
+        replay_len = sequence.recompute_token_count()
+        start = sequence.prefill_cursor
+        count = min(chunk_tokens, max(0, replay_len - start), self.budget)
+        generated = bool(sequence.generated_tokens)
+        self.work.append(IterationWork(
+            sequence_id=sequence.id,
+            tokens=sequence.replay_slice(start, start + count),
+            positions=tuple(range(start, start + count)),
+            sample_last=(start + count == replay_len) and not generated,
+            phase=IterationPhase.RECOMPUTE if generated else IterationPhase.PREFILL,
+            sampling=sequence.sampling,
+        ))
+        sequence.prefill_cursor = start + count
+        self.prefill_sequences += 1
+        self.budget -= count
+
+
+def plan_phase_homogeneous(
+    sequences: SequenceOf[Sequence], config: SchedulerConfig, consecutive_prefill: int
+) -> tuple[list[IterationWork], int]:
+    """Plan either prompt work or decode work, never both (reference §1.5 step 4).
+
+    Prompt work runs first unless live decoders have already waited
+    ``max_consecutive_prefill_iterations`` prompt iterations in a row.
+
+    Args:
+        sequences: Admitted sequences in sorted-id order.
+        config: Normalised scheduler config.
+        consecutive_prefill: Prompt-only iterations run back to back so far.
+
+    Returns:
+        The work rows and the new consecutive-prefill counter.
+    """
+    draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
+    has_prefill = any(sequence.needs_replay() for sequence in sequences)
+    has_live_decode = any(sequence.is_live_decoder() for sequence in sequences)
+    run_prefill = has_prefill and (
+        not has_live_decode or consecutive_prefill < config.max_consecutive_prefill_iterations
+    )
+    for sequence in sequences:
+        if draft.budget == 0:
+            break
+        if sequence.needs_replay():
+            if run_prefill and (
+                draft.prefill_sequences < config.max_prefill_sequences_per_iteration
+            ):
+                draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens)
+        elif not run_prefill and sequence.pending_decode_token() is not None:
+            draft.add_decode(sequence)
+    if any(work.phase is not IterationPhase.DECODE for work in draft.work):
+        consecutive_prefill = consecutive_prefill + 1 if has_live_decode else 0
+    elif draft.work:
+        consecutive_prefill = 0
+    return draft.work, consecutive_prefill
+
+
+def plan_mixed(
+    sequences: SequenceOf[Sequence], config: SchedulerConfig, decode_cursor: int
+) -> tuple[list[IterationWork], int]:
+    """Plan decode rows first, rotating, then fill the budget with prompt work (§1.6).
+
+    The decode start rotates so that, when live decoders outnumber the budget, every one
+    of them advances in turn.
+
+    Args:
+        sequences: Admitted sequences in sorted-id order.
+        config: Normalised scheduler config.
+        decode_cursor: Where the previous mixed plan's decode scan stopped.
+
+    Returns:
+        The work rows and the new decode cursor.
+    """
+    draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
+    count = len(sequences)
+    start = decode_cursor % count if count else 0
+    examined = 0
+    for offset in range(count):
+        if draft.budget == 0:
+            break
+        examined = offset + 1
+        sequence = sequences[(start + offset) % count]
+        if sequence.is_live_decoder():
+            draft.add_decode(sequence)
+    if count:
+        decode_cursor = (start + examined) % count
+    for sequence in sequences:
+        if draft.budget == 0:
+            break
+        if draft.prefill_sequences >= config.max_prefill_sequences_per_iteration:
+            break
+        if sequence.needs_replay():
+            draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens)
+    return draft.work, decode_cursor
+
+
+def live_decode_rows(sequences: SequenceOf[Sequence], config: SchedulerConfig) -> int:
+    """Live decoders, capped at the iteration budget (the calibration key, §1.5 step 3)."""
+    rows = sum(1 for sequence in sequences if sequence.is_live_decoder())
+    return min(rows, config.max_tokens_per_iteration)
+
+
+def check_plan_invariants(
+    plan: IterationPlan,
+    config: SchedulerConfig,
+    active: Mapping[str, Sequence],
+    waiting: SequenceOf[Sequence],
+) -> None:
+    """Raise RuntimeError, naming the values, if a fresh plan breaks a scheduler invariant.
+
+    Checked after every ``plan_iteration``: the budget holds, no sequence appears twice,
+    prompt chunks respect the chunk and per-plan limits, the active set respects its cap
+    and no sequence is both waiting and active.
+    """
+    ids = [work.sequence_id for work in plan.work]
+    prompt_rows = [w for w in plan.work if w.phase is not IterationPhase.DECODE]
+    problems = []
+    if plan.token_count != sum(w.token_count for w in plan.work):
+        problems.append(f"token_count {plan.token_count} is not the sum of the works")
+    if plan.token_count > config.max_tokens_per_iteration:
+        problems.append(f"{plan.token_count} tokens > budget {config.max_tokens_per_iteration}")
+    if len(set(ids)) != len(ids):
+        problems.append(f"a sequence appears twice: {ids}")
+    if any(w.token_count == 0 or w.token_count > config.prefill_chunk_tokens
+           for w in prompt_rows):
+        problems.append("a prompt chunk is empty or larger than prefill_chunk_tokens")
+    if len(prompt_rows) > config.max_prefill_sequences_per_iteration:
+        problems.append(f"{len(prompt_rows)} prefilling sequences in one plan")
+    if len(active) > config.max_active_sequences:
+        problems.append(f"{len(active)} active > {config.max_active_sequences}")
+    if any(sequence.id in active for sequence in waiting):
+        problems.append("a sequence is both waiting and active")
+    if problems:
+        raise RuntimeError("scheduler plan invariant broken: " + "; ".join(problems))
+

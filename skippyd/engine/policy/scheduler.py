@@ -1,0 +1,393 @@
+"""The iteration scheduler policy (port of the original's ``Scheduler``, reference §1).
+
+Each turn the driver calls :meth:`Scheduler.plan_iteration`, runs the plan's rows in one
+native batch, then reports what was sampled with :meth:`Scheduler.complete_iteration`.
+Every sequence only moves its prefill cursor towards its replay length and then decodes
+one token at a time, so chunked prefill, prefix restore and recompute after preemption
+share one code path. The scheduler is single-threaded and does no I/O: the driver owns
+time, threads and the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from skippyd.engine.policy.cache_order import CacheAwareCandidate, order_cache_aware_candidates
+from skippyd.engine.policy.calibration import MixedCalibration
+from skippyd.engine.policy.completion import apply_prediction, index_predictions
+from skippyd.engine.policy.config import SchedulerConfig
+from skippyd.engine.policy.errors import (
+    DuplicateSequenceError,
+    EmptyPromptError,
+    PolicyInputError,
+    QueueFullError,
+)
+from skippyd.engine.policy.memory import MemoryLedger
+from skippyd.engine.policy.plan import IterationPhase, IterationPlan, IterationPrediction
+from skippyd.engine.policy.planning import (
+    check_plan_invariants,
+    live_decode_rows,
+    plan_mixed,
+    plan_phase_homogeneous,
+)
+from skippyd.engine.policy.sequence import Sequence, SequenceStatus
+from skippyd.engine.policy.telemetry import (
+    IterationTelemetry,
+    SchedulerMetrics,
+    SchedulerSnapshot,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Admits, plans, completes and preempts sequences; pure policy.
+
+    Each turn, ``plan_iteration`` admits what fits and assigns every admitted sequence
+    either its next prompt chunk or its one pending decode token, within one token budget;
+    ``complete_iteration`` then appends what the runtime sampled and retires finished
+    sequences. Memory is reserved per sequence on admission and given back when it ends
+    or is preempted for recompute.
+
+    Args:
+        config: Settings; normalised on construction (reference §1.2).
+        clock: Returns "now" in seconds for ``Sequence.admitted_at``; defaults to
+            ``time.monotonic``. A simulation passes its virtual clock.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig | None = None, clock: Callable[[], float] | None = None
+    ) -> None:
+        if config is not None and not isinstance(config, SchedulerConfig):
+            raise PolicyInputError(f"Scheduler needs a SchedulerConfig, got "
+                                   f"{type(config).__name__}")
+        self._config = (config or SchedulerConfig()).normalized()
+        self._clock = clock or time.monotonic
+        self._active: dict[str, Sequence] = {}
+        self._waiting: list[Sequence] = []
+        self._memory = MemoryLedger(self._config.memory_components)
+        self._metrics = SchedulerMetrics()
+        self._calibration = MixedCalibration()
+        self._waiting_turn = 0
+        self._next_waiting_order = 0
+        self._next_admission_serial = 0
+        self._admission_serial: dict[str, int] = {}
+        self._waiting_order_dirty = False
+        self._consecutive_prefill_iterations = 0
+        self._mixed_decode_cursor = 0
+
+    @property
+    def config(self) -> SchedulerConfig:
+        """The normalised configuration in force."""
+        return self._config
+
+    # -- admission (reference §1.4) --------------------------------------------------------
+
+    def submit(self, sequence: Sequence) -> None:
+        """Queue a sequence for admission; the scheduler keeps its own copy.
+
+        Memory is not checked here: a sequence that does not fit yet waits.
+
+        Raises:
+            EmptyPromptError: The prompt has no token.
+            DuplicateSequenceError: The id is already waiting or active.
+            QueueFullError: The waiting queue is full (counted as ``rejected_overload``).
+            PolicyInputError: ``sequence`` is not a :class:`Sequence`.
+        """
+        if not isinstance(sequence, Sequence):
+            raise PolicyInputError(f"submit needs a Sequence, got {type(sequence).__name__}")
+        if not sequence.prompt_tokens:
+            raise EmptyPromptError()
+        if sequence.id in self._active or any(w.id == sequence.id for w in self._waiting):
+            raise DuplicateSequenceError(sequence.id)
+        if len(self._waiting) >= self._config.max_waiting_sequences:
+            self._metrics.rejected_overload += 1
+            raise QueueFullError(self._config.max_waiting_sequences)
+        if sequence.prefix_restore is not None:
+            self._metrics.prefix_hits += 1
+        else:
+            self._metrics.prefix_misses += 1
+        owned = sequence.clone()
+        owned.status = SequenceStatus.WAITING
+        owned.enqueued_turn = self._waiting_turn
+        owned.enqueue_order = self._take_waiting_order()
+        self._waiting.append(owned)
+        self._waiting_order_dirty = True
+        self._refresh_gauges()
+
+    def _take_waiting_order(self) -> int:
+        order = self._next_waiting_order
+        self._next_waiting_order += 1
+        return order
+
+    def _admit_waiting(self) -> int:
+        """Admit every waiting sequence that fits, best first, without head-of-line blocking.
+
+        The queue is re-sorted only when it changed (submit, cancel, preemption), not
+        every turn although ages grow: a drained queue's order stays stable, so a
+        prefix group stays adjacent (reference §1.4).
+        """
+        if self._waiting_order_dirty:
+            self._sort_waiting()
+        admitted = 0
+        deferred: list[Sequence] = []
+        for sequence in self._waiting:
+            if len(self._active) >= self._config.max_active_sequences or not (
+                self._memory.can_reserve(sequence.admission_tokens)
+            ):
+                deferred.append(sequence)  # keep scanning: a smaller one may still fit
+                continue
+            self._memory.reserve(sequence.admission_tokens)
+            sequence.status = SequenceStatus.RUNNING
+            sequence.admitted_at = self._clock()
+            self._admission_serial[sequence.id] = self._next_admission_serial
+            self._next_admission_serial += 1
+            self._active[sequence.id] = sequence
+            admitted += 1
+        self._waiting = deferred
+        return admitted
+
+    def _sort_waiting(self) -> None:
+        candidates = [
+            CacheAwareCandidate(
+                index=index,
+                priority=sequence.priority,
+                affinity=sequence.cache_affinity,
+                prompt_tokens=sequence.prompt_tokens,
+                enqueued_turn=sequence.enqueued_turn,
+                order=sequence.enqueue_order,
+            )
+            for index, sequence in enumerate(self._waiting)
+        ]
+        order = order_cache_aware_candidates(
+            candidates,
+            self._waiting_turn,
+            self._config.cache_aging_cost_per_iteration,
+            self._config.group_waiting_prefixes,
+        )
+        if sorted(order) == list(range(len(self._waiting))):
+            self._waiting = [self._waiting[index] for index in order]
+        self._waiting_order_dirty = False
+
+    # -- planning (reference §1.5, §1.6) ---------------------------------------------------
+
+    def plan_iteration(self) -> IterationPlan:
+        """Admit what fits and plan the next iteration's work rows.
+
+        Returns:
+            A fresh plan; empty when there is nothing to run.
+        """
+        self._waiting_turn += 1
+        admitted = self._admit_waiting()
+        sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
+        rows = live_decode_rows(sequences, self._config)
+        if self._config.mixed_prefill_decode and self._calibration.allows_mixed(rows):
+            work, self._mixed_decode_cursor = plan_mixed(
+                sequences, self._config, self._mixed_decode_cursor
+            )
+            self._consecutive_prefill_iterations = 0
+        else:
+            work, self._consecutive_prefill_iterations = plan_phase_homogeneous(
+                sequences, self._config, self._consecutive_prefill_iterations
+            )
+        plan = IterationPlan(
+            work=work, token_count=sum(w.token_count for w in work), admitted=admitted
+        )
+        check_plan_invariants(plan, self._config, self._active, self._waiting)
+        return plan
+
+    def observe_iteration_duration(self, plan: IterationPlan, elapsed_s: float) -> None:
+        """Feed back how long ``plan`` took, for the mixed-mode calibration (§1.6)."""
+        self._calibration.observe(plan, elapsed_s)
+
+    @property
+    def mixed_prefill_viable(self) -> bool:
+        """False once a mixed iteration proved too slow; it never comes back (§1.6)."""
+        return self._calibration.mixed_prefill_viable
+
+    # -- completion (reference §1.7) ------------------------------------------------------
+
+    def complete_iteration(
+        self, plan: IterationPlan, predictions: Iterable[IterationPrediction] = ()
+    ) -> IterationTelemetry:
+        """Apply the tokens sampled for ``plan`` and retire finished sequences.
+
+        A sampling row without a (unique) prediction fails its sequence; a negative token
+        finishes it without being appended; otherwise the token is appended and the
+        sequence finishes at ``max_tokens``. Rows of sequences that went away while the
+        plan ran (cancelled) are skipped.
+
+        Args:
+            plan: A plan returned by :meth:`plan_iteration` (possibly with works dropped).
+            predictions: Sparse ``(work_index, token)`` records; indices out of range are
+                ignored and an index given twice counts as missing.
+
+        Returns:
+            What this iteration did.
+
+        Raises:
+            PolicyInputError: ``plan`` or a prediction has the wrong type (nothing changes).
+        """
+        predicted = index_predictions(plan, predictions)
+        tokens = {phase: 0 for phase in IterationPhase}
+        finished: list[str] = []
+        failed: list[str] = []
+        for index, work in enumerate(plan.work):
+            tokens[work.phase] += work.token_count
+            sequence = self._active.get(work.sequence_id)
+            if not work.sample_last or sequence is None or sequence.status.is_finished():
+                continue
+            apply_prediction(sequence, predicted.get(index), finished, failed)
+        for sequence_id in finished + failed:
+            self._release_active(sequence_id)
+        return self._record_iteration(plan, tokens, finished, failed)
+
+    def _record_iteration(
+        self,
+        plan: IterationPlan,
+        tokens: dict[IterationPhase, int],
+        finished: list[str],
+        failed: list[str],
+    ) -> IterationTelemetry:
+        metrics = self._metrics
+        metrics.finished += len(finished)
+        metrics.failed += len(failed)
+        metrics.iterations += 1
+        metrics.admitted += plan.admitted
+        metrics.prefill_tokens += tokens[IterationPhase.PREFILL]
+        metrics.recompute_tokens += tokens[IterationPhase.RECOMPUTE]
+        metrics.decode_tokens += tokens[IterationPhase.DECODE]
+        self._refresh_gauges()
+        return IterationTelemetry(
+            iteration=metrics.iterations,
+            active_sequences=metrics.active_sequences,
+            waiting_sequences=metrics.waiting_sequences,
+            admitted=plan.admitted,
+            preempted=plan.preempted,
+            prefill_tokens=tokens[IterationPhase.PREFILL],
+            recompute_tokens=tokens[IterationPhase.RECOMPUTE],
+            decode_tokens=tokens[IterationPhase.DECODE],
+            component_used_bytes=self._memory.used(),
+            component_available_bytes=self._memory.available(),
+            prefix_hits=metrics.prefix_hits,
+            prefix_misses=metrics.prefix_misses,
+            finished=metrics.finished,
+            failed=metrics.failed,
+            cancelled=metrics.cancelled,
+            rejected_overload=metrics.rejected_overload,
+            finished_ids=tuple(finished),
+            failed_ids=tuple(failed),
+        )
+
+    # -- preemption, cancellation, inspection (reference §1.8, §1.9) -----------------------
+
+    def preempt_for_component_pressure(self, component_used_bytes: Iterable[int]) -> list[str]:
+        """Adopt observed memory use, then preempt until every component fits.
+
+        The victim is the lowest-priority active sequence, the most recently admitted
+        first. It goes back to the front of the queue for recompute and keeps its
+        ``enqueued_turn``, so its aging credit survives (reference §1.8).
+
+        Args:
+            component_used_bytes: Observed used bytes per memory component, in config
+                order; extra or missing entries are ignored.
+
+        Returns:
+            Ids of the preempted sequences, in preemption order.
+        """
+        self._memory.overwrite(component_used_bytes)
+        victims: list[str] = []
+        while self._memory.over_capacity() and self._active:
+            victims.append(self._preempt_next_victim())
+        if victims:
+            logger.info("preempted %d sequence(s) under memory pressure: %s",
+                        len(victims), victims)
+        self._refresh_gauges()
+        return victims
+
+    def preempt_one(self) -> str | None:
+        """Preempt the next victim by the same rule, whatever the memory accounting says.
+
+        For a driver whose runtime reported back-pressure (no free KV slot) that the
+        component accounting did not foresee.
+
+        Returns:
+            The preempted id, or None when nothing is active.
+        """
+        if not self._active:
+            return None
+        victim = self._preempt_next_victim()
+        logger.info("preempted %s on runtime back-pressure", victim)
+        self._refresh_gauges()
+        return victim
+
+    def _preempt_next_victim(self) -> str:
+        victim = min(self._active.values(), key=self._victim_key)
+        self._release_active(victim.id)
+        victim.reset_for_recompute()
+        victim.enqueue_order = self._take_waiting_order()
+        self._waiting.insert(0, victim)
+        self._waiting_order_dirty = True
+        self._metrics.preempted += 1
+        return victim.id
+
+    def _victim_key(self, sequence: Sequence) -> tuple[int, float, int]:
+        # Lowest priority first; then the latest admission (no timestamp counts as now).
+        admitted_at = sequence.admitted_at if sequence.admitted_at is not None else float("inf")
+        return (sequence.priority, -admitted_at, -self._admission_serial.get(sequence.id, 0))
+
+    def _release_active(self, sequence_id: str) -> Sequence:
+        sequence = self._active.pop(sequence_id)
+        self._admission_serial.pop(sequence_id, None)
+        self._memory.release(sequence.admission_tokens)
+        return sequence
+
+    def cancel(self, sequence_id: str) -> bool:
+        """Remove a waiting or active sequence and free its memory; idempotent.
+
+        Returns:
+            True if the sequence existed.
+        """
+        if sequence_id in self._active:
+            self._release_active(sequence_id)
+        else:
+            index = next((i for i, w in enumerate(self._waiting) if w.id == sequence_id), None)
+            if index is None:
+                return False
+            del self._waiting[index]
+            self._waiting_order_dirty = True
+        self._metrics.cancelled += 1
+        self._refresh_gauges()
+        return True
+
+    def sequence(self, sequence_id: str) -> Sequence | None:
+        """A copy of an active (else waiting) sequence; None once it is gone."""
+        found = self._active.get(sequence_id)
+        if found is None:
+            found = next((w for w in self._waiting if w.id == sequence_id), None)
+        return found.clone() if found is not None else None
+
+    def __contains__(self, sequence_id: object) -> bool:
+        """True while the sequence is waiting or active (cheap existence check)."""
+        return sequence_id in self._active or any(w.id == sequence_id for w in self._waiting)
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """Ids of active (sorted) and waiting (queue order) sequences, and memory use."""
+        return SchedulerSnapshot(
+            active_ids=tuple(sorted(self._active)),
+            waiting_ids=tuple(sequence.id for sequence in self._waiting),
+            component_used_bytes=self._memory.used(),
+        )
+
+    def metrics(self) -> SchedulerMetrics:
+        """A copy of the cumulative counters and current gauges."""
+        self._refresh_gauges()
+        return dataclasses.replace(self._metrics)
+
+    def _refresh_gauges(self) -> None:
+        self._metrics.active_sequences = len(self._active)
+        self._metrics.waiting_sequences = len(self._waiting)
+
