@@ -1,0 +1,379 @@
+"""Direct iterations: validation, batching and execution (reference §3.5, §3.6, §3.8).
+
+A direct iteration is caller-shaped work (explicit tokens or activation rows, explicit
+positions) that bypasses the planning policy: the stage link, speculative and prefill
+paths use it. The worker batches queued direct iterations into one runtime call per
+turn with :func:`take_direct_iteration_batch` and runs it with
+:func:`run_direct_iteration_batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from skippyd.engine.runtime_api import (
+    IterationOutput,
+    IterationPhase,
+    IterationRequest,
+    Runtime,
+    RuntimeFailure,
+    SamplingConfig,
+    SessionAlignment,
+)
+from skippyd.engine.telemetry import SCHEDULER_DIRECT_ITERATION
+from skippyd.engine.worker_types import (
+    CancellationToken,
+    DeadlineExceededError,
+    InvalidRequestError,
+    IterationOutcome,
+    RequestCancelledError,
+    SchedulerBackendError,
+    SchedulerError,
+    scheduler_error_from_runtime,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Hard cap on the tokens of one native iteration (reference §3.1).
+MAX_NATIVE_ITERATION_TOKENS = 2048
+#: How long the worker waits for peers of a lone direct iteration (reference §3.6).
+DIRECT_ITERATION_COALESCE_WINDOW_S = 0.002
+#: Environment override of the pipeline decode group count (reference §3.5).
+PIPELINE_DECODE_GROUPS_ENV = "SKIPPY_PIPELINE_DECODE_GROUPS"
+#: Environment switch forcing one lane (reference §3.1).
+SAFE_MODE_ENV = "SKIPPY_ITERATION_SCHEDULER_SAFE_MODE"
+
+_TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
+
+Publish = Callable[[str, Mapping[str, Any]], None]
+
+
+def should_serve_direct(has_direct: bool, has_planned: bool, last_served_direct: bool) -> bool:
+    """Strictly alternate direct and planned work when both wait (reference §3.5)."""
+    if has_direct and has_planned:
+        return not last_served_direct
+    return has_direct
+
+
+def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max_batch: int) -> int:
+    """How many direct iterations are worth waiting for (reference §3.5).
+
+    As many as there are active sessions (their next steps are coming), never more than
+    one batch, and never fewer than are already queued, so a lone session is not delayed.
+    """
+    return min(max(active_runtime_sessions, queued_direct), max_batch)
+
+
+def pipeline_decode_groups_from_value(value: str | None) -> int:
+    """Parse a positive integer group count; anything else means 1 (reference §3.5)."""
+    try:
+        groups = int((value or "").strip())
+    except ValueError:
+        return 1
+    return groups if groups > 0 else 1
+
+
+def resolve_pipeline_decode_groups(env_value: str | None, planned: int | None) -> int:
+    """The environment wins when set, even if unusable; else the plan's value, else 1."""
+    if env_value is not None:
+        # NOTE: an unusable override means "ungrouped", not "use the plan" (reference §3.5).
+        return pipeline_decode_groups_from_value(env_value)
+    return planned if planned is not None and planned > 0 else 1
+
+
+def pipeline_group_batch_size(max_batch: int, groups: int) -> int:
+    """Lanes per decode group, rounded up and at least 1 (reference §3.5)."""
+    return max(math.ceil(max_batch / max(groups, 1)), 1)
+
+
+def scheduler_safe_mode_from_value(value: str | None) -> bool:
+    """True iff ``value`` is one of 1/true/yes/on, case-insensitively (reference §3.5)."""
+    return (value or "").strip().lower() in _TRUE_VALUES
+
+
+def effective_scheduler_lane_count(lanes: int, safe_mode: bool, continuous_batching: bool) -> int:
+    """One lane in safe mode or without continuous batching, else ``lanes``."""
+    if safe_mode or not continuous_batching:
+        return 1
+    return lanes
+
+
+def validate_direct_iteration(
+    token_ids: Sequence[int],
+    positions: Sequence[int],
+    max_iteration_tokens: int | None,
+    input_rows: np.ndarray | None = None,
+) -> None:
+    """Check a direct iteration's shape before it is queued (reference §3.5).
+
+    Args:
+        token_ids: Input tokens (or the token sideband of activation rows).
+        positions: Empty, or a whole number of positions per token (mRoPE uses 4).
+        max_iteration_tokens: Configured limit; None means only the native cap.
+        input_rows: Optional activation rows, one per token.
+
+    Raises:
+        InvalidRequestError: The shape cannot run as one native iteration.
+    """
+    num_tokens = len(token_ids) if input_rows is None else int(input_rows.shape[0])
+    if input_rows is not None and token_ids and len(token_ids) != num_tokens:
+        raise InvalidRequestError(
+            f"input rows ({num_tokens}) and token ids ({len(token_ids)}) disagree"
+        )
+    if num_tokens == 0:
+        raise InvalidRequestError("scheduler iteration requires at least one token")
+    limit = MAX_NATIVE_ITERATION_TOKENS
+    if max_iteration_tokens is not None:
+        limit = min(max_iteration_tokens, MAX_NATIVE_ITERATION_TOKENS)
+    if num_tokens > limit:
+        raise InvalidRequestError(
+            f"scheduler iteration has {num_tokens} tokens, which exceeds the "
+            f"{limit}-token configured iteration limit"
+        )
+    if positions and len(positions) % num_tokens != 0:
+        raise InvalidRequestError("scheduler iteration positions must be empty or token-major")
+
+
+def ensure_direct_iteration_active(
+    deadline: float | None, cancellation: CancellationToken | None
+) -> None:
+    """Raise if the caller gave up or the deadline passed (reference §3.10).
+
+    Raises:
+        RequestCancelledError: The cancellation token fired.
+        DeadlineExceededError: ``time.monotonic()`` reached ``deadline``.
+    """
+    if cancellation is not None and cancellation.is_cancelled:
+        raise RequestCancelledError("request cancelled during scheduler iteration")
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceededError("cache operation deadline exceeded during scheduler iteration")
+
+
+@dataclass(slots=True)
+class DirectIteration:
+    """A queued direct iteration (reference §3.3 ``DirectIteration``)."""
+
+    session_id: str
+    token_ids: Sequence[int] = ()
+    positions: Sequence[int] = ()
+    sampling: SamplingConfig | None = None
+    input_rows: np.ndarray | None = None
+    sample_last: bool = False
+    phase: IterationPhase = IterationPhase.PREFILL
+    target_token_count: int | None = None
+    """Trim the session to this many tokens first if it is ahead (reference §3.8)."""
+    deadline: float | None = None
+    """``time.monotonic()`` instant after which the iteration must not run."""
+    cancellation: CancellationToken | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    reply: Future[IterationOutcome] = field(default_factory=Future)
+
+    @property
+    def num_tokens(self) -> int:
+        if self.input_rows is not None:
+            return int(self.input_rows.shape[0])
+        return len(self.token_ids)
+
+    def ensure_active(self) -> None:
+        """See :func:`ensure_direct_iteration_active`."""
+        ensure_direct_iteration_active(self.deadline, self.cancellation)
+
+    def make_runtime_request(self) -> IterationRequest:
+        return IterationRequest(
+            session_id=self.session_id,
+            token_ids=self.token_ids,
+            input_rows=self.input_rows,
+            positions=self.positions or None,
+            sampling=self.sampling,
+            sample_last=self.sample_last,
+            phase=self.phase,
+        )
+
+
+class _Batchable(Protocol):
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+B = TypeVar("B", bound=_Batchable)
+
+
+def take_direct_iteration_batch(queue: deque[B], max_batch_size: int, token_budget: int) -> list[B]:
+    """Take one runtime batch off ``queue`` in place (reference §3.5, newest semantics).
+
+    One front-to-back scan. A session already claimed (batched, or deferred earlier in
+    this scan) is deferred to keep per-session order; a request larger than the budget
+    left claims its session and is deferred while the scan continues, so small decode
+    rows behind a big prefill chunk still join the wave. The queue becomes the deferred
+    requests (original order) followed by the unscanned rest, so a deferred chunk stays
+    ahead of later arrivals and, as a fresh budget fits the head, cannot starve.
+    """
+    batch: list[B] = []
+    deferred: list[B] = []
+    claimed: set[str] = set()
+    budget = token_budget
+    while queue and len(batch) < max_batch_size and budget > 0:
+        request = queue.popleft()
+        if request.session_id in claimed:
+            deferred.append(request)
+            continue
+        claimed.add(request.session_id)
+        if request.num_tokens > budget and (batch or deferred):
+            deferred.append(request)
+            continue
+        # NOTE: an over-budget head with nothing before it still runs alone; validation
+        # keeps this unreachable, but it must never be deferred forever.
+        batch.append(request)
+        budget -= request.num_tokens
+    queue.extendleft(reversed(deferred))
+    return batch
+
+
+def resolve_future(future: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``future`` once, ignoring a caller that already cancelled it."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except InvalidStateError:
+        pass
+
+
+def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[DirectIteration, SessionAlignment | None]]:
+    """Drop inactive requests and align sessions; returns the runnable ones."""
+    runnable = []
+    for item in batch:
+        try:
+            item.ensure_active()
+            alignment = None
+            if item.target_token_count is not None:
+                alignment = runtime.align_session_to_token_count_if_ahead(
+                    item.session_id, item.target_token_count
+                )
+        except SchedulerError as exc:
+            resolve_future(item.reply, error=exc)
+            continue
+        except RuntimeFailure as exc:
+            error = scheduler_error_from_runtime(f"align session {item.session_id}", exc)
+            resolve_future(item.reply, error=error)
+            continue
+        runnable.append((item, alignment))
+    return runnable
+
+
+def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:
+    """Index samples by request, rejecting malformed outputs (reference §3.6 step 7)."""
+    if output.output_rows and len(output.output_rows) != num_requests:
+        raise SchedulerBackendError(
+            f"scheduler iteration returned {len(output.output_rows)} outputs "
+            f"for {num_requests} requests"
+        )
+    samples: dict[int, tuple[int, bool]] = {}
+    for sample in output.samples:
+        index = sample.request_index
+        if not 0 <= index < num_requests:
+            raise SchedulerBackendError(
+                f"scheduler iteration sample references request {index}, "
+                f"but only {num_requests} requests ran"
+            )
+        if index in samples:
+            raise SchedulerBackendError(
+                f"scheduler iteration returned duplicate sample for request {index}"
+            )
+        samples[index] = (sample.token, sample.is_eog)
+    return samples
+
+
+def run_direct_iteration_batch(
+    runtime: Runtime, batch: list[DirectIteration], publish: Publish
+) -> int:
+    """Run ``batch`` as one runtime call and reply to every caller.
+
+    Caller (the worker thread) has already removed ``batch`` from the queue. Every
+    request's future is completed, whatever happens. A :class:`RuntimeFailure` is sent
+    to every caller; any other exception is sent too and then re-raised (a bug: the
+    worker's panic containment takes over).
+
+    Returns:
+        The number of requests that reached the runtime.
+    """
+    runnable = _prepare(runtime, batch)
+    if not runnable:
+        return 0
+    started = time.monotonic()
+    requests = [item.make_runtime_request() for item, _ in runnable]
+    try:
+        output = runtime.iteration_batch_sampled(requests)
+        samples = _map_samples(output, len(requests))
+    except (RuntimeFailure, SchedulerError) as exc:
+        error = exc if isinstance(exc, SchedulerError) else scheduler_error_from_runtime(
+            "scheduler iteration", exc
+        )
+        for item, _ in runnable:
+            resolve_future(item.reply, error=error)
+        return len(runnable)
+    except BaseException:
+        for item, _ in runnable:
+            resolve_future(item.reply, error=SchedulerBackendError("scheduler iteration crashed"))
+        raise
+    finished = time.monotonic()
+    _reply_outcomes(runnable, output, samples, started, finished)
+    publish_direct_iteration(publish, runnable, started, finished)
+    return len(runnable)
+
+
+def _reply_outcomes(
+    runnable: list[tuple[DirectIteration, SessionAlignment | None]],
+    output: IterationOutput,
+    samples: dict[int, tuple[int, bool]],
+    started: float,
+    finished: float,
+) -> None:
+    run_ms = (finished - started) * 1000.0
+    for index, (item, alignment) in enumerate(runnable):
+        token, is_eog = samples.get(index, (-1, False))
+        rows = output.output_rows[index] if output.output_rows else None
+        outcome = IterationOutcome(
+            predicted=token,
+            is_eog=is_eog,
+            output_rows=rows,
+            batch_size=len(runnable),
+            batch_wait_ms=max(0.0, started - item.enqueued_at) * 1000.0,
+            run_ms=run_ms,
+            session_alignment=alignment,
+        )
+        resolve_future(item.reply, outcome)
+
+
+def publish_direct_iteration(
+    publish: Publish,
+    runnable: list[tuple[DirectIteration, SessionAlignment | None]],
+    started: float,
+    finished: float,
+) -> None:
+    """Emit ``stage.scheduler_feature_iteration`` (reference §3.6 step 6)."""
+    publish(
+        SCHEDULER_DIRECT_ITERATION,
+        {
+            "skippy.scheduler.batch_size": len(runnable),
+            "skippy.scheduler.token_count": sum(item.num_tokens for item, _ in runnable),
+            "skippy.scheduler.batch_wait_max_ms": max(
+                (started - item.enqueued_at) * 1000.0 for item, _ in runnable
+            ),
+            "skippy.scheduler.runtime_lock_wait_ms": 0.0,
+            "skippy.scheduler.runtime_lock_hold_ms": (finished - started) * 1000.0,
+        },
+    )

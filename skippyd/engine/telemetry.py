@@ -1,0 +1,233 @@
+"""In-process telemetry hub: the worker publishes, observers subscribe.
+
+The iteration scheduler worker must never wait on an observer (reference §3.1: the
+worker thread owns every runtime call, so a slow dashboard must not slow decoding). A
+:class:`TelemetryHub` therefore hands each event to every subscriber's own bounded
+deque; when a deque is full its oldest event is dropped and counted. Subscribers read
+at their own pace, from any thread, with :meth:`Subscription.get`, :meth:`wait_for` or
+:meth:`drain`, and may ask for a cheap wake-up callback (for example
+``loop.call_soon_threadsafe``) to avoid polling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Default per-subscriber buffer, in events.
+DEFAULT_SUBSCRIPTION_MAXLEN = 1024
+
+# Event names published by the iteration scheduler (reference §3.2, §3.6, §3.11).
+SCHEDULER_START = "stage.scheduler_start"
+SCHEDULER_ITERATION = "stage.scheduler_iteration"
+SCHEDULER_DIRECT_ITERATION = "stage.scheduler_feature_iteration"
+SCHEDULER_RUNTIME_OPERATION = "stage.scheduler_feature_runtime"
+SCHEDULER_WORKER_PANIC = "stage.scheduler_worker_panic"
+#: Name of the cache-aware ordering, reported at scheduler start (reference §2).
+CACHE_POLICY_NAME = "weighted_lpm_aging_dfs_waiting_prefix"
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetryEvent:
+    """One published event."""
+
+    name: str
+    """Dotted event name, e.g. ``stage.scheduler_iteration``."""
+    attributes: Mapping[str, Any]
+    """Read-only attribute map (``skippy.scheduler.*`` keys)."""
+    seq: int
+    """Hub-wide publication counter, starting at 1."""
+    timestamp_s: float
+    """Wall-clock time of publication (``time.time()``)."""
+
+
+class Subscription:
+    """A bounded, thread-safe mailbox of events for one observer.
+
+    Create it with :meth:`TelemetryHub.subscribe`; close it with :meth:`close` (or use
+    it as a context manager) so the hub stops delivering to it.
+    """
+
+    def __init__(
+        self,
+        hub: TelemetryHub,
+        maxlen: int,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
+        self._hub = hub
+        self._events: deque[TelemetryEvent] = deque()
+        self._maxlen = maxlen
+        self._notify = notify
+        self._cond = threading.Condition()
+        self._num_dropped = 0
+        self._closed = False
+
+    @property
+    def num_dropped(self) -> int:
+        """Events discarded because this subscriber fell ``maxlen`` events behind."""
+        return self._num_dropped
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def offer(self, event: TelemetryEvent) -> None:
+        """Append ``event`` without blocking, dropping the oldest when full.
+
+        Called by the hub on the publishing thread.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._events) >= self._maxlen:
+                self._events.popleft()
+                self._num_dropped += 1
+            self._events.append(event)
+            self._cond.notify_all()
+        if self._notify is not None:
+            try:
+                self._notify()
+            except Exception:  # an observer bug must never reach the publisher
+                logger.exception("telemetry notify callback failed")
+
+    def get(self, timeout_s: float | None = None) -> TelemetryEvent | None:
+        """Pop the oldest event, waiting up to ``timeout_s`` for one; None on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._events or self._closed, timeout_s):
+                return None
+            return self._events.popleft() if self._events else None
+
+    def wait_for(
+        self,
+        predicate: Callable[[TelemetryEvent], bool],
+        timeout_s: float,
+    ) -> TelemetryEvent | None:
+        """Consume events until one satisfies ``predicate``; None after ``timeout_s``.
+
+        Events that do not match are discarded.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            event = self.get(max(0.0, deadline - time.monotonic()))
+            if event is None:
+                return None
+            if predicate(event):
+                return event
+
+    def drain(self) -> list[TelemetryEvent]:
+        """Pop and return every buffered event, oldest first, without waiting."""
+        with self._cond:
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def close(self) -> None:
+        """Stop receiving events and wake any waiter. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._hub.unsubscribe(self)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class TelemetryHub:
+    """Fan-out of telemetry events to independent, bounded subscriptions.
+
+    ``publish`` never blocks on a subscriber: the subscriber list is an immutable tuple
+    replaced on (un)subscribe, and each delivery only appends to a bounded deque.
+    """
+
+    def __init__(self) -> None:
+        self._subscribers: tuple[Subscription, ...] = ()
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._num_published = 0
+
+    @property
+    def num_published(self) -> int:
+        """Events published since the hub was created."""
+        return self._num_published
+
+    def publish(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        """Deliver an event to every current subscriber, never blocking.
+
+        Args:
+            name: Event name.
+            attributes: Attribute map; copied, so the caller may reuse it.
+        """
+        event = TelemetryEvent(
+            name=name,
+            attributes=MappingProxyType(dict(attributes or {})),
+            seq=next(self._seq),
+            timestamp_s=time.time(),
+        )
+        self._num_published += 1
+        for subscription in self._subscribers:
+            subscription.offer(event)
+
+    def subscribe(
+        self,
+        maxlen: int = DEFAULT_SUBSCRIPTION_MAXLEN,
+        notify: Callable[[], None] | None = None,
+    ) -> Subscription:
+        """Start receiving events published from now on.
+
+        Args:
+            maxlen: Events buffered before the oldest are dropped; at least 1.
+            notify: Optional callback run (on the publisher's thread, so it must be
+                quick and non-blocking) after each delivery.
+
+        Raises:
+            ValueError: ``maxlen`` is below 1.
+        """
+        if maxlen < 1:
+            raise ValueError(f"maxlen: must be >= 1 (got {maxlen})")
+        subscription = Subscription(self, maxlen, notify)
+        with self._lock:
+            self._subscribers = (*self._subscribers, subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop delivering to ``subscription``. Idempotent."""
+        with self._lock:
+            self._subscribers = tuple(s for s in self._subscribers if s is not subscription)
+
+
+def publish_scheduler_start(
+    hub: TelemetryHub,
+    *,
+    safe_mode: bool,
+    command_queue_capacity: int,
+    max_active_sequences: int,
+    max_consecutive_prefill_iterations: int,
+    mixed_prefill_decode: bool,
+) -> None:
+    """Publish ``stage.scheduler_start`` (reference §3.2 step 8)."""
+    prefix = "skippy.scheduler."
+    hub.publish(SCHEDULER_START, {
+        prefix + "safe_mode": safe_mode,
+        prefix + "command_queue_capacity": command_queue_capacity,
+        prefix + "max_active_sequences": max_active_sequences,
+        prefix + "max_consecutive_prefill_iterations": max_consecutive_prefill_iterations,
+        prefix + "mixed_prefill_decode": mixed_prefill_decode,
+        prefix + "cache_policy": CACHE_POLICY_NAME,
+    })

@@ -1,0 +1,434 @@
+"""``IterationScheduler``: the handle every caller uses to reach the worker thread.
+
+One scheduler per stage process owns one thread named ``skippy-iteration-scheduler``,
+the only code that calls the runtime (reference §3.1). Callers never wait on the worker
+to accept work: commands go into a bounded queue with non-blocking puts, and a full
+queue is an immediate :class:`QueueFullError` (HTTP 429 with a retry hint). The handle
+can be cloned; the last owner to :meth:`IterationScheduler.close` stops the worker and
+joins it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import numpy as np
+
+from skippyd.engine.cache_runtime import (
+    CacheAffinity,
+    CachePayload,
+    CacheRuntimeContext,
+    RuntimeOperation,
+)
+from skippyd.engine.direct_batch import (
+    PIPELINE_DECODE_GROUPS_ENV,
+    SAFE_MODE_ENV,
+    DirectIteration,
+    effective_scheduler_lane_count,
+    ensure_direct_iteration_active,
+    resolve_pipeline_decode_groups,
+    scheduler_safe_mode_from_value,
+    validate_direct_iteration,
+)
+from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.runtime_api import IterationPhase, Runtime, SamplingConfig
+from skippyd.engine.scheduler_config import (
+    build_scheduler_config,
+    kv_capacity_tokens,
+    make_worker_settings,
+)
+from skippyd.engine.telemetry import TelemetryHub, publish_scheduler_start
+from skippyd.engine.worker_client import (
+    SchedulerOwnership,
+    generate_blocking,
+    validate_generation_request,
+    wait_for_reply,
+)
+from skippyd.engine.worker_loop import Command, SchedulerWorker
+from skippyd.engine.worker_types import (
+    CacheAwareRuntimeCommand,
+    CancelCommand,
+    CancellationToken,
+    CompleteEvent,
+    DeadlineExceededError,
+    ErrorEvent,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    IterationOutcome,
+    QueueFullError,
+    RequestCancelledError,
+    RuntimeOutcome,
+    SchedulerError,
+    SchedulerEvent,
+    SchedulerStats,
+    SchedulerStoppedError,
+    SubmitCommand,
+    TokenAck,
+    TokenControl,
+    TokenEvent,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CachePayload", "CancellationToken", "CompleteEvent", "DeadlineExceededError",
+    "ErrorEvent", "GenerationRequest", "GenerationResult", "InvalidRequestError",
+    "IterationOutcome", "IterationScheduler", "QueueFullError", "RequestCancelledError",
+    "RuntimeOutcome", "SchedulerError", "SchedulerEvent", "SchedulerStats",
+    "SchedulerStoppedError", "TokenAck", "TokenControl", "TokenEvent",
+]
+
+T = TypeVar("T")
+
+
+class IterationScheduler:
+    """Handle to the iteration scheduler worker (reference §3.2).
+
+    Args:
+        runtime: The runtime the worker will own; nobody else may call it afterwards.
+        queue_capacity: Generations allowed to wait for admission (at least 1).
+        continuous_batching: Batch many sessions per runtime call; off means one lane.
+        safe_mode: Force one lane; also enabled by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``.
+        n_batch: Native batch size (caps tokens per iteration).
+        n_ubatch: Native micro-batch size (prefill chunk, export cap).
+        recurrent_bytes_per_seq: Recurrent state of one sequence on this stage.
+        exports: The stage sends activations downstream (reference §3.8).
+        pipeline_decode_groups: Planned decode groups; ``SKIPPY_PIPELINE_DECODE_GROUPS``
+            overrides it.
+        telemetry: Hub to publish to; a private one is created if None.
+
+    Raises:
+        ValueError: ``queue_capacity`` is below 1.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        queue_capacity: int,
+        continuous_batching: bool = True,
+        safe_mode: bool = False,
+        n_batch: int | None = None,
+        n_ubatch: int | None = None,
+        recurrent_bytes_per_seq: int = 0,
+        exports: bool = False,
+        pipeline_decode_groups: int | None = None,
+        telemetry: TelemetryHub | None = None,
+    ) -> None:
+        if queue_capacity < 1:
+            raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
+        safe_mode = safe_mode or scheduler_safe_mode_from_value(os.environ.get(SAFE_MODE_ENV))
+        lanes = effective_scheduler_lane_count(runtime.lane_count, safe_mode, continuous_batching)
+        config = build_scheduler_config(lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq,
+                                        n_batch, n_ubatch, queue_capacity, exports)
+        groups = resolve_pipeline_decode_groups(os.environ.get(PIPELINE_DECODE_GROUPS_ENV),
+                                                pipeline_decode_groups)
+        settings = make_worker_settings(lanes, queue_capacity, n_batch, groups, config)
+        hub = telemetry if telemetry is not None else TelemetryHub()
+        publish_scheduler_start(
+            hub, safe_mode=safe_mode, command_queue_capacity=settings.command_queue_capacity,
+            max_active_sequences=config.max_active_sequences,
+            max_consecutive_prefill_iterations=config.max_consecutive_prefill_iterations,
+            mixed_prefill_decode=config.mixed_prefill_decode,
+        )
+        commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
+        self._shared = SchedulerOwnership(SchedulerWorker(runtime, config, commands, hub, settings),
+                               commands)
+        self._shared.thread.start()
+        self._finalizer = weakref.finalize(self, self._shared.release)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def clone(self) -> IterationScheduler:
+        """Another owner of the same worker; each clone must be closed (or dropped).
+
+        Raises:
+            SchedulerStoppedError: The worker was already shut down.
+        """
+        self._shared.acquire()
+        duplicate = object.__new__(IterationScheduler)
+        duplicate._shared = self._shared
+        duplicate._finalizer = weakref.finalize(duplicate, self._shared.release)
+        return duplicate
+
+    def close(self) -> None:
+        """Give up this owner; the last one stops and joins the worker. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> IterationScheduler:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- status (never blocks on the worker) ---------------------------------------------
+
+    @property
+    def telemetry(self) -> TelemetryHub:
+        return self._shared.worker.telemetry
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self._shared.worker.planned.scheduler.config
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._shared.thread
+
+    @property
+    def failure(self) -> str | None:
+        """Why the worker died, or None while it is healthy."""
+        return self._shared.worker.failure
+
+    @property
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "failed" | "stopped", "failure": str | None}`` for /health."""
+        failure = self.failure
+        if failure is not None:
+            status = "failed"
+        elif self._shared.worker.closed.is_set() or not self._shared.thread.is_alive():
+            status = "stopped"
+        else:
+            status = "ok"
+        return {"status": status, "failure": failure}
+
+    def stats(self) -> SchedulerStats:
+        """The worker's latest published snapshot, plus the live command queue figures."""
+        return dataclasses.replace(
+            self._shared.worker.stats,
+            command_queue_depth=self._shared.commands.qsize(),
+            num_command_queue_full=self._shared.num_command_queue_full,
+        )
+
+    # -- sending commands ----------------------------------------------------------------
+
+    def _enqueue(self, command: Command) -> None:
+        """Put without blocking.
+
+        Raises:
+            QueueFullError: The bounded command queue is full.
+            SchedulerStoppedError: The handle was closed or the worker is gone.
+        """
+        if not self._finalizer.alive or self._shared.worker.closed.is_set():
+            raise SchedulerStoppedError()
+        if not self._try_put(command):
+            # Nothing may keep the rejected command alive (its closure may hold resources).
+            del command
+            self._shared.count_queue_full()
+            raise QueueFullError()
+        if self._shared.worker.closed.is_set():
+            # The worker stopped between the check and the put: answer what is stranded.
+            self._shared.worker.fail_queued(SchedulerStoppedError())
+
+    def _ensure_may_block(self) -> None:
+        """A blocking call from the worker thread would wait on itself forever."""
+        if threading.current_thread() is self._shared.thread:
+            raise RuntimeError("blocking scheduler calls cannot be made from its worker thread")
+
+    def _try_put(self, command: Command) -> bool:
+        try:
+            self._shared.commands.put_nowait(command)
+        except queue.Full:
+            return False
+        return True
+
+    # -- planned generations (reference §3.7) --------------------------------------------
+
+    def submit_generation(
+        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+    ) -> None:
+        """Queue a generation; events arrive through ``on_event`` on the worker thread.
+
+        ``on_event`` must not block. For every :class:`TokenEvent` the consumer must call
+        ``event.ack.send(TokenControl.CONTINUE or STOP)`` once, from any thread.
+
+        Raises:
+            InvalidRequestError: The request is malformed (nothing was queued).
+            QueueFullError: The command queue is full; retry after ``retry_after_s``.
+            SchedulerStoppedError: The scheduler is stopped.
+        """
+        validate_generation_request(request, kv_capacity_tokens(self.config))
+        # A caller that retains the runtime already owns an active session (resume).
+        self._enqueue(SubmitCommand(request, on_event, runtime_configured=request.retain_runtime))
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a generation without an event; non-blocking and idempotent."""
+        try:
+            self._enqueue(CancelCommand(request_id))
+        except QueueFullError:
+            # A lost cancel would let the generation run on to max_tokens.
+            self._shared.worker.cancel_inbox.put(request_id)
+        except SchedulerStoppedError:
+            pass  # a stopped worker already failed every request
+
+    def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        sampling: SamplingConfig | None = None,
+        priority: int = 0,
+        cancellation: CancellationToken | None = None,
+        on_token: Callable[[int], TokenControl] | None = None,
+    ) -> GenerationResult:
+        """Run a generation to completion, blocking (reference §3.7 ``generate``).
+
+        Raises:
+            SchedulerError: Any typed failure, including ``RequestCancelledError``.
+        """
+        request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens),
+                                    max_tokens, sampling, priority)
+        return generate_blocking(self, request, cancellation, on_token, resumed=False)
+
+    def resume_generation(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        generated_tokens: Sequence[int],
+        max_tokens: int,
+        *,
+        sampling: SamplingConfig | None = None,
+        cancellation: CancellationToken | None = None,
+        on_token: Callable[[int], TokenControl] | None = None,
+    ) -> GenerationResult:
+        """Continue a generation whose runtime session the caller owns and cleans up."""
+        request = GenerationRequest(request_id, list(prompt_tokens), max_tokens, sampling,
+                                    generated_tokens=list(generated_tokens),
+                                    retain_runtime=True)
+        return generate_blocking(self, request, cancellation, on_token, resumed=True)
+
+    # -- direct iterations (reference §3.8) ----------------------------------------------
+
+    def submit_iteration(self, iteration: DirectIteration) -> Future[IterationOutcome]:
+        """Validate and queue a direct iteration; returns the worker's reply future.
+
+        A caller that awaits the future must re-check its deadline and cancellation
+        afterwards (:func:`ensure_direct_iteration_active`), as ``execute_iteration``
+        does: a deadline that passed while waiting wins over the reply.
+
+        Raises:
+            InvalidRequestError: Bad shape; DeadlineExceededError /
+            RequestCancelledError: already inactive; QueueFullError; SchedulerStoppedError.
+        """
+        validate_direct_iteration(iteration.token_ids, iteration.positions,
+                                  self._shared.worker.settings.max_direct_iteration_tokens,
+                                  iteration.input_rows)
+        iteration.ensure_active()
+        self._enqueue(iteration)
+        return iteration.reply
+
+    def execute_iteration(
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        positions: Sequence[int] = (),
+        sampling: SamplingConfig | None = None,
+        sample_last: bool = False,
+        phase: IterationPhase = IterationPhase.PREFILL,
+        *,
+        deadline: float | None = None,
+        cancellation: CancellationToken | None = None,
+    ) -> IterationOutcome:
+        """Run one direct iteration, batched with others, and wait for its outcome.
+
+        ``deadline`` is a ``time.monotonic()`` instant.
+        """
+        iteration = DirectIteration(session_id, token_ids, positions, sampling, None,
+                                    sample_last, phase, None, deadline, cancellation)
+        return self._run_direct(iteration)
+
+    def execute_frame_iteration(
+        self,
+        session_id: str,
+        target_token_count: int | None,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        sampling: SamplingConfig | None,
+        input_rows: np.ndarray | None,
+        sample_last: bool,
+        *,
+        deadline: float | None = None,
+        cancellation: CancellationToken | None = None,
+    ) -> IterationOutcome:
+        """Run activation rows from upstream; trims the session first if it is ahead."""
+        iteration = DirectIteration(session_id, token_ids, positions, sampling, input_rows,
+                                    sample_last, IterationPhase.DECODE, target_token_count,
+                                    deadline, cancellation)
+        return self._run_direct(iteration)
+
+    def _run_direct(self, iteration: DirectIteration) -> IterationOutcome:
+        self._ensure_may_block()
+        reply = self.submit_iteration(iteration)
+        check = lambda: ensure_direct_iteration_active(  # noqa: E731
+            iteration.deadline, iteration.cancellation)
+        return wait_for_reply(reply, check, iteration.deadline, self._shared.thread)
+
+    # -- runtime operations (reference §3.10) --------------------------------------------
+
+    def execute_runtime(self, label: str, fn: Callable[[Runtime], T]) -> T:
+        """Run ``fn(runtime)`` on the worker, FIFO with other commands; return its value."""
+        return self.execute_runtime_timed(label, fn).value
+
+    def execute_runtime_timed(self, label: str, fn: Callable[[Runtime], T]) -> RuntimeOutcome[T]:
+        """Like :meth:`execute_runtime`, with queue-wait and run times."""
+        self._ensure_may_block()
+        operation = RuntimeOperation(label, fn)
+        self._enqueue(operation)
+        return wait_for_reply(operation.reply, None, None, self._shared.thread)
+
+    def execute_runtime_detached(self, label: str, fn: Callable[[Runtime], Any]) -> None:
+        """Queue best-effort work and return at once; it stays FIFO with later commands."""
+        self._enqueue(RuntimeOperation(label, fn, reply=None))
+
+    def execute_runtime_bounded(
+        self,
+        label: str,
+        operation_id: str,
+        fn: Callable[[Runtime, CacheRuntimeContext], T],
+        *,
+        deadline: float | None = None,
+        cancellation: CancellationToken | None = None,
+    ) -> RuntimeOutcome[T]:
+        """Run a cancellable ``fn(runtime, context)`` inline, FIFO with other commands."""
+        self._ensure_may_block()
+        context = CacheRuntimeContext(operation_id, deadline, cancellation)
+        context.ensure_active()
+        operation = RuntimeOperation(label, fn, context)
+        self._enqueue(operation)
+        return wait_for_reply(operation.reply, context.ensure_active, deadline,
+                              self._shared.thread)
+
+    def execute_cache_aware_runtime(
+        self,
+        label: str,
+        operation_id: str,
+        fn: Callable[[Runtime, CacheRuntimeContext], T],
+        *,
+        prompt_tokens: Sequence[int],
+        priority: int = 0,
+        payload: CachePayload = CachePayload.RESIDENT_KV,
+        refresh_affinity: Callable[[], CacheAffinity] | None = None,
+        deadline: float | None = None,
+        cancellation: CancellationToken | None = None,
+    ) -> RuntimeOutcome[T]:
+        """Queue a cache restore/prefill, served by cache value with aging (§3.4)."""
+        self._ensure_may_block()
+        context = CacheRuntimeContext(operation_id, deadline, cancellation)
+        context.ensure_active()
+        operation = RuntimeOperation(label, fn, context)
+        self._enqueue(CacheAwareRuntimeCommand(operation, tuple(prompt_tokens), priority,
+                                               payload, refresh_affinity))
+        return wait_for_reply(operation.reply, context.ensure_active, deadline,
+                              self._shared.thread)
+

@@ -1,0 +1,208 @@
+"""Running one policy plan as one batched runtime call (reference §3.6 ``execute_plan``).
+
+Besides the happy path this module owns the two recoveries a plan needs:
+
+* ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
+  a victim chosen by the policy's preemption rule (lowest priority, latest admitted,
+  reference §1.8) gives its KV back and the rest of the plan is retried.
+* ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
+  rather than failing every generation in the batch, the works are re-run one by one so
+  only the bad one fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from skippyd.engine.policy import (
+    IterationPhase,
+    IterationPlan,
+    IterationPrediction,
+    IterationWork,
+    Scheduler,
+)
+from skippyd.engine.runtime_api import (
+    InvalidIterationError,
+    IterationOutput,
+    IterationRequest,
+    KvSlotUnavailableError,
+    Runtime,
+)
+from skippyd.engine.runtime_api import IterationPhase as RuntimePhase
+from skippyd.engine.worker_types import (
+    InvalidRequestError,
+    RuntimeCapacityError,
+    SchedulerError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSample:
+    """A token sampled for one work row."""
+
+    token: int
+    is_eog: bool
+
+
+@dataclass(slots=True)
+class PlanResult:
+    """What an executed plan produced."""
+
+    plan: IterationPlan
+    """The plan that actually ran (works of preempted or failed requests removed)."""
+    samples: dict[int, PlanSample]
+    """Samples by work index; a row sampled twice is left out (treated as missing)."""
+    execution_s: float
+    """Wall time of the runtime call(s)."""
+
+    def predictions(self) -> list[IterationPrediction]:
+        """Policy predictions; end of generation is a negative token (reference §1.7)."""
+        return [
+            IterationPrediction(index, -1 if sample.is_eog else sample.token)
+            for index, sample in self.samples.items()
+        ]
+
+
+def make_runtime_request(work: IterationWork) -> IterationRequest:
+    """Map a policy work row to a runtime request (Recompute runs as a prefill)."""
+    phase = RuntimePhase.DECODE if work.phase is IterationPhase.DECODE else RuntimePhase.PREFILL
+    # NOTE: explicit positions, unlike the original (which lets the native runtime pick):
+    # after a preemption the replay restarts at 0 and the runtime must trim to it.
+    return IterationRequest(
+        session_id=work.sequence_id,
+        token_ids=work.tokens,
+        positions=work.positions,
+        sampling=work.sampling,  # type: ignore[arg-type]
+        sample_last=work.sample_last,
+        phase=phase,
+    )
+
+
+def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSample]:
+    """Samples by request index; out-of-range indices are ignored, duplicates dropped."""
+    samples: dict[int, PlanSample] = {}
+    duplicates: set[int] = set()
+    for sample in output.samples:
+        index = sample.request_index
+        if not 0 <= index < num_works:
+            continue
+        if index in samples:
+            duplicates.add(index)
+        samples[index] = PlanSample(sample.token, sample.is_eog)
+    for index in duplicates:
+        del samples[index]
+    return samples
+
+
+class PlanExecutor:
+    """Runs plans on the runtime; worker thread only.
+
+    Args:
+        runtime: The runtime.
+        scheduler: The policy scheduler (for preemption under KV pressure).
+        on_preempted: Frees the runtime state of a preempted request.
+        fail_request: Fails one request with a typed error.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        scheduler: Scheduler,
+        on_preempted: Callable[[str], None],
+        fail_request: Callable[[str, SchedulerError], None],
+    ) -> None:
+        self._runtime = runtime
+        self._scheduler = scheduler
+        self._on_preempted = on_preempted
+        self._fail_request = fail_request
+
+    def execute(self, plan: IterationPlan) -> PlanResult | None:
+        """Run ``plan``; None when nothing ran. Fatal runtime failures propagate.
+
+        Raises:
+            RuntimeFailure: The runtime failed for a reason no retry can fix.
+        """
+        while not plan.is_empty():
+            try:
+                return self._run(plan)
+            except KvSlotUnavailableError as exc:
+                plan = self._relieve_kv_pressure(plan, exc)
+            except InvalidIterationError as exc:
+                if len(plan.work) > 1:
+                    return self._run_isolated(plan)
+                self._fail_request(plan.work[0].sequence_id,
+                                   InvalidRequestError(f"scheduler iteration: {exc}"))
+                return None
+        return None
+
+    def _run(self, plan: IterationPlan) -> PlanResult:
+        requests = [make_runtime_request(work) for work in plan.work]
+        started = time.monotonic()
+        output = self._runtime.iteration_batch_sampled(requests)
+        elapsed = time.monotonic() - started
+        return PlanResult(plan, index_samples(output, len(requests)), elapsed)
+
+    def _relieve_kv_pressure(
+        self, plan: IterationPlan, exc: KvSlotUnavailableError
+    ) -> IterationPlan:
+        """Preempt one victim and return the plan left to retry (maybe empty)."""
+        victim = self._preempt_one()
+        if victim is None:
+            # Only one sequence holds KV and it still does not fit: retrying it later
+            # would spin forever, so it fails with a retryable capacity error.
+            for req_id in {work.sequence_id for work in plan.work}:
+                self._fail_request(req_id, RuntimeCapacityError(
+                    f"no KV cache room for request {req_id}: {exc}"
+                ))
+            return IterationPlan()
+        logger.info("KV slot unavailable (%s): preempted %s", exc, victim)
+        self._on_preempted(victim)
+        return plan.without_sequences([victim])
+
+    def _preempt_one(self) -> str | None:
+        """Preempt exactly one sequence by the policy's victim rule; None if at most one.
+
+        The policy preempts against observed component use. Reporting the KV component
+        one unit over capacity makes it pick exactly one victim; the ledger is then put
+        back to its true value (minus the victim's release) so accounting stays exact.
+        """
+        snapshot = self._scheduler.snapshot()
+        if len(snapshot.active_ids) <= 1 or not snapshot.component_used_bytes:
+            return None
+        used = [value for _, value in snapshot.component_used_bytes]
+        kv_available = self._scheduler.config.memory_components[0].available_bytes()
+        pressure = [kv_available + 1, *used[1:]]
+        victims = self._scheduler.preempt_for_component_pressure(pressure)
+        after = [value for _, value in self._scheduler.snapshot().component_used_bytes]
+        released = pressure[0] - after[0]
+        self._scheduler.preempt_for_component_pressure([max(0, used[0] - released), *after[1:]])
+        if len(victims) != 1:
+            raise RuntimeError(f"KV pressure preemption expected one victim, got {victims}")
+        return victims[0]
+
+    def _run_isolated(self, plan: IterationPlan) -> PlanResult | None:
+        """Run each work alone so one malformed request cannot fail the batch."""
+        samples: dict[int, PlanSample] = {}
+        execution_s = 0.0
+        for index, work in enumerate(plan.work):
+            single = IterationPlan(work=[work], token_count=work.token_count)
+            try:
+                result = self._run(single)
+            except InvalidIterationError as exc:
+                self._fail_request(work.sequence_id,
+                                   InvalidRequestError(f"scheduler iteration: {exc}"))
+                continue
+            except KvSlotUnavailableError as exc:
+                self._fail_request(work.sequence_id, RuntimeCapacityError(
+                    f"no KV cache room for request {work.sequence_id}: {exc}"
+                ))
+                continue
+            execution_s += result.execution_s
+            if 0 in result.samples:
+                samples[index] = result.samples[0]
+        return PlanResult(plan, samples, execution_s)

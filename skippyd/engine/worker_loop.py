@@ -1,0 +1,415 @@
+"""The iteration scheduler's worker thread: commands in, one runtime call per turn out.
+
+:class:`SchedulerWorker` is the only code that calls the runtime (reference §3.1). Each
+turn it drains commands, decides between cache-runtime work, direct iterations and
+planned generations with the gates of reference §3.4-§3.6, and runs exactly one of them.
+Other threads reach it only through its bounded command queue; it publishes a fresh
+immutable :class:`SchedulerStats` after every turn for anyone to read without locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from skippyd.engine.cache_runtime import (
+    CacheRuntimeQueue,
+    CacheRuntimeTelemetry,
+    RuntimeOperation,
+    should_coalesce_direct_iterations,
+    should_fill_cache_runtime_wave,
+    should_serve_cache_runtime,
+    should_suppress_cache_runtime,
+)
+from skippyd.engine.direct_batch import (
+    DIRECT_ITERATION_COALESCE_WINDOW_S,
+    DirectIteration,
+    direct_coalesce_target,
+    resolve_future,
+    run_direct_iteration_batch,
+    should_serve_direct,
+    take_direct_iteration_batch,
+)
+from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.runtime_api import Runtime
+from skippyd.engine.scheduler_config import WorkerSettings
+from skippyd.engine.telemetry import (
+    SCHEDULER_RUNTIME_OPERATION,
+    SCHEDULER_WORKER_PANIC,
+    TelemetryHub,
+)
+from skippyd.engine.worker_planned import PlannedGenerations
+from skippyd.engine.worker_types import (
+    CANCELLATION_POLL_INTERVAL_S,
+    WORKER_PANIC_MESSAGE,
+    CacheAwareRuntimeCommand,
+    CancelCommand,
+    ErrorEvent,
+    RuntimeOutcome,
+    SchedulerBackendError,
+    SchedulerError,
+    SchedulerStats,
+    SchedulerStoppedError,
+    ShutdownCommand,
+    SubmitCommand,
+)
+
+logger = logging.getLogger(__name__)
+
+
+Command = (SubmitCommand | CancelCommand | DirectIteration | RuntimeOperation
+           | CacheAwareRuntimeCommand | ShutdownCommand)
+
+
+class _ShutdownRequested(Exception):
+    """Unwinds the run loop from wherever a Shutdown command was received."""
+
+
+class SchedulerWorker:
+    """State and loop of the worker thread; see the module docstring.
+
+    Tests may drive one without a thread through :meth:`handle_command` and
+    :meth:`run_work_turn`.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: SchedulerConfig,
+        commands: queue.Queue[Command],
+        telemetry: TelemetryHub,
+        settings: WorkerSettings,
+    ) -> None:
+        self.runtime = runtime
+        self.settings = settings
+        self.telemetry = telemetry
+        self._commands = commands
+        self.planned = PlannedGenerations(runtime, config, telemetry.publish, self.fail_all,
+                                          self._refresh_active_sessions)
+        self.direct: deque[DirectIteration] = deque()
+        self.cache_queue: CacheRuntimeQueue[RuntimeOperation] = CacheRuntimeQueue(
+            config.cache_aging_cost_per_iteration, config.group_waiting_prefixes
+        )
+        self.active_runtime_sessions = 0
+        self.direct_wave_full = False
+        self.last_served_direct = False
+        self.last_served_cache_runtime = False
+        self.failure: str | None = None
+        self.closed = threading.Event()
+        self.cancel_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.num_direct_iterations = 0
+        self.num_runtime_operations = 0
+        self.stats = SchedulerStats(max_direct_batch_size=settings.max_direct_batch_size)
+
+    # -- thread entry and the loop (reference §3.6) -------------------------------------
+
+    def run(self) -> None:
+        """Thread target: the loop inside a panic guard."""
+        try:
+            self.run_loop()
+        except _ShutdownRequested:
+            self._close(SchedulerStoppedError())
+        except BaseException as exc:  # panic containment: the worker must not die silently
+            self._contain_panic(exc)
+        finally:
+            try:
+                self.publish_stats()
+            except Exception:  # the policy may be what broke; keep the failure visible
+                self.stats = SchedulerStats(failure=self.failure)
+
+    def run_loop(self) -> None:
+        """Idle wait, drain, gates, one work turn; until a Shutdown command."""
+        while True:
+            if self._is_idle():
+                self.publish_stats()
+                self._dispatch(self._commands.get())
+            self._drain_commands()
+            if self._is_idle():
+                continue
+            if self._should_defer_cache_runtime():
+                self._wait_for_command(DIRECT_ITERATION_COALESCE_WINDOW_S)
+                continue
+            if self._should_coalesce():
+                self._coalesce_direct_iterations()
+            self.run_work_turn()
+            self.publish_stats()
+            if self.settings.iteration_interval_s > 0:
+                self._wait_for_command(self.settings.iteration_interval_s)
+
+    def _is_idle(self) -> bool:
+        return not self.planned.requests and not self.direct and self.cache_queue.is_empty()
+
+    def _dispatch(self, command: Command) -> None:
+        if isinstance(command, ShutdownCommand):
+            raise _ShutdownRequested
+        self.handle_command(command)
+
+    def _drain_commands(self) -> None:
+        for _ in range(self.settings.max_commands_per_turn):
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._dispatch(command)
+        # Cancels that found the command queue full; after the drain so a Cancel never
+        # overtakes the Submit it targets when both were drained in this turn.
+        while not self.cancel_inbox.empty():
+            self.planned.cancel(self.cancel_inbox.get_nowait())
+
+    def _wait_for_command(self, timeout_s: float) -> None:
+        try:
+            command = self._commands.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            return
+        self._dispatch(command)
+
+    def _should_defer_cache_runtime(self) -> bool:
+        """A full wave of restored sessions awaits its callers: no new restore yet."""
+        return (self.cache_queue.has_wave_aware_operations() and self.direct_wave_full
+                and self.active_runtime_sessions >= self.settings.max_direct_batch_size
+                and not self.direct and not self.planned.requests)
+
+    def _should_coalesce(self) -> bool:
+        has_wave_aware = self.cache_queue.has_wave_aware_operations()
+        fill_pending = should_fill_cache_runtime_wave(
+            bool(self.direct), has_wave_aware, self.active_runtime_sessions,
+            self.settings.max_direct_batch_size,
+        )
+        # NOTE: only with direct work queued; the original also waited on planned-only
+        # turns once sessions were active, adding 2 ms to every planned step.
+        return bool(self.direct) and not fill_pending and should_coalesce_direct_iterations(
+            not self.cache_queue.is_empty(), has_wave_aware
+        )
+
+    def _coalesce_direct_iterations(self) -> None:
+        """Wait up to 2 ms for the next steps of the other active direct sessions."""
+        planned_sessions = sum(1 for s in self.planned.requests.values() if s.runtime_configured)
+        target = direct_coalesce_target(
+            max(0, self.active_runtime_sessions - planned_sessions), len(self.direct),
+            self.settings.direct_group_batch_size,
+        )
+        deadline = time.monotonic() + DIRECT_ITERATION_COALESCE_WINDOW_S
+        while len(self.direct) < target:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                command = self._commands.get(timeout=remaining)
+            except queue.Empty:
+                return
+            self._dispatch(command)
+
+    # -- commands (reference §3.3) --------------------------------------------------------
+
+    def handle_command(self, command: Command) -> None:
+        """Apply one command; Shutdown is handled by the loop and ignored here."""
+        if isinstance(command, SubmitCommand):
+            self.planned.submit(command.request, command.on_event, command.runtime_configured)
+        elif isinstance(command, DirectIteration):
+            self.direct.append(command)
+        elif isinstance(command, RuntimeOperation):
+            # Inline, in command order: FIFO with every other command (reference §3.3).
+            self.run_runtime_operation(command, None)
+        elif isinstance(command, CacheAwareRuntimeCommand):
+            self.cache_queue.enqueue_lazy(command.operation, command.prompt_tokens,
+                                          command.priority, command.payload,
+                                          command.refresh_affinity)
+        elif isinstance(command, CancelCommand):
+            self.planned.cancel(command.req_id)
+
+    # -- one work turn (reference §3.6 run_work_turn / run_iteration) --------------------
+
+    def run_work_turn(self) -> None:
+        """Serve one unit of work: a cache-runtime operation or an iteration."""
+        has_cache = not self.cache_queue.is_empty()
+        has_wave_aware = self.cache_queue.has_wave_aware_operations()
+        has_direct = bool(self.direct)
+        has_iteration = bool(self.planned.requests) or has_direct
+        max_batch = self.settings.max_direct_batch_size
+        if has_wave_aware and has_direct and self.active_runtime_sessions >= max_batch:
+            self.direct_wave_full = True
+        suppress = should_suppress_cache_runtime(
+            has_wave_aware, self.direct_wave_full, self.active_runtime_sessions, max_batch)
+        fill = should_fill_cache_runtime_wave(
+            has_direct, has_wave_aware, self.active_runtime_sessions, max_batch)
+        serve_cache = not suppress and (fill or should_serve_cache_runtime(
+            has_cache, has_iteration, self.last_served_cache_runtime))
+        self.cache_queue.advance_turn()
+        self.last_served_cache_runtime = serve_cache
+        if serve_cache:
+            popped = self.cache_queue.pop_next()
+            if popped is not None:
+                self.run_runtime_operation(*popped)
+        elif has_iteration:
+            self.run_iteration()
+
+    def run_iteration(self) -> None:
+        """Alternate direct batches and planned iterations (reference §3.6 run_iteration)."""
+        self.planned.apply_pending_controls()
+        # Decide before planning: planning advances cursors and must only happen when
+        # the plan will run.
+        if should_serve_direct(bool(self.direct), bool(self.planned.requests),
+                               self.last_served_direct):
+            self.last_served_direct = True
+            self._run_direct_batch()
+            return
+        if self.planned.run_iteration():
+            self.last_served_direct = False
+            self._refresh_active_sessions()
+        elif self.direct:
+            # NOTE: the empty plan ran nothing; the original then kept its turn flag and
+            # could starve queued direct work behind requests that cannot be admitted.
+            self.last_served_direct = True
+            self._run_direct_batch()
+        elif self.cache_queue.is_empty():
+            # Nothing admitted can run and only a command (cancel, submit) can change
+            # that: wait for one instead of spinning.
+            self._wait_for_command(CANCELLATION_POLL_INTERVAL_S)
+
+    def _run_direct_batch(self) -> None:
+        batch = take_direct_iteration_batch(
+            self.direct, self.settings.direct_group_batch_size,
+            self.settings.max_direct_iteration_tokens,
+        )
+        self.num_direct_iterations += run_direct_iteration_batch(
+            self.runtime, batch, self.telemetry.publish
+        )
+        self._refresh_active_sessions()
+
+    def run_runtime_operation(
+        self, operation: RuntimeOperation, cache: CacheRuntimeTelemetry | None
+    ) -> None:
+        """Run a closure on the runtime, reply, and update the wave state (§3.6)."""
+        started = time.monotonic()
+        try:
+            value, error = operation.run(self.runtime), None
+        except Exception as exc:  # the caller's error, delivered to the caller
+            value, error = None, exc
+        run_s = time.monotonic() - started
+        self.num_runtime_operations += 1
+        if operation.reply is not None:
+            outcome = RuntimeOutcome(value, (started - operation.enqueued_at) * 1000.0,
+                                     run_s * 1000.0)
+            resolve_future(operation.reply, outcome, error)
+        elif error is not None:
+            logger.warning("detached runtime operation %s failed: %s", operation.label, error)
+        self._refresh_active_sessions()
+        if (self.active_runtime_sessions >= self.settings.max_direct_batch_size
+                and cache is not None and cache.wave_aware):
+            # The restore may finish before its caller's first direct iteration arrives:
+            # remember the saturated wave so no other restore slips into that gap.
+            self.direct_wave_full = True
+        self._publish_runtime_operation(operation, cache, run_s)
+
+    def _publish_runtime_operation(
+        self, operation: RuntimeOperation, cache: CacheRuntimeTelemetry | None, run_s: float
+    ) -> None:
+        prefix = "skippy.scheduler."
+        attributes: dict[str, Any] = {prefix + "operation": operation.label,
+                                      prefix + "operation_ms": run_s * 1000.0}
+        if operation.context is not None:
+            attributes[prefix + "cache_operation_id"] = operation.context.operation_id
+            attributes[prefix + "cache_operation_state"] = operation.context.state.value
+        if cache is not None:
+            attributes.update({
+                prefix + "cache_matched_tokens": cache.matched_tokens,
+                prefix + "cache_saved_cost": cache.saved_cost,
+                prefix + "cache_age_turns": cache.age_turns,
+                prefix + "cache_stage_hits": cache.stage_hits,
+                prefix + "cache_epoch": cache.cache_epoch,
+                prefix + "cache_stale_fallback": cache.stale_affinity_fallback,
+            })
+        self.telemetry.publish(SCHEDULER_RUNTIME_OPERATION, attributes)
+
+    def _refresh_active_sessions(self) -> None:
+        self.active_runtime_sessions = self.runtime.active_session_count()
+        if self.active_runtime_sessions < self.settings.max_direct_batch_size:
+            self.direct_wave_full = False
+
+    # -- failure paths (reference §3.6, §3.7) ----------------------------------------------
+
+    def fail_all(self, error: SchedulerError) -> None:
+        """Fail every held generation and every queued direct iteration."""
+        self.planned.fail_all(error)
+        while self.direct:
+            resolve_future(self.direct.popleft().reply, error=error)
+
+    def fail_queued(self, error: SchedulerError) -> None:
+        """Answer every command still in the queue with ``error``; safe from any thread."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fail_command(command, error)
+
+    def _close(self, error: SchedulerError) -> None:
+        """Stop for good: fail what is held, queued and cache-queued."""
+        self.closed.set()
+        try:
+            self.fail_all(error)
+        except Exception:
+            # After a panic the runtime may be unusable: still answer every caller.
+            logger.exception("failing held requests touched a broken runtime")
+            for state in self.planned.requests.values():
+                state.emit(ErrorEvent(error))
+            self.planned.requests.clear()
+            while self.direct:
+                resolve_future(self.direct.popleft().reply, error=error)
+        for operation in self.cache_queue.drain():
+            fail_command(operation, error)
+        self.fail_queued(error)
+
+    def _contain_panic(self, exc: BaseException) -> None:
+        logger.critical("iteration scheduler worker panicked", exc_info=exc)
+        self.failure = f"{WORKER_PANIC_MESSAGE}: {exc!r}"
+        self.telemetry.publish(SCHEDULER_WORKER_PANIC, {
+            "skippy.scheduler.failure_contained": True,
+            "skippy.scheduler.failure": repr(exc),
+        })
+        self._close(SchedulerBackendError(WORKER_PANIC_MESSAGE))
+
+    def publish_stats(self) -> None:
+        """Replace the stats snapshot (one reference assignment: atomic for readers)."""
+        metrics = self.planned.scheduler.metrics()
+        self.stats = SchedulerStats(
+            num_waiting=metrics.waiting_sequences,
+            num_active=metrics.active_sequences,
+            command_queue_depth=self._commands.qsize(),
+            direct_queue_depth=len(self.direct),
+            cache_runtime_queue_depth=len(self.cache_queue),
+            active_runtime_sessions=self.active_runtime_sessions,
+            max_direct_batch_size=self.settings.max_direct_batch_size,
+            direct_wave_full=self.direct_wave_full,
+            num_iterations=metrics.iterations,
+            num_finished=metrics.finished,
+            num_failed=metrics.failed,
+            num_cancelled=metrics.cancelled,
+            num_rejected=metrics.rejected_overload,
+            num_preempted=metrics.preempted,
+            num_direct_iterations=self.num_direct_iterations,
+            num_runtime_operations=self.num_runtime_operations,
+            last_step_ms=self.planned.last_step_ms,
+            last_execution_ms=self.planned.last_execution_ms,
+            last_overhead_ms=max(0.0, self.planned.last_step_ms - self.planned.last_execution_ms),
+            failure=self.failure,
+        )
+
+
+def fail_command(command: Command, error: SchedulerError) -> None:
+    """Answer a command that will never run (reference §3.7 ``fail_queued``)."""
+    if isinstance(command, SubmitCommand):
+        try:
+            command.on_event(ErrorEvent(error))
+        except Exception:
+            logger.exception("event callback of %s failed", command.request.request_id)
+    elif isinstance(command, DirectIteration):
+        resolve_future(command.reply, error=error)
+    elif isinstance(command, CacheAwareRuntimeCommand):
+        fail_command(command.operation, error)
+    elif isinstance(command, RuntimeOperation) and command.reply is not None:
+        resolve_future(command.reply, error=error)

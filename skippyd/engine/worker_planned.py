@@ -1,0 +1,340 @@
+"""Planned generations on the worker thread (reference §3.6 ``run_iteration``, §3.7).
+
+:class:`PlannedGenerations` owns the policy :class:`~skippyd.engine.policy.Scheduler` and
+the per-request state of every generation it admitted. Each planned turn it plans one
+iteration, prepares runtime sessions, runs the plan as exactly one batched runtime call
+(see :mod:`skippyd.engine.worker_execute`), feeds the samples back to the policy, and
+turns them into token events whose acknowledgements are polled, never awaited.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from skippyd.engine.policy import (
+    IterationPlan,
+    PolicyInputError,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+)
+from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
+from skippyd.engine.policy.telemetry import IterationTelemetry
+from skippyd.engine.runtime_api import Runtime, RuntimeFailure
+from skippyd.engine.scheduler_config import admission_tokens, kv_capacity_tokens
+from skippyd.engine.telemetry import SCHEDULER_ITERATION
+from skippyd.engine.worker_execute import PlanExecutor, PlanResult
+from skippyd.engine.worker_types import (
+    CompleteEvent,
+    ErrorEvent,
+    GenerationRequest,
+    InvalidRequestError,
+    QueueFullError,
+    SchedulerBackendError,
+    SchedulerError,
+    SchedulerEvent,
+    TokenAck,
+    TokenControl,
+    TokenEvent,
+    scheduler_error_from_runtime,
+)
+
+logger = logging.getLogger(__name__)
+
+Publish = Callable[[str, Mapping[str, Any]], None]
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the worker keeps per admitted generation (reference §3.7 ``RequestState``)."""
+
+    request: GenerationRequest
+    on_event: Callable[[SchedulerEvent], None]
+    runtime_configured: bool
+    num_generated: int
+    pending_controls: deque[TokenAck] = field(default_factory=deque)
+    saw_eog: bool = False
+
+    def emit(self, event: SchedulerEvent) -> bool:
+        """Deliver an event; False if the consumer's callback failed (it is gone)."""
+        try:
+            self.on_event(event)
+        except Exception:
+            logger.exception("event callback of %s failed", self.request.request_id)
+            return False
+        return True
+
+    def finish_reason(self) -> str:
+        if not self.saw_eog and self.num_generated >= self.request.max_tokens:
+            return "length"
+        return "stop"
+
+
+class PlannedGenerations:
+    """Policy scheduler plus request map; only the worker thread calls it.
+
+    Args:
+        runtime: The runtime (worker thread only).
+        config: Normalized policy configuration.
+        publish: Telemetry sink.
+        fail_everything: Called with an error when the runtime failed in a way that
+            leaves no request safe (reference §3.6 step 7: ``fail_all``).
+        on_sessions_dropped: Called after runtime sessions were dropped.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: SchedulerConfig,
+        publish: Publish,
+        fail_everything: Callable[[SchedulerError], None],
+        on_sessions_dropped: Callable[[], None],
+    ) -> None:
+        self.runtime = runtime
+        self.scheduler = Scheduler(config)
+        self.requests: dict[str, RequestState] = {}
+        self._kv_capacity = kv_capacity_tokens(self.scheduler.config)
+        self._publish = publish
+        self._fail_everything = fail_everything
+        self._on_sessions_dropped = on_sessions_dropped
+        self._executor = PlanExecutor(runtime, self.scheduler, self._release_preempted,
+                                      self.fail_request)
+        self._last_lifecycle = (0, 0, 0, 0)
+        self.last_step_ms = 0.0
+        self.last_execution_ms = 0.0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    # -- commands ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_event: Callable[[SchedulerEvent], None],
+        runtime_configured: bool,
+    ) -> None:
+        """Admit a generation into the policy, or answer with an ``ErrorEvent``."""
+        state = RequestState(request, on_event, runtime_configured, len(request.generated_tokens))
+        replay_tokens = len(request.prompt_tokens) + len(request.generated_tokens)
+        if replay_tokens > self._kv_capacity:
+            # It could never be admitted and would wait forever (reference §1.4 note).
+            state.emit(ErrorEvent(InvalidRequestError(
+                f"request {request.request_id} needs {replay_tokens} tokens of KV cache, "
+                f"more than the {self._kv_capacity} available"
+            )))
+            return
+        try:
+            self.scheduler.submit(self._make_sequence(request))
+        except PolicyQueueFullError:
+            state.emit(ErrorEvent(QueueFullError()))
+            return
+        except PolicyInputError as exc:  # duplicate id, empty prompt, bad field
+            state.emit(ErrorEvent(InvalidRequestError(str(exc))))
+            return
+        self.requests[request.request_id] = state
+
+    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+        # Reserve bounded decode headroom, not the client's whole ceiling (reference §3.7).
+        reserve = admission_tokens(len(request.prompt_tokens), request.max_tokens,
+                                   self._kv_capacity)
+        sequence = Sequence(
+            id=request.request_id,
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            priority=request.priority,
+        ).with_admission_tokens(reserve)
+        if request.generated_tokens:
+            sequence.with_prefilled_generation(request.generated_tokens)
+        return sequence
+
+    def cancel(self, req_id: str) -> None:
+        """Forget a request without an event (reference §3.7 ``cancel``); idempotent."""
+        self.scheduler.cancel(req_id)
+        state = self.requests.pop(req_id, None)
+        if state is not None and not state.request.retain_runtime:
+            self.drop_runtime_sessions([req_id])
+
+    def fail_request(self, req_id: str, error: SchedulerError) -> None:
+        """Cancel a request and send it ``error``."""
+        state = self.requests.get(req_id)
+        self.cancel(req_id)
+        if state is not None:
+            state.emit(ErrorEvent(error))
+
+    def fail_all(self, error: SchedulerError) -> None:
+        """Fail every held generation with ``error`` (reference §3.7 ``fail_all``)."""
+        for req_id in list(self.requests):
+            self.fail_request(req_id, error)
+
+    def drop_runtime_sessions(self, req_ids: Iterable[str]) -> None:
+        """Drop runtime sessions; a failing drop is logged, never raised."""
+        for req_id in req_ids:
+            try:
+                self.runtime.drop_session(req_id)
+            except RuntimeFailure as exc:
+                logger.warning("dropping runtime session %s failed: %s", req_id, exc)
+        self._on_sessions_dropped()
+
+    def _release_preempted(self, req_id: str) -> None:
+        """Free a preempted request's KV; it replays from the start when re-admitted."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        if not state.request.retain_runtime:
+            state.runtime_configured = False
+            self.drop_runtime_sessions([req_id])
+            return
+        try:  # the caller owns this session: empty it, keep it
+            self.runtime.trim_session(req_id, 0)
+        except RuntimeFailure as exc:
+            logger.warning("trimming preempted session %s failed: %s", req_id, exc)
+
+    # -- token acknowledgements (reference §3.7 apply_pending_controls) -------------------
+
+    def apply_pending_controls(self) -> None:
+        """Apply answered acks without waiting for unanswered ones."""
+        stopped = [req_id for req_id, state in self.requests.items() if _consumer_stopped(state)]
+        for req_id in stopped:
+            self._complete(req_id)
+
+    def _complete(self, req_id: str) -> None:
+        """End a request normally: leave the policy, free its session, send Complete."""
+        self.scheduler.cancel(req_id)
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return
+        if not state.request.retain_runtime:
+            self.drop_runtime_sessions([req_id])
+        state.emit(CompleteEvent(state.finish_reason()))
+
+    # -- one planned turn --------------------------------------------------------------
+
+    def run_iteration(self) -> bool:
+        """Plan and run one iteration; False when the policy had nothing to run.
+
+        Precondition: the caller decided to serve planned work this turn (planning
+        advances cursors, so it must only happen when the plan will run).
+        """
+        started = time.monotonic()
+        plan = self.scheduler.plan_iteration()
+        if plan.is_empty():
+            return False
+        plan = self._prepare_sessions(plan)
+        if plan.is_empty():
+            return True
+        try:
+            result = self._executor.execute(plan)
+        except RuntimeFailure as exc:
+            self._fail_everything(scheduler_error_from_runtime("scheduler iteration", exc))
+            return True
+        if result is None:
+            return True
+        self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
+        step = self.scheduler.complete_iteration(result.plan, result.predictions())
+        self._finish_iteration(result)
+        self._emit_step_telemetry(step, time.monotonic() - started, result.execution_s)
+        return True
+
+    def _prepare_sessions(self, plan: IterationPlan) -> IterationPlan:
+        """Bind a runtime session to every newly planned request (reference §3.6 step 6)."""
+        dropped: list[str] = []
+        for work in plan.work:
+            state = self.requests.get(work.sequence_id)
+            if state is None:
+                dropped.append(work.sequence_id)
+                continue
+            if state.runtime_configured:
+                continue
+            try:
+                self.runtime.ensure_session_active(work.sequence_id)
+            except RuntimeFailure as exc:
+                error = scheduler_error_from_runtime(
+                    f"prepare scheduler session {work.sequence_id}", exc
+                )
+                self.fail_request(work.sequence_id, error)
+                dropped.append(work.sequence_id)
+                continue
+            state.runtime_configured = True
+        return plan.without_sequences(dropped) if dropped else plan
+
+    def _finish_iteration(self, result: PlanResult) -> None:
+        """Send token events, fail unanswered rows, complete terminal requests (§3.6)."""
+        missing: list[str] = []
+        stopped: list[str] = []
+        for index, work in enumerate(result.plan.work):
+            if not work.sample_last:
+                continue
+            state = self.requests.get(work.sequence_id)
+            if state is None:
+                continue
+            sample = result.samples.get(index)
+            if sample is None:
+                missing.append(work.sequence_id)
+            elif sample.is_eog:
+                state.saw_eog = True  # end of generation: no token event (reference §1.7)
+            else:
+                state.num_generated += 1
+                ack = TokenAck()
+                state.pending_controls.append(ack)
+                if not state.emit(TokenEvent(sample.token, ack)):
+                    stopped.append(work.sequence_id)
+        for req_id in missing:
+            self.fail_request(req_id, SchedulerBackendError(
+                f"scheduler iteration returned no prediction for {req_id}"
+            ))
+        for req_id in stopped:
+            self.scheduler.cancel(req_id)
+        for req_id in {work.sequence_id for work in result.plan.work}:
+            if req_id in self.requests and req_id not in self.scheduler:
+                self._complete(req_id)
+
+    def _emit_step_telemetry(
+        self, step: IterationTelemetry, total_s: float, execution_s: float
+    ) -> None:
+        """Publish ``stage.scheduler_iteration`` (reference §3.11)."""
+        self.last_step_ms = total_s * 1000.0
+        self.last_execution_ms = execution_s * 1000.0
+        prefix = "skippy.scheduler."
+        attributes: dict[str, Any] = {
+            prefix + name: getattr(step, name)
+            for name in ("iteration", "admitted", "preempted", "prefill_tokens",
+                         "recompute_tokens", "decode_tokens", "prefix_hits", "prefix_misses")
+        }
+        attributes[prefix + "running"] = step.active_sequences
+        attributes[prefix + "waiting"] = step.waiting_sequences
+        attributes[prefix + "step_ms"] = self.last_step_ms
+        attributes[prefix + "execution_ms"] = self.last_execution_ms
+        attributes[prefix + "overhead_ms"] = max(0.0, self.last_step_ms - self.last_execution_ms)
+        lifecycle = (step.finished, step.failed, step.cancelled, step.rejected_overload)
+        if lifecycle != self._last_lifecycle:
+            # Counters only when they changed since the last emission (reference §3.11).
+            self._last_lifecycle = lifecycle
+            for name, value in zip(("finished", "failed", "cancelled", "rejected_overload"),
+                                   lifecycle, strict=True):
+                attributes[prefix + name] = value
+        available = dict(step.component_available_bytes)
+        for name, used in step.component_used_bytes:
+            component = f"{prefix}component.{name}."
+            attributes[component + "used_bytes"] = used
+            attributes[component + "available_bytes"] = available.get(name, 0)
+            attributes[component + "free_bytes"] = max(0, available.get(name, 0) - used)
+        self._publish(SCHEDULER_ITERATION, attributes)
+
+
+def _consumer_stopped(state: RequestState) -> bool:
+    """Pop answered Continue acks; True once the oldest answered ack says Stop."""
+    while state.pending_controls:
+        control = state.pending_controls[0].poll()
+        if control is None:
+            return False  # not answered yet: never block the iteration on it
+        if control is TokenControl.STOP:
+            return True
+        state.pending_controls.popleft()
+    return False

@@ -1,0 +1,343 @@
+"""Plain types shared by the iteration scheduler and its callers.
+
+Errors, generation requests, the events a generation receives, cancellation tokens and
+the result records of direct iterations and runtime operations (reference §3.3, §3.7,
+§3.10). Nothing here touches a runtime or a thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import numpy as np
+
+from skippyd.engine.runtime_api import (
+    InvalidIterationError,
+    KvSlotUnavailableError,
+    LanesBusyError,
+    RuntimeFailure,
+    SamplingConfig,
+    SessionAlignment,
+)
+
+if TYPE_CHECKING:
+    from skippyd.engine.cache_runtime import CachePayload, RuntimeOperation
+    from skippyd.engine.policy import CacheAffinity
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: How often blocking waits re-check cancellation, deadlines and worker liveness (§3.1).
+CANCELLATION_POLL_INTERVAL_S = 0.010
+#: Seconds a client should wait before retrying an overloaded submit (HTTP Retry-After).
+QUEUE_FULL_RETRY_AFTER_S = 1.0
+
+QUEUE_FULL_MESSAGE = "generation queue is full; retry later"
+STOPPED_MESSAGE = "iteration scheduler stopped"
+WORKER_PANIC_MESSAGE = "iteration scheduler worker panicked"
+
+
+class SchedulerError(Exception):
+    """A typed scheduler failure a caller can map to a protocol error.
+
+    Attributes:
+        kind: Stable machine-readable category.
+        message: Human-readable text.
+        status: Suggested HTTP status code.
+        retry_after_s: Suggested retry delay, when retrying makes sense.
+    """
+
+    kind = "backend"
+    status = 500
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(SchedulerError):
+    """The bounded command or waiting queue is full (reference §3.1: HTTP 429)."""
+
+    kind = "overloaded"
+    status = 429
+
+    def __init__(self, message: str = QUEUE_FULL_MESSAGE) -> None:
+        super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+
+
+class SchedulerStoppedError(SchedulerError):
+    """The worker is gone or shutting down."""
+
+    kind = "stopped"
+    status = 503
+
+    def __init__(self, message: str = STOPPED_MESSAGE) -> None:
+        super().__init__(message)
+
+
+class InvalidRequestError(SchedulerError, ValueError):
+    """The request itself is malformed; nothing was queued."""
+
+    kind = "invalid_request"
+    status = 400
+
+
+class RequestCancelledError(SchedulerError):
+    """The caller's cancellation token fired."""
+
+    kind = "cancelled"
+    status = 499
+
+
+class DeadlineExceededError(SchedulerError):
+    """The request's deadline passed before it could run."""
+
+    kind = "timeout"
+    status = 504
+
+
+class SchedulerBackendError(SchedulerError):
+    """The runtime failed, or the worker failed while holding the request."""
+
+
+class RuntimeCapacityError(SchedulerError):
+    """The runtime had no free lane or KV slot for the work; retrying later may succeed."""
+
+    kind = "overloaded"
+    status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+
+
+def scheduler_error_from_runtime(context: str, exc: RuntimeFailure) -> SchedulerError:
+    """Map a runtime failure to the typed scheduler error a caller receives.
+
+    Args:
+        context: What was being done, prefixed to the message.
+        exc: The runtime's error.
+    """
+    message = f"{context}: {exc}"
+    if isinstance(exc, InvalidIterationError):
+        error: SchedulerError = InvalidRequestError(message)
+    elif isinstance(exc, LanesBusyError | KvSlotUnavailableError):
+        error = RuntimeCapacityError(message)
+    else:
+        error = SchedulerBackendError(message)
+    error.__cause__ = exc
+    return error
+
+
+class CancellationToken:
+    """A thread-safe, one-way cancellation flag shared between a caller and the worker."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        """Request cancellation. Idempotent."""
+        self._event.set()
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A planned generation submitted by a client (reference §3.3 ``ScheduledRequest``)."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingConfig | None = None
+    priority: int = 0
+    """Higher is more important (reference §1.1)."""
+    generated_tokens: list[int] = field(default_factory=list)
+    """Tokens already generated; non-empty resumes a generation (reference §3.7)."""
+    retain_runtime: bool = False
+    """The caller owns the runtime session: the worker never drops it."""
+
+    def anon_repr(self) -> str:
+        """Describe the request without its tokens (never log prompt text)."""
+        return (
+            f"GenerationRequest(id={self.request_id!r}, prompt_tokens={len(self.prompt_tokens)}, "
+            f"generated={len(self.generated_tokens)}, max_tokens={self.max_tokens}, "
+            f"priority={self.priority}, retain_runtime={self.retain_runtime})"
+        )
+
+
+class TokenControl(enum.Enum):
+    """A consumer's answer to one token event (reference §3.3)."""
+
+    CONTINUE = "continue"
+    STOP = "stop"
+
+
+class TokenAck:
+    """One-slot acknowledgement channel for a token event.
+
+    The consumer calls :meth:`send` once from any thread; the worker polls it without
+    blocking (reference §3.7 ``apply_pending_controls``).
+    """
+
+    __slots__ = ("_control", "_lock")
+
+    def __init__(self) -> None:
+        self._control: TokenControl | None = None
+        self._lock = threading.Lock()
+
+    def send(self, control: TokenControl) -> bool:
+        """Answer the token; returns False (and changes nothing) if already answered.
+
+        Raises:
+            TypeError: ``control`` is not a :class:`TokenControl`.
+        """
+        if not isinstance(control, TokenControl):
+            raise TypeError(f"control: expected TokenControl, got {type(control).__name__}")
+        with self._lock:
+            if self._control is not None:
+                return False
+            self._control = control
+            return True
+
+    def poll(self) -> TokenControl | None:
+        """The answer, or None while the consumer has not answered."""
+        return self._control
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A generated token; the consumer must answer ``ack`` exactly once."""
+
+    token: int
+    ack: TokenAck
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteEvent:
+    """The generation ended normally."""
+
+    finish_reason: str
+    """``"stop"`` (end of generation or consumer Stop) or ``"length"`` (max_tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    """The generation failed; no further events follow."""
+
+    error: SchedulerError
+
+
+SchedulerEvent = TokenEvent | CompleteEvent | ErrorEvent
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """What the blocking :meth:`IterationScheduler.generate` helper returns."""
+
+    tokens: list[int]
+    finish_reason: str
+    prompt_ms: float
+    """Submit to first token (whole time if no token; 0 for resumes), reference §3.7."""
+    predicted_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class IterationOutcome:
+    """One caller's share of a direct batched iteration (``SchedulerIterationOutcome``)."""
+
+    predicted: int
+    """Sampled token, or -1 when the request did not sample."""
+    is_eog: bool
+    output_rows: np.ndarray | None
+    """Captured activation rows (non-final stage) or None."""
+    batch_size: int
+    batch_wait_ms: float
+    """Time this request spent queued before its batch ran."""
+    run_ms: float
+    """Time the batched runtime call took."""
+    session_alignment: SessionAlignment | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOutcome(Generic[T]):
+    """Result of a runtime operation run on the worker (``SchedulerRuntimeOutcome``)."""
+
+    value: T
+    queue_wait_ms: float
+    """Enqueue to start of execution."""
+    run_ms: float
+    """Time the operation held the runtime."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A consistent status snapshot published by the worker once per turn."""
+
+    num_waiting: int = 0
+    num_active: int = 0
+    command_queue_depth: int = 0
+    direct_queue_depth: int = 0
+    cache_runtime_queue_depth: int = 0
+    active_runtime_sessions: int = 0
+    max_direct_batch_size: int = 1
+    direct_wave_full: bool = False
+    num_iterations: int = 0
+    num_finished: int = 0
+    num_failed: int = 0
+    num_cancelled: int = 0
+    num_rejected: int = 0
+    """Generations refused because the policy's waiting queue was full."""
+    num_command_queue_full: int = 0
+    """Commands refused because the bounded command queue was full."""
+    num_preempted: int = 0
+    num_direct_iterations: int = 0
+    num_runtime_operations: int = 0
+    last_step_ms: float = 0.0
+    last_execution_ms: float = 0.0
+    last_overhead_ms: float = 0.0
+    failure: str | None = None
+
+    @property
+    def wave_fullness(self) -> float:
+        """Share of the direct batch width occupied by runtime sessions (0..1+)."""
+        return self.active_runtime_sessions / max(self.max_direct_batch_size, 1)
+
+
+# -- commands other threads send to the worker (reference §3.3) ---------------------------
+# Direct iterations (``direct_batch.DirectIteration``) and runtime operations
+# (``cache_runtime.RuntimeOperation``) are commands themselves.
+
+
+@dataclass(slots=True)
+class SubmitCommand:
+    request: GenerationRequest
+    on_event: Callable[[SchedulerEvent], None]
+    runtime_configured: bool = False
+    """The caller already owns an active runtime session (resume)."""
+
+
+@dataclass(slots=True)
+class CancelCommand:
+    req_id: str
+
+
+@dataclass(slots=True)
+class CacheAwareRuntimeCommand:
+    operation: RuntimeOperation
+    prompt_tokens: Sequence[int]
+    priority: int
+    payload: CachePayload
+    refresh_affinity: Callable[[], CacheAffinity] | None
+
+
+class ShutdownCommand:
+    """Stop the worker; everything still held fails with "iteration scheduler stopped"."""

@@ -1,0 +1,262 @@
+"""Direct iterations (reference §3.5, §3.8, §3.10; §3.13 tests 3-7, 10-15, 26)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from skippyd.engine.direct_batch import (
+    DirectIteration,
+    direct_coalesce_target,
+    effective_scheduler_lane_count,
+    should_serve_direct,
+    take_direct_iteration_batch,
+    validate_direct_iteration,
+)
+from skippyd.engine.runtime_api import (
+    InvalidIterationError,
+    IterationOutput,
+    IterationPhase,
+    IterationSample,
+)
+from skippyd.engine.worker_client import wait_for_reply
+from skippyd.engine.worker_types import (
+    CancellationToken,
+    DeadlineExceededError,
+    InvalidRequestError,
+    RequestCancelledError,
+    SchedulerBackendError,
+)
+
+WAIT_S = 5.0
+
+
+@dataclass
+class Item:
+    name: str
+    session_id: str
+    num_tokens: int
+
+
+def names(items) -> list[str]:
+    return [item.name for item in items]
+
+
+def test_expired_direct_iteration_behind_blocked_worker_never_reaches_native_runtime(
+    runtime_factory, make_scheduler, blocked_worker
+):
+    runtime = runtime_factory()
+    scheduler = make_scheduler(runtime)
+    _, release = blocked_worker(scheduler)
+    deadline = time.monotonic() + 0.050
+    iteration = DirectIteration("s", [1, 2], sample_last=True, deadline=deadline)
+    reply = scheduler.submit_iteration(iteration)
+    with pytest.raises(DeadlineExceededError, match="deadline exceeded"):
+        scheduler.execute_iteration("s2", [3], deadline=deadline)
+    release.set()
+    error = reply.exception(timeout=WAIT_S)
+    assert isinstance(error, DeadlineExceededError)
+    assert "deadline exceeded" in error.message
+    assert runtime.calls == []
+    assert runtime.active_session_count() == 0
+
+
+def test_direct_iteration_rechecks_deadline_after_worker_reply():
+    worker_thread = threading.current_thread()
+    reply: Future = Future()
+    reply.set_exception(SchedulerBackendError("worker said no"))
+    deadline = time.monotonic() - 0.001
+    check_calls = []
+
+    def check() -> None:
+        check_calls.append(1)
+        if len(check_calls) > 1 and time.monotonic() >= deadline:
+            raise DeadlineExceededError(
+                "cache operation deadline exceeded during scheduler iteration")
+
+    with pytest.raises(DeadlineExceededError, match="deadline exceeded"):
+        wait_for_reply(reply, check, deadline, worker_thread)
+    assert len(check_calls) == 2  # once before waiting, once after the reply
+
+
+def test_direct_iteration_deadline_wins_over_a_late_worker_reply(
+    runtime_factory, make_scheduler
+):
+    runtime = runtime_factory()
+    runtime.gate = threading.Event()
+    runtime.failures.append(InvalidIterationError("late failure"))
+    scheduler = make_scheduler(runtime)
+    with pytest.raises(DeadlineExceededError):
+        scheduler.execute_iteration("s", [1], deadline=time.monotonic() + 0.05)
+    assert runtime.entered.wait(WAIT_S)  # the worker started it; its reply comes too late
+    runtime.gate.set()
+
+
+def test_queued_direct_iteration_carries_cancellation_state(runtime_factory, make_scheduler):
+    token = CancellationToken()
+    iteration = DirectIteration("s", [1], cancellation=token)
+    iteration.ensure_active()
+    token.cancel()
+    with pytest.raises(RequestCancelledError, match="request cancelled"):
+        iteration.ensure_active()
+    scheduler = make_scheduler(runtime_factory())
+    with pytest.raises(RequestCancelledError):
+        scheduler.execute_iteration("s", [1], cancellation=token)
+    assert scheduler.stats().command_queue_depth == 0
+
+
+@pytest.mark.parametrize(("continuous_batching", "batch_size"), [(True, 2), (False, 1)])
+def test_continuous_batching_controls_multi_request_direct_iterations(
+    runtime_factory, make_scheduler, blocked_worker, continuous_batching, batch_size
+):
+    lanes = effective_scheduler_lane_count(2, False, continuous_batching)
+    queue = deque([Item("a", "a", 1), Item("b", "b", 1)])
+    assert names(take_direct_iteration_batch(queue, lanes, 2048)) == ["a", "b"][:batch_size]
+    assert len(queue) == 2 - batch_size
+
+    runtime = runtime_factory(lane_count=2)
+    scheduler = make_scheduler(runtime, continuous_batching=continuous_batching)
+    _, release = blocked_worker(scheduler)
+    replies = [scheduler.submit_iteration(DirectIteration(s, [1, 2], sample_last=True))
+               for s in ("a", "b")]
+    release.set()
+    outcomes = [reply.result(timeout=WAIT_S) for reply in replies]
+    assert [outcome.batch_size for outcome in outcomes] == [batch_size, batch_size]
+    assert len(runtime.calls) == 2 // batch_size
+
+
+@pytest.mark.parametrize(("active", "queued", "max_batch", "target"),
+                         [(1, 1, 16, 1), (16, 1, 16, 16), (32, 4, 16, 16), (0, 4, 16, 4)])
+def test_direct_coalescing_tracks_active_sessions_without_penalizing_singletons(
+    active, queued, max_batch, target
+):
+    assert direct_coalesce_target(active, queued, max_batch) == target
+
+
+def test_feature_driver_iterations_enforce_the_native_batch_shape():
+    validate_direct_iteration([1], [], None)
+    validate_direct_iteration([1, 2], [0, 1], None)
+    validate_direct_iteration([1, 2], [0, 1, 2, 3, 0, 1, 2, 3], None)  # mRoPE: 4 per token
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        validate_direct_iteration([], [], None)
+    with pytest.raises(InvalidRequestError, match="token-major"):
+        validate_direct_iteration([1, 2], [0, 1, 2], None)
+    with pytest.raises(InvalidRequestError, match="512-token configured iteration limit"):
+        validate_direct_iteration([1] * 513, [], 512)
+    with pytest.raises(InvalidRequestError, match="2048-token configured iteration limit"):
+        validate_direct_iteration([1] * 2049, [], None)
+    rows = np.zeros((3, 8), dtype=np.float32)
+    validate_direct_iteration([], [], None, rows)
+    with pytest.raises(InvalidRequestError, match="disagree"):
+        validate_direct_iteration([1, 2], [], None, rows)
+
+
+def test_direct_iteration_batch_defers_duplicate_sessions():
+    queue = deque([Item("first", "same", 1), Item("second", "same", 1), Item("o", "other", 1)])
+    assert names(take_direct_iteration_batch(queue, 8, 2048)) == ["first", "o"]
+    assert names(queue) == ["second"]
+
+
+def test_direct_prefill_wave_never_exceeds_configured_native_batch_tokens():
+    queue = deque(Item(f"p{i}", f"s{i}", 128) for i in range(8))
+    batch = take_direct_iteration_batch(queue, 16, 512)
+    assert names(batch) == ["p0", "p1", "p2", "p3"]
+    assert sum(item.num_tokens for item in batch) == 512
+    assert names(queue) == ["p4", "p5", "p6", "p7"]
+
+
+def oversized_head() -> deque[Item]:
+    return deque([Item("prefill-a", "prefill-a", 384), Item("prefill-b", "prefill-b", 256),
+                  Item("decode-a", "decode-a", 1), Item("decode-b", "decode-b", 1)])
+
+
+def test_direct_wave_packs_decode_rows_queued_behind_an_oversized_prefill_chunk():
+    queue = oversized_head()
+    queue.append(Item("late", "late", 1))
+    batch = take_direct_iteration_batch(queue, 4, 512)
+    assert names(batch) == ["prefill-a", "decode-a", "decode-b", "late"]
+    assert names(queue) == ["prefill-b"]
+
+
+def test_deferred_prefill_chunk_stays_ahead_of_requests_it_did_not_reach():
+    queue = oversized_head()
+    batch = take_direct_iteration_batch(queue, 2, 512)
+    assert names(batch) == ["prefill-a", "decode-a"]
+    assert names(queue) == ["prefill-b", "decode-b"]
+
+
+def test_deferred_prefill_chunk_is_not_overtaken_by_its_own_session():
+    queue = deque([Item("prefill-a", "prefill-a", 384), Item("same-256", "same", 256),
+                   Item("same-1", "same", 1), Item("decode-a", "decode-a", 1)])
+    batch = take_direct_iteration_batch(queue, 4, 512)
+    assert names(batch) == ["prefill-a", "decode-a"]
+    assert names(queue) == ["same-256", "same-1"]
+
+
+@pytest.mark.parametrize(("has_direct", "has_planned", "last_direct", "expected"), [
+    (True, True, False, True),
+    (True, True, True, False),
+    (True, False, True, True),
+    (False, True, False, False),
+    (False, False, False, False),
+])
+def test_direct_and_planned_work_alternate_without_starvation(
+    has_direct, has_planned, last_direct, expected
+):
+    assert should_serve_direct(has_direct, has_planned, last_direct) is expected
+
+
+def test_frame_iteration_aligns_a_session_that_is_ahead(runtime_factory, make_scheduler):
+    runtime = runtime_factory()
+    scheduler = make_scheduler(runtime)
+    first = scheduler.execute_iteration("s", [1, 2, 3, 4], sample_last=True)
+    assert first.predicted == 104 and first.batch_size == 1 and first.session_alignment is None
+    outcome = scheduler.execute_frame_iteration("s", 2, [7], [2], None, None, True)
+    assert outcome.session_alignment.before_token_count == 4
+    assert outcome.session_alignment.after_token_count == 2
+    assert outcome.predicted == 103  # the session is 3 tokens long after the trim + row
+    assert runtime.calls[-1][0].phase is IterationPhase.DECODE
+    unsampled = scheduler.execute_iteration("s", [8])
+    assert unsampled.predicted == -1
+
+
+class _MalformedRuntime:
+    """Wraps the fake and corrupts its output."""
+
+    def __init__(self, runtime, corrupt) -> None:
+        self._runtime = runtime
+        self._corrupt = corrupt
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def iteration_batch_sampled(self, requests):
+        return self._corrupt(self._runtime.iteration_batch_sampled(requests))
+
+
+@pytest.mark.parametrize(("corrupt", "message"), [
+    (lambda out: IterationOutput(output_rows=[None] * 3, samples=out.samples),
+     "returned 3 outputs for 2 requests"),
+    (lambda out: IterationOutput(out.output_rows, [IterationSample(5, 1, False)]),
+     "sample references request 5, but only 2 requests ran"),
+    (lambda out: IterationOutput(out.output_rows, [*out.samples, out.samples[0]]),
+     "duplicate sample for request 0"),
+])
+def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_scheduler,
+                                                    blocked_worker, corrupt, message):
+    fake = runtime_factory()
+    scheduler = make_scheduler(_MalformedRuntime(fake, corrupt))
+    _, release = blocked_worker(scheduler)
+    replies = [scheduler.submit_iteration(DirectIteration(s, [1], sample_last=True))
+               for s in ("a", "b")]
+    release.set()
+    for reply in replies:
+        error = reply.exception(timeout=WAIT_S)
+        assert isinstance(error, SchedulerBackendError)
+        assert message in error.message

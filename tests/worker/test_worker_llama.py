@@ -1,0 +1,89 @@
+"""The worker over the real llama.cpp runtime, with the tiny self-written model."""
+
+from __future__ import annotations
+
+import pytest
+from fake_runtime import EventRecorder
+
+from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.worker_types import CompleteEvent, GenerationRequest, TokenControl, TokenEvent
+
+GREEDY = SamplingConfig(temperature=0.0)
+PROMPTS = {"a": [1, 10, 20, 30, 40], "b": [1, 50, 60], "c": [1, 70, 80, 90, 100, 110, 120]}
+MAX_TOKENS = 6
+WAIT_S = 30.0
+
+
+def open_runtime(path) -> LlamaRuntime:
+    return LlamaRuntime(RuntimeOptions(str(path), lane_count=3, ctx_size=256, n_batch=128,
+                                       n_ubatch=32, threads=2))
+
+
+def solo_greedy(runtime: LlamaRuntime, session: str, prompt: list[int]) -> list[int]:
+    """Greedy tokens of one session run alone, straight on the runtime."""
+    tokens: list[int] = []
+    request = IterationRequest(session, prompt, sampling=GREEDY, sample_last=True)
+    while len(tokens) < MAX_TOKENS:
+        sample = runtime.iteration_batch_sampled([request]).samples[0]
+        if sample.is_eog:
+            break
+        tokens.append(sample.token)
+        request = IterationRequest(session, [sample.token], sampling=GREEDY, sample_last=True,
+                                   phase=IterationPhase.DECODE)
+    return tokens
+
+
+@pytest.fixture
+def llama_runtime(tiny_model_path):
+    runtime = open_runtime(tiny_model_path)
+    yield runtime
+    runtime.close()
+
+
+def test_scheduled_generation_matches_the_runtime_run_alone(tiny_model_path, llama_runtime,
+                                                            make_scheduler):
+    with open_runtime(tiny_model_path) as reference:
+        expected = solo_greedy(reference, "a", PROMPTS["a"])
+    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
+    result = scheduler.generate(PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
+    assert result.tokens == expected
+    assert result.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
+    scheduler.execute_runtime("barrier", lambda _rt: None)
+    assert llama_runtime.active_session_count() == 0
+
+
+def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_scheduler,
+                                                           blocked_worker):
+    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
+    _, release = blocked_worker(scheduler)
+    recorders = {name: EventRecorder() for name in PROMPTS}
+    for name, prompt in PROMPTS.items():
+        scheduler.submit_generation(GenerationRequest(name, prompt, MAX_TOKENS, GREEDY),
+                                    recorders[name])
+    calls_before = llama_runtime.decode_calls
+    release.set()
+    total_tokens = 0
+    for recorder in recorders.values():
+        while isinstance(event := recorder.next(WAIT_S), TokenEvent):
+            total_tokens += 1
+            event.ack.send(TokenControl.CONTINUE)
+        assert isinstance(event, CompleteEvent)
+    calls = llama_runtime.decode_calls - calls_before
+    # One batched call per step: far fewer calls than tokens produced by three sessions.
+    assert calls < total_tokens
+    scheduler.execute_runtime("barrier", lambda _rt: None)
+    assert llama_runtime.active_session_count() == 0
+
+
+def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_scheduler):
+    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
+    first = scheduler.execute_iteration("s", PROMPTS["b"], sampling=GREEDY, sample_last=True)
+    assert first.predicted >= 0 and first.batch_size == 1
+    count = scheduler.execute_runtime("count", lambda rt: rt.session_token_count("s"))
+    assert count == len(PROMPTS["b"])
+    aligned = scheduler.execute_frame_iteration("s", 2, [first.predicted], [2], GREEDY, None,
+                                                True)
+    assert aligned.session_alignment.before_token_count == len(PROMPTS["b"])
+    assert aligned.session_alignment.after_token_count == 2
+    scheduler.execute_runtime("drop", lambda rt: rt.drop_session("s"))
