@@ -1,0 +1,97 @@
+"""The boundary between the HTTP layer and whatever serves generations.
+
+The OpenAI app codes against :class:`ServingBackend` only; the daemon implements it over
+the llama.cpp runtime and the iteration-scheduler worker, tests with a scripted fake.
+Generation requests and events are the worker's own types
+(:mod:`skippyd.engine.worker_types`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Literal, Protocol, runtime_checkable
+
+from skippyd.engine.worker_types import GenerationRequest, SchedulerEvent
+
+logger = logging.getLogger(__name__)
+
+HealthStatus = Literal["loading", "ok", "failed", "draining"]
+
+
+@runtime_checkable
+class IncrementalDetokenizer(Protocol):
+    """Turns one generation's tokens into text, one token at a time.
+
+    Text comes out UTF-8 safe: bytes of an incomplete character are held until the
+    token that completes it. Control tokens (end-of-turn and the like) render as "".
+    """
+
+    def feed(self, token: int) -> str:
+        """Return the text that ``token`` completes (possibly "")."""
+        ...
+
+    def flush(self) -> str:
+        """Return whatever is still held at the end of generation."""
+        ...
+
+
+@runtime_checkable
+class ServingBackend(Protocol):
+    """What the OpenAI app needs from the serving side.
+
+    ``tokenize``, ``render_chat`` and ``tokenize_chat`` run in a thread pool (several at
+    once: they must be thread-safe); every other method is called on the event-loop
+    thread and must not block. ``submit``'s ``on_event`` is called on the worker thread.
+    """
+
+    model_id: str
+    """The name reported in ``/v1/models`` and in every response's ``model``."""
+    ctx_size: int
+    """Context limit of one sequence, in tokens (prompt + completion)."""
+    n_vocab: int
+    """Vocabulary size; token ids in prompts and ``logit_bias`` must be below it."""
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """Apply the model's chat template with the generation prompt appended.
+
+        Raises:
+            ValueError: The messages do not fit the template (e.g. bad role order).
+        """
+        ...
+
+    def tokenize_chat(self, text: str) -> list[int]:
+        """Tokenize a rendered chat prompt (the backend knows whether the template
+        already emitted BOS, so it decides whether to add special tokens)."""
+        ...
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """Return a fresh detokenizer for one generation."""
+        ...
+
+    def submit(
+        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+    ) -> None:
+        """Queue a generation; events arrive through ``on_event`` on the worker thread.
+
+        Raises:
+            QueueFullError: The generation queue is full (HTTP 429).
+            SchedulerStoppedError: The worker is gone or draining (HTTP 503).
+        """
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Abandon a generation and free its lane. Idempotent; never raises."""
+        ...
+
+    def health(self) -> tuple[HealthStatus, str | None]:
+        """Return the serving state and, when not ``"ok"``, a reason (or None)."""
+        ...
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a finished or running request served from the prefix cache."""
+        ...

@@ -1,0 +1,212 @@
+"""One generation seen from the HTTP side: worker events in, safe text pieces out.
+
+The worker calls ``on_event`` on its own thread; events are handed to the event loop
+with ``call_soon_threadsafe`` and answered there. Each token is acknowledged exactly
+once: ``STOP`` when a stop string matched or the HTTP-side budget ran out (so the worker
+frees the lane at once), ``CONTINUE`` otherwise. Closing an unfinished stream cancels
+the sequence and stops every token still in flight (reference §3.7, client side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from skippyd.engine.worker_types import (
+    CompleteEvent,
+    ErrorEvent,
+    GenerationRequest,
+    QueueFullError,
+    SchedulerError,
+    SchedulerEvent,
+    TokenControl,
+    TokenEvent,
+)
+from skippyd.server.backend import ServingBackend
+from skippyd.server.errors import ApiError
+from skippyd.server.requests import GenerationParams
+from skippyd.server.stops import StopMatcher
+
+if TYPE_CHECKING:
+    from skippyd.server.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def api_error_from(error: SchedulerError) -> ApiError:
+    """Map a scheduler error to the HTTP error it suggests (429 gets ``Retry-After``)."""
+    headers = {}
+    if error.retry_after_s is not None or isinstance(error, QueueFullError):
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s or 1)))
+    status = error.status if 400 <= error.status <= 599 else 500
+    return ApiError(status, error.message, code=error.kind, headers=headers)
+
+
+class GenerationStream:
+    """Drives one submitted generation and yields its text.
+
+    Args:
+        backend: The serving backend.
+        request_id: Unique id, also used as the response id.
+        prompt_tokens: The tokenized prompt.
+        max_tokens: Completion budget (already checked against the context).
+        params: Parsed request parameters (sampling, stops).
+        metrics: Where the request's lifecycle is recorded, if anywhere.
+    """
+
+    def __init__(
+        self,
+        backend: ServingBackend,
+        request_id: str,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        params: GenerationParams,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_tokens)
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        """``"stop"`` or ``"length"`` once finished."""
+        self._backend = backend
+        self._request = GenerationRequest(
+            request_id=request_id,
+            prompt_tokens=list(prompt_tokens),
+            max_tokens=max_tokens,
+            sampling=params.sampling,
+        )
+        self._stops = StopMatcher(params.stop)
+        self._detokenizer = backend.detokenizer()
+        # NOTE: unbounded, but the worker sends at most max_tokens tokens plus one
+        # terminal event per request, so its length is bounded by the request.
+        self._queue: asyncio.Queue[SchedulerEvent] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._submitted = False
+        self._settled = False
+        self._closed = False
+        self._timer = metrics.start_request(request_id, len(prompt_tokens)) if metrics else None
+
+    def start(self) -> None:
+        """Submit the generation. Call on the event loop thread.
+
+        Raises:
+            ApiError: 429 with ``Retry-After`` when the queue is full, 503 when the
+                worker is stopped, or the status the scheduler suggests.
+        """
+        self._loop = asyncio.get_running_loop()
+        try:
+            self._backend.submit(self._request, self._on_event)
+        except SchedulerError as exc:
+            logger.info("submit of %s refused: %s", self.request_id, exc.kind)
+            if self._timer is not None:
+                self._timer.on_refused(exc)
+            raise api_error_from(exc) from exc
+        self._submitted = True
+        if self._timer is not None:
+            self._timer.on_submitted()
+        logger.debug("submitted %s", self._request.anon_repr())
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Yield non-empty text pieces until the generation finishes.
+
+        Raises:
+            ApiError: The worker reported an error for this request.
+        """
+        while self.finish_reason is None:
+            text = self._handle(await self._queue.get())
+            if text:
+                yield text
+
+    async def collect(self) -> str:
+        """Return the whole generated text (non-streaming responses)."""
+        return "".join([piece async for piece in self.pieces()])
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, per the backend."""
+        return self._backend.cached_prompt_tokens(self.request_id)
+
+    def close(self) -> None:
+        """Release the generation. Idempotent; safe at any point after construction.
+
+        An unfinished generation (client gone, error in the handler) is cancelled and
+        every token event not yet answered is answered ``STOP``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        while not self._queue.empty():
+            self._stop_if_token(self._queue.get_nowait())
+        if self._submitted and not self._settled:
+            logger.info("cancelling unfinished generation %s", self.request_id)
+            self._backend.cancel(self.request_id)
+            if self._timer is not None:
+                self._timer.on_cancelled()
+
+    # -- worker thread -----------------------------------------------------------------
+
+    def _on_event(self, event: SchedulerEvent) -> None:
+        assert self._loop is not None, "events before start()"
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:
+            # The loop is closed (server shut down): nobody will read this token.
+            self._stop_if_token(event)
+
+    # -- event loop thread -------------------------------------------------------------
+
+    def _deliver(self, event: SchedulerEvent) -> None:
+        if self._closed:
+            self._stop_if_token(event)
+        else:
+            if self._timer is not None:
+                self._timer.on_event(event)
+            self._queue.put_nowait(event)
+
+    @staticmethod
+    def _stop_if_token(event: SchedulerEvent) -> None:
+        if isinstance(event, TokenEvent):
+            event.ack.send(TokenControl.STOP)
+
+    def _handle(self, event: SchedulerEvent) -> str:
+        if isinstance(event, TokenEvent):
+            return self._handle_token(event)
+        self._settled = True
+        if isinstance(event, CompleteEvent):
+            text = self._drain_text()
+            self.finish_reason = self.finish_reason or event.finish_reason
+            return text
+        if isinstance(event, ErrorEvent):
+            self.finish_reason = "error"
+            logger.warning("generation %s failed: %s", self.request_id, event.error.kind)
+            raise api_error_from(event.error)
+        raise RuntimeError(f"unexpected scheduler event {type(event).__name__}")
+
+    def _handle_token(self, event: TokenEvent) -> str:
+        self.num_completion_tokens += 1
+        step = self._stops.push(self._detokenizer.feed(event.token))
+        if step.stopped:
+            self._finish_early("stop", event)
+            return step.text
+        if self.num_completion_tokens >= self._request.max_tokens:
+            self._finish_early("length", event)
+            return step.text + self._drain_text()
+        event.ack.send(TokenControl.CONTINUE)
+        return step.text
+
+    def _finish_early(self, reason: str, event: TokenEvent) -> None:
+        # NOTE: STOP frees the lane within one iteration; no cancel is needed after it.
+        event.ack.send(TokenControl.STOP)
+        self._settled = True
+        self.finish_reason = reason
+        if self._timer is not None:
+            self._timer.on_finished(reason)
+
+    def _drain_text(self) -> str:
+        """Release what the detokenizer and the stop matcher still hold."""
+        step = self._stops.push(self._detokenizer.flush())
+        if step.stopped:
+            self.finish_reason = "stop"
+            return step.text
+        return step.text + self._stops.flush()

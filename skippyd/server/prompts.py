@@ -1,0 +1,90 @@
+"""Parse the prompt of a completions request and the messages of a chat request."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from skippyd.server.errors import invalid_field, unsupported_field
+from skippyd.server.unsupported import is_int, is_set
+
+logger = logging.getLogger(__name__)
+
+
+def parse_prompt(value: Any, n_vocab: int | None) -> str | tuple[int, ...]:
+    """Parse ``prompt``: a string, a list of token ids, or a one-element list of either.
+
+    Args:
+        value: The ``prompt`` field.
+        n_vocab: Vocabulary size to check token ids against, if known.
+
+    Returns:
+        The prompt text or its token ids.
+
+    Raises:
+        ApiError: 400 naming ``prompt`` (several prompts in one request included).
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise invalid_field("prompt", "must be a string or a non-empty list of token ids")
+    if all(is_int(item) for item in value):
+        return _check_token_ids(value, n_vocab)
+    if all(isinstance(item, str | list) for item in value):
+        if len(value) > 1:
+            raise unsupported_field("prompt", f"a batch of {len(value)} prompts")
+        return parse_prompt(value[0], n_vocab)
+    raise invalid_field("prompt", "must be a string or a list of integer token ids")
+
+
+def _check_token_ids(ids: list[int], n_vocab: int | None) -> tuple[int, ...]:
+    limit = n_vocab if n_vocab is not None else 2**31
+    for token in ids:
+        if not 0 <= token < limit:
+            raise invalid_field("prompt", f"token id {token} is outside [0, {limit})")
+    return tuple(ids)
+
+
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+    """Parse ``messages`` into ``{"role", "content"}`` dicts with text content.
+
+    Raises:
+        ApiError: 400 naming the message field at fault; non-text content parts and
+            tool calls are refused as unsupported.
+    """
+    if not isinstance(value, list) or not value:
+        raise invalid_field("messages", "must be a non-empty list of message objects")
+    return tuple(_parse_message(index, item) for index, item in enumerate(value))
+
+
+def _parse_message(index: int, item: Any) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise invalid_field(where, "must be an object")
+    role = item.get("role")
+    if not isinstance(role, str) or not role:
+        raise invalid_field(f"{where}.role", "must be a non-empty string")
+    if is_set(item.get("tool_calls")) or is_set(item.get("function_call")):
+        raise unsupported_field(f"{where}.tool_calls", "tool calling")
+    # NOTE: chat templates predate the "developer" role; it means "system" to them.
+    role = "system" if role == "developer" else role
+    return {"role": role, "content": _parse_content(where, item.get("content"))}
+
+
+def _parse_content(where: str, content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid_field(f"{where}.content", "must be a string or a list of content parts")
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise invalid_field(f"{where}.content[{index}]", "must be an object")
+        if part.get("type") != "text":
+            raise unsupported_field(f"{where}.content[{index}].type", repr(part.get("type")))
+        if not isinstance(part.get("text"), str):
+            raise invalid_field(f"{where}.content[{index}].text", "must be a string")
+        texts.append(part["text"])
+    return "".join(texts)

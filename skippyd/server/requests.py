@@ -1,0 +1,317 @@
+"""Parse and validate OpenAI request bodies into typed parameters.
+
+Every check names the offending field (``param``) in a 400, and limits name the limit.
+Options the server cannot honour (``n > 1``, logprobs, tools, ``echo``…) are refused
+with a 400 instead of being ignored. Parsing changes no state; the tokenizer-dependent
+checks (prompt length, context size) happen in the app once the prompt is tokenized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from skippyd.engine.runtime_api import MAX_LOGIT_BIAS, SamplingConfig
+from skippyd.server.errors import ApiError, invalid_field
+from skippyd.server.prompts import parse_messages, parse_prompt
+from skippyd.server.unsupported import is_int, reject_unsupported
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+_MAX_SEED = 2**64 - 1
+#: OpenAI's range for presence/frequency penalties and logit-bias values.
+_PENALTY_RANGE = (-2.0, 2.0)
+_BIAS_RANGE = (-100.0, 100.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Per-request limits of the HTTP layer; each is enforced with a 4xx naming it."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body (413 above)."""
+    max_prompt_tokens: int = 131_072
+    """Largest prompt after tokenization, chat template applied."""
+    max_tokens_limit: int = 32_768
+    """Largest ``max_tokens`` / ``max_completion_tokens`` a client may ask for."""
+    max_stop_strings: int = 16
+    """Most entries in ``stop``."""
+    max_stop_length: int = 256
+    """Longest stop string, in characters."""
+    max_logit_bias: int = MAX_LOGIT_BIAS
+    """Most entries in ``logit_bias`` (cannot exceed the runtime's own cap)."""
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"HttpLimits.{name}: must be > 0 (got {getattr(self, name)})")
+        if self.max_logit_bias > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"HttpLimits.max_logit_bias: at most {MAX_LOGIT_BIAS} (got {self.max_logit_bias})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What both endpoints share: budget, sampling, stops and streaming options."""
+
+    max_tokens: int | None
+    """Client's completion budget; None means the server default (capped by context)."""
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    """``stream_options.include_usage``: send a final usage chunk when streaming."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionParams:
+    """A parsed ``POST /v1/completions`` body."""
+
+    prompt: str | tuple[int, ...]
+    """Prompt text, or token ids sent by the client."""
+    params: GenerationParams
+
+    def anon_repr(self) -> str:
+        """Describe the request for logs without its prompt."""
+        kind = "text" if isinstance(self.prompt, str) else "tokens"
+        return f"CompletionParams(prompt=<{kind}:{len(self.prompt)}>, params={self.params})"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatParams:
+    """A parsed ``POST /v1/chat/completions`` body."""
+
+    messages: tuple[dict[str, str], ...]
+    """``{"role", "content"}`` pairs with content flattened to text."""
+    params: GenerationParams
+
+    def anon_repr(self) -> str:
+        """Describe the request for logs without its messages."""
+        return f"ChatParams(messages=<{len(self.messages)}>, params={self.params})"
+
+
+def parse_completion_request(
+    body: Any, limits: HttpLimits, *, n_vocab: int | None = None
+) -> CompletionParams:
+    """Validate a completions body.
+
+    Args:
+        body: The decoded JSON body.
+        limits: HTTP limits to enforce.
+        n_vocab: Vocabulary size for token-id checks (prompt ids, logit_bias), if known.
+
+    Returns:
+        The typed parameters.
+
+    Raises:
+        ApiError: 400 naming the first bad or unsupported field.
+    """
+    body = _require_object(body)
+    reject_unsupported(body, chat=False)
+    prompt = parse_prompt(body.get("prompt"), n_vocab)
+    return CompletionParams(prompt=prompt, params=_parse_generation(body, limits, n_vocab))
+
+
+def parse_chat_request(
+    body: Any, limits: HttpLimits, *, n_vocab: int | None = None
+) -> ChatParams:
+    """Validate a chat-completions body.
+
+    Args:
+        body: The decoded JSON body.
+        limits: HTTP limits to enforce.
+        n_vocab: Vocabulary size for logit_bias checks, if known.
+
+    Returns:
+        The typed parameters.
+
+    Raises:
+        ApiError: 400 naming the first bad or unsupported field.
+    """
+    body = _require_object(body)
+    reject_unsupported(body, chat=True)
+    messages = parse_messages(body.get("messages"))
+    return ChatParams(messages=messages, params=_parse_generation(body, limits, n_vocab))
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    return body
+
+
+# -- scalar fields ---------------------------------------------------------------------
+
+def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value):
+        raise invalid_field(name, f"must be an integer (got {type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"within [{lo}, {hi}]"
+        raise invalid_field(name, f"must be {bounds} (got {value})")
+    return value
+
+
+def _opt_number(
+    body: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise invalid_field(name, f"must be a finite number (got {value!r})")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        low = "-inf" if lo is None else lo
+        high = "inf" if hi is None else hi
+        raise invalid_field(name, f"must be within [{low}, {high}] (got {value})")
+    return float(value)
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid_field(name, f"must be a boolean (got {type(value).__name__})")
+    return value
+
+
+# -- generation parameters -------------------------------------------------------------
+
+def _parse_generation(
+    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
+) -> GenerationParams:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid_field("model", "must be a string")
+    stream = bool(_opt_bool(body, "stream"))
+    return GenerationParams(
+        max_tokens=_parse_max_tokens(body, limits),
+        sampling=_parse_sampling(body, limits, n_vocab),
+        stop=_parse_stop(body.get("stop"), limits),
+        stream=stream,
+        include_usage=_parse_stream_options(body.get("stream_options")),
+    )
+
+
+def _parse_max_tokens(body: dict[str, Any], limits: HttpLimits) -> int | None:
+    # NOTE: max_completion_tokens is the current OpenAI name; it wins when both are sent.
+    chosen = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = _opt_int(body, name, 1)
+        if value is None:
+            continue
+        if value > limits.max_tokens_limit:
+            raise invalid_field(
+                name, f"{value} exceeds the limit max_tokens_limit={limits.max_tokens_limit}"
+            )
+        chosen = value
+    return chosen
+
+
+def _parse_sampling(
+    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
+) -> SamplingConfig:
+    defaults = SamplingConfig()
+    top_k = _opt_int(body, "top_k", -1)
+    seed = _opt_int(body, "seed", -1, _MAX_SEED)
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    return SamplingConfig(
+        temperature=pick(_opt_number(body, "temperature", 0.0), defaults.temperature),
+        top_k=defaults.top_k if top_k is None or top_k < 0 else top_k,
+        top_p=pick(_opt_number(body, "top_p", 0.0, 1.0), defaults.top_p),
+        min_p=pick(_opt_number(body, "min_p", 0.0, 1.0), defaults.min_p),
+        repeat_penalty=_parse_repeat_penalty(body, defaults.repeat_penalty),
+        presence_penalty=pick(
+            _opt_number(body, "presence_penalty", *_PENALTY_RANGE), defaults.presence_penalty
+        ),
+        frequency_penalty=pick(
+            _opt_number(body, "frequency_penalty", *_PENALTY_RANGE), defaults.frequency_penalty
+        ),
+        seed=None if seed is None or seed < 0 else seed,
+        logit_bias=_parse_logit_bias(body.get("logit_bias"), limits, n_vocab),
+        ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+    )
+
+
+def _parse_repeat_penalty(body: dict[str, Any], default: float) -> float:
+    value = _opt_number(body, "repeat_penalty", 0.0)
+    if value is None:
+        return default
+    if value <= 0.0:
+        raise invalid_field("repeat_penalty", f"must be > 0 (got {value})")
+    return value
+
+
+def _parse_stop(value: Any, limits: HttpLimits) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid_field("stop", "must be a string or a list of strings")
+    if len(stops) > limits.max_stop_strings:
+        raise invalid_field(
+            "stop",
+            f"{len(stops)} stop strings exceed the limit max_stop_strings="
+            f"{limits.max_stop_strings}",
+        )
+    for stop in stops:
+        if not stop:
+            raise invalid_field("stop", "stop strings must not be empty")
+        if len(stop) > limits.max_stop_length:
+            raise invalid_field(
+                "stop",
+                f"a stop string of {len(stop)} characters exceeds the limit max_stop_length="
+                f"{limits.max_stop_length}",
+            )
+    return tuple(stops)
+
+
+def _parse_logit_bias(
+    value: Any, limits: HttpLimits, n_vocab: int | None
+) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid_field("logit_bias", "must be an object mapping token ids to biases")
+    if len(value) > limits.max_logit_bias:
+        raise invalid_field(
+            "logit_bias",
+            f"{len(value)} entries exceed the limit max_logit_bias={limits.max_logit_bias}",
+        )
+    entries = []
+    for key, bias in value.items():
+        if not _TOKEN_ID_KEY.fullmatch(key) or (n_vocab is not None and int(key) >= n_vocab):
+            vocab = "" if n_vocab is None else f" below {n_vocab}"
+            raise invalid_field("logit_bias", f"key {key!r} is not a token id{vocab}")
+        entries.append((int(key), _parse_bias(key, bias)))
+    return tuple(sorted(entries))
+
+
+def _parse_bias(key: str, bias: Any) -> float:
+    low, high = _BIAS_RANGE
+    is_number = isinstance(bias, int | float) and not isinstance(bias, bool)
+    if not is_number or not math.isfinite(bias) or not low <= bias <= high:
+        raise invalid_field(
+            "logit_bias", f"bias for token {key} must be a number within [{low}, {high}]"
+        )
+    return float(bias)
+
+
+def _parse_stream_options(value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise invalid_field("stream_options", "must be an object")
+    include = value.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise invalid_field("stream_options.include_usage", "must be a boolean")
+    return bool(include)

@@ -1,0 +1,166 @@
+"""Response shapes of the OpenAI API and the server-sent-events response.
+
+:class:`ResponseShape` builds the JSON objects of one response (streamed chunks, the
+final usage chunk, or the whole non-streaming body) for either endpoint, so both
+endpoints share one generation loop. :class:`EventStreamResponse` sends ``data:``
+events and always runs its close hook, whether the stream ends, fails, or the client
+goes away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """Encode one ``data:`` event."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """Build the ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """The identity of one response and the builders of its JSON objects."""
+
+    kind: Literal["chat", "completion"]
+    response_id: str
+    """``chatcmpl-…`` or ``cmpl-…``."""
+    created: int
+    """Unix time in seconds."""
+    model: str
+    usage_in_chunks: bool = False
+    """``stream_options.include_usage``: every chunk carries ``usage`` (null until the end)."""
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = self._envelope(name)
+        body["choices"] = [choice]
+        if self.usage_in_chunks:
+            body["usage"] = None
+        return body
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """The opening chunk (chat announces the assistant role), or None."""
+        if self.kind != "chat":
+            return None
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+
+    def text_chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        """A chunk carrying generated text and, on the last one, the finish reason."""
+        if self.kind == "chat":
+            delta = {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        return self._chunk(choice)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The final ``include_usage`` chunk: no choices, just usage."""
+        body = self._chunk({})
+        body["choices"] = []
+        body["usage"] = usage
+        return body
+
+    def full_body(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole non-streaming response."""
+        if self.kind == "chat":
+            body = self._envelope("chat.completion")
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None}
+        else:
+            body = self._envelope("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        body["choices"] = [choice]
+        body["usage"] = usage
+        return body
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response that notices a client going away.
+
+    A watcher task waits for ``http.disconnect`` and cancels the stream, so a client
+    that leaves while the generation is quiet is noticed at once, not at the next write.
+    ``on_close`` runs exactly once in every case; it must not block.
+
+    Args:
+        events: Encoded events to send, in order.
+        on_close: Synchronous clean-up hook (cancels the generation if unfinished).
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        self.status_code = 200
+        self.background = None
+        self._events = events
+        self._on_close = on_close
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch_disconnect, receive, group.cancel_scope)
+                await self._send_events(send)
+                group.cancel_scope.cancel()
+        except* OSError as group:
+            # A server reporting the disconnect through a failed write (ASGI spec 2.4).
+            logger.debug("client went away mid-stream: %s", group.exceptions[0])
+        finally:
+            try:
+                self._on_close()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await _aclose(self._events)
+
+    async def _send_events(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for event in self._events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                logger.debug("client disconnected; cancelling the stream")
+                scope.cancel()
+                return
+
+
+async def _aclose(events: AsyncIterator[bytes]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()

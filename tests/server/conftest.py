@@ -1,0 +1,193 @@
+"""A scripted in-test backend for the OpenAI app tests.
+
+The fake tokenizer maps each UTF-8 byte to one token (id = byte + 1; id 0 is BOS), so
+multi-byte characters are split across tokens exactly as the detokenizer contract
+requires. Generation runs on a background thread in lock-step with the consumer: it
+sends a token, waits (bounded) for its acknowledgement, and stops on ``STOP`` or cancel.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from skippyd.engine.worker_types import (
+    CompleteEvent,
+    ErrorEvent,
+    GenerationRequest,
+    QueueFullError,
+    SchedulerBackendError,
+    SchedulerEvent,
+    SchedulerStoppedError,
+    TokenAck,
+    TokenControl,
+    TokenEvent,
+)
+
+BOS = 0
+WAIT_S = 10.0
+
+
+def byte_tokens(text: str) -> list[int]:
+    """Tokens of ``text`` in the fake vocabulary (no BOS)."""
+    return [byte + 1 for byte in text.encode("utf-8")]
+
+
+class ByteDetokenizer:
+    """Incremental UTF-8 detokenizer over the fake byte vocabulary."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def feed(self, token: int) -> str:
+        if token == BOS:
+            return ""
+        return self._decoder.decode(bytes([token - 1]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class RecordingAck(TokenAck):
+    """A token ack that records answers and lets the fake worker wait for one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = threading.Event()
+        self.num_sends = 0
+
+    def send(self, control: TokenControl) -> bool:
+        self.num_sends += 1
+        accepted = super().send(control)
+        self.answered.set()
+        return accepted
+
+
+@dataclass
+class Generation:
+    """What the fake saw of one submitted request."""
+
+    request: GenerationRequest
+    acks: list[RecordingAck] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: str = "running"
+
+
+class FakeBackend:
+    """Implements ``ServingBackend`` with a deterministic token script."""
+
+    def __init__(self, script: str = "Hello world", *, ctx_size: int = 128) -> None:
+        self.model_id = "fake-model"
+        self.ctx_size = ctx_size
+        self.n_vocab = 257
+        self.script = byte_tokens(script)
+        self.health_state: tuple[str, str | None] = ("ok", None)
+        self.queue_full = False
+        self.stopped = False
+        self.error_after: int | None = None
+        """Send an ErrorEvent after this many tokens."""
+        self.hold_after: int | None = None
+        """After this many tokens, wait for cancel instead of continuing."""
+        self.holding = threading.Event()
+        self.cached_tokens = 3
+        self.generations: dict[str, Generation] = {}
+        self.cancel_calls: list[str] = []
+        self.rendered: list[list[dict[str, str]]] = []
+        self._threads: list[threading.Thread] = []
+
+    # -- ServingBackend ----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return ([BOS] if add_special else []) + byte_tokens(text)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if any(m["role"] == "bad" for m in messages):
+            raise ValueError("roles must alternate")
+        self.rendered.append(messages)
+        turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return f"{turns}<assistant>"
+
+    def tokenize_chat(self, text: str) -> list[int]:
+        return self.tokenize(text, add_special=True)
+
+    def detokenizer(self) -> ByteDetokenizer:
+        return ByteDetokenizer()
+
+    def submit(
+        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+    ) -> None:
+        if self.queue_full:
+            raise QueueFullError()
+        if self.stopped:
+            raise SchedulerStoppedError()
+        generation = Generation(request)
+        self.generations[request.request_id] = generation
+        thread = threading.Thread(target=self._run, args=(generation, on_event), daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def cancel(self, request_id: str) -> None:
+        self.cancel_calls.append(request_id)
+        if request_id in self.generations:
+            self.generations[request_id].cancelled.set()
+
+    def health(self) -> tuple[str, str | None]:
+        return self.health_state
+
+    def cached_prompt_tokens(self, request_id: str) -> int:
+        return self.cached_tokens
+
+    # -- test helpers ------------------------------------------------------------------
+
+    def only_generation(self) -> Generation:
+        assert len(self.generations) == 1, list(self.generations)
+        return next(iter(self.generations.values()))
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(WAIT_S)
+            assert not thread.is_alive(), "fake worker thread did not finish"
+
+    def _run(self, generation: Generation, on_event: Callable[[SchedulerEvent], None]) -> None:
+        try:
+            generation.outcome = self._drive(generation, on_event)
+        finally:
+            generation.done.set()
+
+    def _drive(self, generation: Generation, on_event: Callable[[SchedulerEvent], None]) -> str:
+        request = generation.request
+        for index, token in enumerate(self.script):
+            if index == self.error_after:
+                on_event(ErrorEvent(SchedulerBackendError("decode failed")))
+                return "error"
+            if index == request.max_tokens:
+                on_event(CompleteEvent("length"))
+                return "length"
+            if index == self.hold_after:
+                self.holding.set()
+                return "cancelled" if generation.cancelled.wait(WAIT_S) else "hold-timeout"
+            ack = RecordingAck()
+            generation.acks.append(ack)
+            on_event(TokenEvent(token, ack))
+            if not ack.answered.wait(WAIT_S):
+                return "ack-timeout"
+            if ack.poll() is TokenControl.STOP:
+                on_event(CompleteEvent("stop"))
+                return "stopped"
+        on_event(CompleteEvent("stop"))
+        return "eog"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeBackend]:
+    """A fresh fake backend; its worker threads must all finish by teardown."""
+    backend = FakeBackend()
+    yield backend
+    for generation in backend.generations.values():
+        generation.cancelled.set()
+    backend.join()
