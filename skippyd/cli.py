@@ -80,6 +80,31 @@ def main_callback(
         raise typer.Exit()
 
 
+# -- serve -----------------------------------------------------------------------------
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option("--config", "-c", envvar="SKIPPYD_CONFIG",
+                                                help="Stage config (TOML); default: the embedded model.")] = None,
+    listen: Annotated[str | None, typer.Option(help="HTTP host:port (overrides http.listen).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="SKIPPYD_API_KEY",
+                                                help="Bearer key clients must send.")] = None,
+    model: Annotated[Path | None, typer.Option(help="GGUF model (overrides stage.model_path).")] = None,
+    ctx_size: Annotated[int | None, typer.Option(help="KV cell pool size in tokens.")] = None,
+    lanes: Annotated[int | None, typer.Option(help="Concurrent sequences (runtime.lane_count).")] = None,
+    threads: Annotated[int | None, typer.Option(help="CPU threads for llama.cpp.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.")] = None,
+) -> None:
+    """Serve a model (or a layer range of one) behind an OpenAI-compatible API."""
+    from skippyd.logs import configure_logging
+    from skippyd.server.daemon import run_daemon
+
+    stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
+                                ctx_size=ctx_size, lane_count=lanes, threads=threads,
+                                log_level=log_level)
+    configure_logging(stage.telemetry.log_level)
+    raise typer.Exit(run_daemon(stage))
+
+
 # -- config ----------------------------------------------------------------------------
 @config_app.command("init")
 def config_init(

@@ -48,7 +48,7 @@ def slice_dir(tmp_path_factory):
 
 
 def _chain(smollm2_path, slice_dir, bounds):
-    paths = [cached_slice(smollm2_path, a, b, slice_dir) for a, b in zip(bounds, bounds[1:])]
+    paths = [cached_slice(smollm2_path, a, b, slice_dir) for a, b in zip(bounds, bounds[1:], strict=False)]
     last = len(paths) - 1
     return [LlamaRuntime(_options(p, first=i == 0, final=i == last)) for i, p in enumerate(paths)]
 

@@ -72,3 +72,19 @@ def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
         if len(plan.work) != num_sequences:
             raise RuntimeError(f"expected {num_sequences} decode rows, planned {len(plan.work)}")
     return statistics.median(durations)
+
+
+def main() -> None:
+    """Print the policy step (32 decoding sequences) next to a real 8-sequence decode step."""
+    from skippyd.bench.runtime import median_decode_step_s
+    from skippyd.config import default_model_path
+
+    policy_s = measure_policy_step(32)
+    step_s = median_decode_step_s(str(default_model_path()), batch=8)
+    print(f"policy plan+complete, 32 sequences: {policy_s * 1e6:8.1f} us (median)")
+    print(f"runtime decode step, 8 sequences:   {step_s * 1e6:8.1f} us (median)")
+    print(f"policy / step: {policy_s / step_s:.2%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,6 +63,29 @@ def skippyd_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
     return batch * steps / elapsed
 
 
+def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
+                         threads: int = 2) -> float:
+    """Median wall time of one ``batch``-sequence decode step of the real runtime."""
+    options = RuntimeOptions(model_path, lane_count=batch, ctx_size=4096, n_batch=512,
+                             n_ubatch=512, threads=threads)
+    with LlamaRuntime(options) as rt:
+        ids = [f"step-{i}" for i in range(batch)]
+        out = rt.iteration_batch_sampled([
+            IterationRequest(s, _prompt(i), sampling=GREEDY, sample_last=True)
+            for i, s in enumerate(ids)
+        ])
+        last = {ids[s.request_index]: s.token for s in out.samples}
+        durations = []
+        for _ in range(steps):
+            requests = [IterationRequest(s, [last[s]], sampling=GREEDY, sample_last=True,
+                                         phase=IterationPhase.DECODE) for s in ids]
+            started = time.perf_counter()
+            out = rt.iteration_batch_sampled(requests)
+            durations.append(time.perf_counter() - started)
+            last.update({ids[s.request_index]: s.token for s in out.samples})
+    return statistics.median(durations)
+
+
 def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
     """The same work as a minimal hand-written loop over the raw llama.cpp API."""
     ctx, mem = rt.context, L.llama_get_memory(rt.context)

@@ -1,0 +1,175 @@
+"""``skippyd serve``: the daemon's life story — startup, serve, drain, shutdown.
+
+The HTTP port opens first and answers ``/health`` with 503 while the model loads in a
+worker thread; once the stage engine is up, ``/health`` turns 200. SIGINT/SIGTERM (via
+uvicorn's handlers) start a bounded drain: new generations get 503, running ones may
+finish within ``http.drain_timeout_s``, then the worker is stopped, failing whatever it
+still holds with an error, and llama.cpp is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+
+import uvicorn
+
+from skippyd.config import StageConfig
+from skippyd.engine.gguf_tools import ModelFileError
+from skippyd.server.engine import StageEngine, StartupError
+from skippyd.server.openai_api import create_app
+from skippyd.server.requests import HttpLimits
+from skippyd.server.sdnotify import SystemdNotifier
+
+logger = logging.getLogger(__name__)
+
+#: Exit code of a daemon that could not start (uvicorn's STARTUP_FAILURE).
+STARTUP_FAILURE = 3
+#: How often the systemd STATUS line is refreshed when no watchdog asks for more.
+STATUS_INTERVAL_S = 5.0
+
+
+def http_limits(config: StageConfig) -> HttpLimits:
+    http = config.http
+    return HttpLimits(
+        max_body_bytes=http.max_body_bytes,
+        max_prompt_tokens=http.max_prompt_tokens,
+        max_tokens_limit=http.max_tokens_limit,
+        max_stop_strings=http.max_stop_strings,
+        max_stop_length=http.max_stop_length,
+        max_logit_bias=http.max_logit_bias,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a started event and a drain hook (no polling)."""
+
+    def __init__(self, config: uvicorn.Config, engine: StageEngine,
+                 notifier: SystemdNotifier) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.notifier = notifier
+        self.started_event = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """Like uvicorn's, minus re-raising the signal after a graceful exit.
+
+        The daemon owns the process: SIGTERM means "drain, then exit 0", not "die by it".
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        self.started_event.set()
+
+    async def shutdown(self, sockets=None) -> None:
+        # Drain: new generations get 503 at once; uvicorn closes the listeners and waits
+        # up to timeout_graceful_shutdown for running requests before cancelling them.
+        self.engine.begin_drain()
+        self.notifier.stopping("draining: finishing running requests")
+        logger.info("draining: waiting up to %ss for running requests",
+                    self.config.timeout_graceful_shutdown)
+        await super().shutdown(sockets=sockets)
+
+
+class Daemon:
+    """One stage process serving HTTP over a :class:`StageEngine`."""
+
+    def __init__(self, config: StageConfig) -> None:
+        if config.http is None:
+            raise StartupError("only the first stage serves HTTP")
+        self.config = config
+        self.engine = StageEngine(config)
+        app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
+                         default_max_tokens=config.http.default_max_tokens)
+        host, port = config.http.address
+        uv_config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
+            limit_concurrency=config.http.max_connections,
+        )
+        self.notifier = SystemdNotifier()
+        if self.notifier.watchdog_s is not None:
+            # A runtime call stuck for half the watchdog period stops the pings.
+            self.engine.hang_threshold_s = min(self.engine.hang_threshold_s,
+                                               self.notifier.watchdog_s / 2)
+        self.server = _Server(uv_config, self.engine, self.notifier)
+        self.exit_code = 0
+
+    @property
+    def bound_address(self) -> tuple[str, int] | None:
+        """The (host, port) actually listened on (useful with port 0)."""
+        for server in getattr(self.server, "servers", []):
+            for sock in server.sockets:
+                return sock.getsockname()[:2]
+        return None
+
+    async def serve(self) -> int:
+        """Run until a signal stops the server; return the process exit code."""
+        serving = asyncio.create_task(self.server.serve())
+        started = asyncio.create_task(self.server.started_event.wait())
+        await asyncio.wait({serving, started}, return_when=asyncio.FIRST_COMPLETED)
+        if not self.server.started_event.is_set():
+            await serving
+            return STARTUP_FAILURE  # could not bind: uvicorn logged why
+        await self._load()
+        housekeeping = asyncio.create_task(self._housekeeping())
+        await serving
+        housekeeping.cancel()
+        await asyncio.to_thread(self.engine.close)
+        self.notifier.close()
+        logger.info("stage %s stopped", self.config.stage.id)
+        return self.exit_code
+
+    async def _housekeeping(self) -> None:
+        """Watchdog pings while the worker is alive, and a STATUS line for systemctl."""
+        watchdog_s = self.notifier.watchdog_s
+        interval = watchdog_s / 4 if watchdog_s is not None else STATUS_INTERVAL_S
+        while True:
+            if watchdog_s is not None and self.engine.is_alive(self.engine.hang_threshold_s):
+                self.notifier.watchdog()
+            self.notifier.status(self.status_line())
+            await asyncio.sleep(interval)
+
+    def status_line(self) -> str:
+        state, reason = self.engine.health()
+        scheduler = self.engine.scheduler
+        if state != "ok" or scheduler is None:
+            return f"{state}: {reason}"
+        stats = scheduler.stats()
+        return (f"serving {self.engine.model_id}: {stats.num_active} active,"
+                f" {stats.num_waiting} waiting, {stats.num_finished} finished")
+
+    async def _load(self) -> None:
+        host, port = self.bound_address or self.config.http.address
+        logger.info("listening on http://%s:%d (loading the model)", host, port)
+        try:
+            await asyncio.to_thread(self.engine.load)
+        except (StartupError, ModelFileError, OSError, ValueError) as exc:
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            self.exit_code = STARTUP_FAILURE
+            self.server.should_exit = True
+            return
+        self.notifier.ready(f"serving {self.engine.model_id} on {host}:{port}")
+        print(f"skippyd serving {self.engine.model_id} on http://{host}:{port}/v1",
+              file=sys.stderr, flush=True)
+
+
+def run_daemon(config: StageConfig) -> int:
+    """Serve ``config`` until SIGINT/SIGTERM; returns the exit code."""
+    return asyncio.run(Daemon(config).serve())

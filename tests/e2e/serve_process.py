@@ -1,0 +1,83 @@
+"""Start a real ``skippyd serve`` process and wait for its ready line (no sleeps)."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+READY = re.compile(r"skippyd serving (?P<model>\S+) on (?P<url>http://\S+/v1)")
+
+
+class ServeProcess:
+    """A ``skippyd serve`` child process with its stderr captured line by line."""
+
+    def __init__(self, config_text: str, workdir: Path, *, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.config_path = workdir / "stage.toml"
+        self.config_path.write_text(config_text)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(self.config_path),
+             *extra_args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = ""
+        self.model = ""
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_ready(self, timeout: float = 120.0) -> ServeProcess:
+        """Block until the daemon prints its ready line; raise with its log otherwise."""
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError("skippyd did not become ready:\n" + self.log()) from None
+            if line is None:
+                raise RuntimeError(f"skippyd exited ({self.proc.wait()}):\n" + self.log())
+            match = READY.search(line)
+            if match:
+                self.url, self.model = match["url"], match["model"]
+                return self
+
+    def wait_for_line(self, pattern: str, timeout: float = 30.0) -> str:
+        regex = re.compile(pattern)
+        for line in self.lines:
+            if regex.search(line):
+                return line
+        while True:
+            line = self._queue.get(timeout=timeout)
+            if line is None:
+                raise RuntimeError(f"exited before logging {pattern!r}:\n" + self.log())
+            if regex.search(line):
+                return line
+
+    @property
+    def base_url(self) -> str:
+        return self.url.removesuffix("/v1")
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise

@@ -1,0 +1,186 @@
+"""The official openai SDK against a real ``skippyd serve`` process on SmolLM2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import httpx
+import openai
+import pytest
+from conftest import LANES, stage_config
+from serve_process import ServeProcess
+
+pytestmark = pytest.mark.model
+
+FACTUAL = [
+    "The capital of France is",
+    "1, 2, 3, 4, 5,",
+    "Monday, Tuesday, Wednesday,",
+    "The opposite of hot is",
+    "January, February, March,",
+    "A, B, C, D,",
+    "The first letter of the alphabet is",
+    "Water is made of hydrogen and",
+]
+
+
+def complete(client, prompt: str, max_tokens: int = 12, **kwargs) -> str:
+    response = client.completions.create(model="any", prompt=prompt, max_tokens=max_tokens,
+                                         temperature=0, **kwargs)
+    return response.choices[0].text
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert httpx.get(server.base_url + "/health").json()["status"] == "ok"
+
+
+def test_chat_completion_non_streaming(client):
+    response = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Say hello."}], max_tokens=16,
+        temperature=0,
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.completion_tokens <= 16
+    assert response.usage.prompt_tokens > 5
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_completion_streaming_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model="any", messages=messages, max_tokens=20,
+                                           temperature=0)
+    stream = client.chat.completions.create(
+        model="any", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_completion_length_and_streaming(client):
+    response = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=9,
+                                         temperature=0)
+    assert response.usage.completion_tokens == 9
+    assert response.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="any", prompt="1, 2, 3,", max_tokens=9, temperature=0, stream=True))
+    assert text == response.choices[0].text
+    assert text.startswith(" 4, 5, 6")
+
+
+def test_stop_strings_are_never_leaked(client):
+    full = complete(client, "1, 2, 3,", max_tokens=12)
+    assert ", 6" in full
+    stopped = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=12,
+                                        temperature=0, stop=[", 6"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full[: full.index(", 6")]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="any", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=", 6", stream=True))
+    assert streamed == stopped.choices[0].text
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return client.completions.create(model="any", prompt="Once upon a time", max_tokens=16,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_bad_requests_get_openai_errors(client, server):
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.completions.create(model="any", prompt="hi", max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens_limit=4096"):
+        client.completions.create(model="any", prompt="hi", max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="context") as excinfo:
+        client.completions.create(model="any", prompt="hello " * 3000, max_tokens=4000)
+    assert "4096" in str(excinfo.value)
+    response = httpx.post(server.url + "/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
+
+
+def test_eight_concurrent_streams_match_solo_runs(client):
+    solo = {p: complete(client, p) for p in FACTUAL}
+
+    def stream(prompt: str) -> tuple[str, int]:
+        chunks = client.completions.create(model="any", prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        text, tokens = [], 0
+        for chunk in chunks:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            text.extend(c.text for c in chunk.choices)
+        return "".join(text), tokens
+
+    with concurrent.futures.ThreadPoolExecutor(len(FACTUAL)) as pool:
+        results = dict(zip(FACTUAL, pool.map(stream, FACTUAL), strict=True))
+    for prompt, (text, tokens) in results.items():
+        assert tokens == 12, prompt
+        assert text == solo[prompt], prompt
+
+
+def test_disconnect_mid_stream_frees_the_lane(client, server):
+    # Open LANES streams and drop each after its first token.
+    got_token = threading.Barrier(LANES + 1, timeout=120)
+
+    def open_and_drop(i: int) -> None:
+        with httpx.stream("POST", server.url + "/completions", timeout=120, json={
+            "prompt": f"Count slowly to one hundred, attempt {i}:", "max_tokens": 2000,
+            "stream": True, "ignore_eos": True,
+        }) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break
+        got_token.wait()
+
+    threads = [threading.Thread(target=open_and_drop, args=(i,)) for i in range(LANES)]
+    for t in threads:
+        t.start()
+    got_token.wait()
+    for t in threads:
+        t.join(timeout=60)
+    # Every lane must be free again: a burst of LANES requests completes without a 429.
+    with concurrent.futures.ThreadPoolExecutor(LANES) as pool:
+        texts = list(pool.map(lambda p: complete(client, p, max_tokens=4), FACTUAL[:LANES]))
+    assert all(texts)
+
+
+def test_overload_gets_429_with_retry_after(tmp_path):
+    proc = ServeProcess(stage_config(lanes=1, queue_capacity=1, ctx_size=1024), tmp_path)
+    try:
+        proc.wait_ready()
+        body = {"prompt": "Tell me a long story.", "max_tokens": 48, "ignore_eos": True}
+
+        def post(_):
+            return httpx.post(proc.url + "/completions", json=body, timeout=120)
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(post, range(12)))
+        codes = [r.status_code for r in responses]
+        assert 429 in codes and 200 in codes
+        assert set(codes) <= {200, 429}
+        rejected = next(r for r in responses if r.status_code == 429)
+        assert int(rejected.headers["Retry-After"]) >= 1
+        assert rejected.json()["error"]["message"]
+        # Nothing hangs and the server still serves afterwards.
+        assert httpx.post(proc.url + "/completions", json=body, timeout=120).status_code == 200
+    finally:
+        assert proc.stop() == 0

@@ -1,0 +1,181 @@
+"""systemd integration: sd_notify READY/STOPPING, draining on SIGTERM, the watchdog."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_process import ServeProcess
+
+UNITS = Path(__file__).resolve().parents[2] / "examples" / "systemd"
+
+
+def tiny_config(model: Path) -> str:
+    return f"""
+[stage]
+id = "notify"
+model_path = "{model}"
+
+[runtime]
+ctx_size = 1024
+lane_count = 2
+threads = 2
+threads_batch = 2
+
+[http]
+listen = "127.0.0.1:0"
+drain_timeout_s = 30
+"""
+
+
+class NotifySocket:
+    """A Unix datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "notify.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.messages: list[tuple[float, dict[str, str]]] = []
+
+    def wait_for(self, key: str, timeout: float = 60.0) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no {key} in {self.messages}")
+            self.sock.settimeout(remaining)
+            fields = self.receive()
+            if key in fields:
+                return fields
+
+    def receive(self) -> dict[str, str]:
+        data = self.sock.recv(4096).decode()
+        fields = dict(line.split("=", 1) for line in data.splitlines() if "=" in line)
+        self.messages.append((time.monotonic(), fields))
+        return fields
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def notify(tmp_path):
+    sock = NotifySocket(tmp_path)
+    yield sock
+    sock.close()
+
+
+def start(tmp_path, tiny_model_path, notify, **env) -> ServeProcess:
+    environ = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **env}
+    return ServeProcess(tiny_config(tiny_model_path), tmp_path, env=environ)
+
+
+def test_ready_only_when_healthy_then_drain_on_sigterm(tmp_path, tiny_model_path, notify):
+    proc = start(tmp_path, tiny_model_path, notify)
+    try:
+        ready = notify.wait_for("READY")
+        assert ready["READY"] == "1"
+        assert "serving" in ready["STATUS"]
+        proc.wait_ready()
+        assert httpx.get(proc.base_url + "/health").status_code == 200
+        assert not any("READY" in f for _, f in notify.messages[:-1])
+
+        # A request in flight during SIGTERM completes in full.
+        result: dict = {}
+        first_token = threading.Event()
+
+        def stream() -> None:
+            text, finish = [], None
+            with httpx.stream("POST", proc.url + "/completions", timeout=60, json={
+                "prompt": "the cat", "max_tokens": 300, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            }) as response:
+                result["status"] = response.status_code
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    first_token.set()
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    if chunk.get("usage"):
+                        result["usage"] = chunk["usage"]
+                    for choice in chunk["choices"]:
+                        text.append(choice["text"])
+                        finish = choice["finish_reason"] or finish
+            result["finish"] = finish
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first_token.wait(30)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert notify.wait_for("STOPPING")["STOPPING"] == "1"
+        client.join(60)
+        assert result["status"] == 200
+        assert result["finish"] == "length"
+        assert result["usage"]["completion_tokens"] == 300
+        assert proc.proc.wait(timeout=60) == 0
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_watchdog_pings_stop_when_the_worker_hangs(tmp_path, tiny_model_path, notify):
+    proc = start(tmp_path, tiny_model_path, notify, WATCHDOG_USEC="1000000",
+                 SKIPPYD_FAULT="hang-iteration")
+    try:
+        notify.wait_for("READY")
+        proc.wait_ready()
+        notify.wait_for("WATCHDOG", timeout=5)  # an idle, healthy worker is pinged for
+        def hung_request() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server is killed under it
+                httpx.post(proc.url + "/completions", timeout=30,
+                           json={"prompt": "the", "max_tokens": 4})
+
+        threading.Thread(target=hung_request, daemon=True).start()
+        # The iteration hangs: within a watchdog period the pings stop for good.
+        deadline = time.monotonic() + 10
+        last_ping = time.monotonic()
+        while time.monotonic() < deadline:
+            notify.sock.settimeout(0.5)
+            try:
+                fields = notify.receive()
+            except TimeoutError:
+                continue
+            if "WATCHDOG" in fields:
+                last_ping = time.monotonic()
+            if time.monotonic() - last_ping > 3:
+                break
+        assert time.monotonic() - last_ping > 3, "watchdog kept pinging a hung worker"
+        health = httpx.get(proc.base_url + "/health")
+        assert health.status_code == 503
+        assert "hung" in health.text
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("unit", ["skippyd.service", "skippyd@.service"])
+def test_unit_files_verify(unit, tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed on this machine")
+    target = tmp_path / (unit.replace("@", "@stage0") if "@" in unit else unit)
+    target.write_text((UNITS / unit).read_text())
+    result = subprocess.run([analyze, "verify", str(target)], capture_output=True, text=True,
+                            timeout=60)
+    # The ExecStart binary need not exist on a build machine; every other finding counts.
+    problems = [line for line in (result.stdout + result.stderr).splitlines()
+                if line.strip() and "skippyd" not in line.split(":")[0]
+                and "is not executable" not in line and "No such file" not in line]
+    assert result.returncode == 0 or not problems, result.stdout + result.stderr
+    text = (UNITS / unit).read_text()
+    for directive in ("Type=notify", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                      "ProtectHome=yes", "PrivateTmp=yes", "Restart=on-failure",
+                      "RuntimeDirectory=skippyd", "WatchdogSec="):
+        assert directive in text
