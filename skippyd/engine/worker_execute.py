@@ -165,25 +165,10 @@ class PlanExecutor:
         return plan.without_sequences([victim])
 
     def _preempt_one(self) -> str | None:
-        """Preempt exactly one sequence by the policy's victim rule; None if at most one.
-
-        The policy preempts against observed component use. Reporting the KV component
-        one unit over capacity makes it pick exactly one victim; the ledger is then put
-        back to its true value (minus the victim's release) so accounting stays exact.
-        """
-        snapshot = self._scheduler.snapshot()
-        if len(snapshot.active_ids) <= 1 or not snapshot.component_used_bytes:
+        """Preempt exactly one sequence by the policy's victim rule; None if at most one."""
+        if len(self._scheduler.snapshot().active_ids) <= 1:
             return None
-        used = [value for _, value in snapshot.component_used_bytes]
-        kv_available = self._scheduler.config.memory_components[0].available_bytes()
-        pressure = [kv_available + 1, *used[1:]]
-        victims = self._scheduler.preempt_for_component_pressure(pressure)
-        after = [value for _, value in self._scheduler.snapshot().component_used_bytes]
-        released = pressure[0] - after[0]
-        self._scheduler.preempt_for_component_pressure([max(0, used[0] - released), *after[1:]])
-        if len(victims) != 1:
-            raise RuntimeError(f"KV pressure preemption expected one victim, got {victims}")
-        return victims[0]
+        return self._scheduler.preempt_one()
 
     def _run_isolated(self, plan: IterationPlan) -> PlanResult | None:
         """Run each work alone so one malformed request cannot fail the batch."""

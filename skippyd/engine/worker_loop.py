@@ -49,6 +49,7 @@ from skippyd.engine.worker_types import (
     CacheAwareRuntimeCommand,
     CancelCommand,
     ErrorEvent,
+    LaneInfo,
     RuntimeOutcome,
     SchedulerBackendError,
     SchedulerError,
@@ -397,7 +398,30 @@ class SchedulerWorker:
             last_execution_ms=self.planned.last_execution_ms,
             last_overhead_ms=max(0.0, self.planned.last_step_ms - self.planned.last_execution_ms),
             failure=self.failure,
+            lanes=self._lane_rows(),
+            kv_cells_used=self._kv_cells_used(),
         )
+
+    def _lane_rows(self) -> tuple[LaneInfo, ...]:
+        scheduler = self.planned.scheduler
+        seq_id_of = getattr(self.runtime, "session_seq_id", None)
+        rows = []
+        for request_id in scheduler.snapshot().active_ids:
+            sequence = scheduler.sequence(request_id)
+            if sequence is None:
+                continue
+            if not sequence.needs_replay():
+                phase = "decode"
+            else:
+                phase = "recompute" if sequence.generated_tokens else "prefill"
+            lane = seq_id_of(request_id) if seq_id_of is not None else None
+            rows.append(LaneInfo(-1 if lane is None else lane, request_id, phase,
+                                 len(sequence.prompt_tokens), len(sequence.generated_tokens)))
+        return tuple(rows)
+
+    def _kv_cells_used(self) -> int:
+        used = getattr(self.runtime, "kv_cells_used", None)
+        return int(used()) if callable(used) else 0
 
 
 def fail_command(command: Command, error: SchedulerError) -> None:

@@ -279,6 +279,19 @@ class RuntimeOutcome(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
+class LaneInfo:
+    """One active sequence as the live view shows it."""
+
+    lane: int
+    """The runtime lane (sequence id) it holds, or -1 before it has one."""
+    request_id: str
+    phase: str
+    """``prefill``, ``recompute`` or ``decode``."""
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerStats:
     """A consistent status snapshot published by the worker once per turn."""
 
@@ -305,6 +318,10 @@ class SchedulerStats:
     last_execution_ms: float = 0.0
     last_overhead_ms: float = 0.0
     failure: str | None = None
+    lanes: tuple[LaneInfo, ...] = ()
+    """Active planned sequences, by request id."""
+    kv_cells_used: int = 0
+    """KV cells held by the runtime's sessions (0 if the runtime does not say)."""
 
     @property
     def wave_fullness(self) -> float:
