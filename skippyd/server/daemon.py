@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import sys
@@ -24,6 +25,7 @@ from skippyd.server.engine import StageEngine, StartupError
 from skippyd.server.openai_api import create_app
 from skippyd.server.requests import HttpLimits
 from skippyd.server.sdnotify import SystemdNotifier
+from skippyd.server.stage_split import run_link_stage, slice_progress
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,13 @@ def http_limits(config: StageConfig) -> HttpLimits:
         max_stop_length=http.max_stop_length,
         max_logit_bias=http.max_logit_bias,
     )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class _Server(uvicorn.Server):
@@ -93,10 +102,15 @@ class Daemon:
         if config.http is None:
             raise StartupError("only the first stage serves HTTP")
         self.config = config
-        self.engine = StageEngine(config)
+        # A split stage 0 slices its layer range on first start: show a progress bar.
+        self.engine = StageEngine(config, progress=slice_progress())
         app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
                          default_max_tokens=config.http.default_max_tokens)
         host, port = config.http.address
+        if config.http.api_key is None and not _is_loopback(host):
+            logger.warning(
+                "SECURITY: http.listen %s is reachable from other machines and no"
+                " http.api_key is set: anyone who can reach it can use the model", host)
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
@@ -172,4 +186,6 @@ class Daemon:
 
 def run_daemon(config: StageConfig) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; returns the exit code."""
+    if config.http is None:  # a later stage of a split pipeline: only the stage link
+        return run_link_stage(config)
     return asyncio.run(Daemon(config).serve())
