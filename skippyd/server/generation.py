@@ -86,7 +86,8 @@ class GenerationStream:
         self._submitted = False
         self._settled = False
         self._closed = False
-        self._timer = metrics.start_request(request_id, len(prompt_tokens)) if metrics else None
+        self._timer = (None if metrics is None
+                       else metrics.start_request(request_id, len(prompt_tokens)))
 
     def start(self) -> None:
         """Submit the generation. Call on the event loop thread.

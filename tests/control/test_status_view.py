@@ -1,0 +1,196 @@
+"""Building the snapshot, finding the socket, and ``skippyd status``'s output and exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from skippyd.config import parse_config
+from skippyd.control_client import ControlConnectError, resolve_socket_path
+from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker_types import SchedulerStats
+from skippyd.server.control import ControlServer
+from skippyd.server.metrics import ServingMetrics
+from skippyd.server.snapshot import build_snapshot
+from skippyd.status_view import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    lane: int
+    request_id: str
+    phase: str
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class StatsWithLanes(SchedulerStats):
+    """The stats as the worker reports them once it lists its lanes."""
+
+    lanes: tuple[LaneInfo, ...] = ()
+    kv_cells_used: int = 0
+
+
+@dataclass
+class FakeScheduler:
+    current: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def stats(self) -> SchedulerStats:
+        return self.current
+
+
+class FakeEngine:
+    def __init__(self, stats: SchedulerStats, health: tuple[str, str | None]) -> None:
+        self.config = parse_config({"stage": {"id": "beta", "layer_start": 0, "layer_end": 12},
+                                    "runtime": {"lane_count": 3, "ctx_size": 1024}})
+        self.model_id = "some-model"
+        self.ctx_size = 1024
+        self.scheduler = FakeScheduler(stats)
+        self._health = health
+
+    def health(self) -> tuple[str, str | None]:
+        return self._health
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="sks"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def busy_stats() -> StatsWithLanes:
+    return StatsWithLanes(
+        num_active=1, num_waiting=2, num_iterations=40, num_preempted=1,
+        last_step_ms=3.0, last_overhead_ms=0.5, active_runtime_sessions=1,
+        max_direct_batch_size=3, kv_cells_used=256,
+        lanes=(LaneInfo(1, "chatcmpl-123", "decode", 17, 5),),
+    )
+
+
+def test_snapshot_schema_with_lanes_from_the_worker() -> None:
+    engine = FakeEngine(busy_stats(), ("failed", "worker panicked"))
+    metrics = ServingMetrics(engine.scheduler.stats, kv_cells_total=lambda: 1024)
+    metrics.record_rejection("queue_full")
+    snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
+    assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
+                         "kv", "prefix_cache", "throughput", "latency_ms", "counters",
+                         "scheduler"}
+    assert snap["stage"] == {"id": "beta", "index": 0, "model": "some-model", "layer_start": 0,
+                             "layer_end": 12, "is_first": True, "is_final": True}
+    assert 5.0 <= snap["uptime_s"] < 60.0
+    assert snap["health"] == {"status": "failed", "reason": "worker panicked"}
+    assert snap["lanes"] == [
+        {"lane": 0, "request_id": "", "phase": "idle", "prompt_tokens": 0, "generated_tokens": 0},
+        {"lane": 1, "request_id": "chatcmpl-123", "phase": "decode", "prompt_tokens": 17,
+         "generated_tokens": 5},
+        {"lane": 2, "request_id": "", "phase": "idle", "prompt_tokens": 0, "generated_tokens": 0},
+    ]
+    assert snap["queues"] == {"waiting": 2, "commands": 0, "direct": 0, "cache_runtime": 0}
+    assert snap["wave"] == {"active_sessions": 1, "batch_size": 3, "fullness": 1 / 3,
+                            "full": False}
+    assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25}
+    assert snap["counters"]["rejected"] == 1 and snap["counters"]["preempted"] == 1
+    assert snap["scheduler"]["last_step_ms"] == 3.0
+    for name in ("ttft", "itl", "e2e"):
+        assert snap["latency_ms"][name] == {"p50": None, "p95": None, "p99": None, "count": 0}
+    json.dumps(snap, allow_nan=False)
+
+
+def test_snapshot_of_a_stage_still_loading(tiny_model_path: Path) -> None:
+    from skippyd.server.engine import StageEngine
+
+    engine = StageEngine(parse_config({"stage": {"model_path": str(tiny_model_path)},
+                                       "runtime": {"lane_count": 2}}))
+    snap = build_snapshot(engine, ServingMetrics.for_engine(engine), time.monotonic())
+    assert snap["health"] == {"status": "loading", "reason": "loading the model"}
+    assert [lane["phase"] for lane in snap["lanes"]] == ["idle", "idle"]
+    assert snap["counters"]["iterations"] == 0
+    console = Console(record=True, width=120)
+    console.print(render_status(snap))
+    assert "health loading" in console.export_text()
+
+
+def test_render_shows_busy_lanes_and_health() -> None:
+    engine = FakeEngine(busy_stats(), ("failed", "worker panicked"))
+    snap = build_snapshot(engine, ServingMetrics(), time.monotonic() - 3725.0)
+    console = Console(record=True, width=120)
+    console.print(render_status(snap))
+    text = console.export_text()
+    assert "stage beta" in text and "layers 0:12" in text
+    assert "failed (worker panicked)" in text and "up 1h 02m" in text
+    assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
+    assert "waiting 2" in text
+
+
+async def test_status_exits_1_when_the_stage_is_not_ok(short_dir: Path) -> None:
+    engine = FakeEngine(SchedulerStats(), ("draining", "shutting down"))
+    metrics = ServingMetrics()
+    control = ControlServer(short_dir / "b.sock", stage_id="beta", telemetry=TelemetryHub(),
+                            snapshot=lambda: build_snapshot(engine, metrics, time.monotonic()))
+    await control.start()
+    try:
+        console = Console(record=True, width=120)
+        code = await asyncio.to_thread(run_status, control.path, None, False, console=console)
+    finally:
+        await control.close()
+    assert code == EXIT_NOT_SERVING
+    assert "draining (shutting down)" in console.export_text()
+
+
+# -- finding the socket ------------------------------------------------------------------------
+
+def make_socket(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+    return path
+
+
+@pytest.fixture
+def default_dirs(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point every default socket location inside ``short_dir``."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir / "xdg"))
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(short_dir / "tmp"))
+    return short_dir
+
+
+def test_explicit_socket_and_config_socket_win(short_dir: Path) -> None:
+    assert resolve_socket_path(Path("/x/y.sock"), None) == Path("/x/y.sock")
+    config = short_dir / "stage.toml"
+    config.write_text(f'[stage]\nid = "beta"\n\n[control]\nsocket = "{short_dir}/c.sock"\n')
+    assert resolve_socket_path(None, config) == short_dir / "c.sock"
+
+
+def test_default_locations_are_probed(default_dirs: Path) -> None:
+    with pytest.raises(ControlConnectError, match="no control socket found"):
+        resolve_socket_path()
+    other = make_socket(default_dirs / "tmp" / f"skippyd-{os.getuid()}" / "beta.sock")
+    assert resolve_socket_path() == other  # the only one around
+    preferred = make_socket(default_dirs / "xdg" / "skippyd" / "stage-0.sock")
+    assert resolve_socket_path() == preferred  # the default stage's own socket first
+    preferred.unlink()
+    make_socket(default_dirs / "xdg" / "skippyd" / "gamma.sock")
+    with pytest.raises(ControlConnectError, match="several control sockets"):
+        resolve_socket_path()
+
+
+def test_status_with_a_bad_config_exits_2(short_dir: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    config = short_dir / "bad.toml"
+    config.write_text("[runtime]\nlane_count = 0\n")
+    assert run_status(None, config, False) == EXIT_UNREACHABLE
+    assert "runtime.lane_count" in capsys.readouterr().err
