@@ -1,0 +1,72 @@
+"""Pure helpers that read snapshot fields tolerantly and format numbers for the dashboard.
+
+Used by the panels and by ``skippyd top --once``; no Textual import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def section(snapshot: Mapping[str, Any] | None, key: str) -> Mapping[str, Any]:
+    """``snapshot[key]`` if it is an object, else an empty mapping (tolerates gaps)."""
+    if snapshot is None:
+        return {}
+    value = snapshot.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def number(value: Any, default: float = 0.0) -> float:
+    """``value`` as a float; ``default`` for null or non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    return float(value)
+
+
+def fmt_count(value: float) -> str:
+    """A count in at most ~5 characters: ``950``, ``12.3k``, ``4.5M``."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def fmt_bytes(value: float) -> str:
+    """A byte size with a binary unit: ``512 B``, ``1.5 MiB``."""
+    for limit, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if value >= limit:
+            return f"{value / limit:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def fmt_duration(seconds: float) -> str:
+    """An uptime: ``42s``, ``3m07s``, ``1h02m``, ``2d03h``."""
+    whole = int(max(0.0, seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def fmt_ms(value: Any) -> str:
+    """A latency in milliseconds: ``-`` for null, seconds from 1000 ms up."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return "-"
+    if value >= 1000:
+        return f"{value / 1000:.2f}s"
+    return f"{value:.1f}"
+
+
+def fmt_percent(fraction: float) -> str:
+    """A fraction in [0, 1] as ``62.5%``."""
+    return f"{fraction * 100:.1f}%"

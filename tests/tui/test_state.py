@@ -1,0 +1,86 @@
+"""Dashboard state and formatting, without an app."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from scripted_server import make_snapshot
+
+from skippyd.tui.fmt import fmt_bytes, fmt_count, fmt_duration, fmt_ms, number, section
+from skippyd.tui.source import Connected, Disconnected, Dropped, EventReceived, SnapshotReceived
+from skippyd.tui.state import DashboardState, EventLine, event_matches, format_event
+
+
+def test_format_event_shortens_scheduler_keys() -> None:
+    ts = time.mktime((2024, 5, 1, 12, 3, 4, 0, 0, -1)) + 0.25
+    line = format_event(EventReceived("stage.scheduler_iteration", ts,
+                                      {"skippy.scheduler.batch_size": 4, "ratio": 0.123456}))
+    assert line.name == "stage.scheduler_iteration"
+    assert line.text == "12:03:04.250 scheduler_iteration batch_size=4 ratio=0.1235"
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("", True),
+    ("   ", True),
+    ("stage.scheduler_*", True),
+    ("stage.cache*", False),
+    ("ITERATION", True),
+    ("batch=4", True),
+    ("batch=5", False),
+    ("stage.sched", True),
+])
+def test_event_matches(pattern: str, expected: bool) -> None:
+    line = EventLine("stage.scheduler_iteration", "12:00:00.000 scheduler_iteration batch=4")
+    assert event_matches(pattern, line) is expected
+
+
+def test_state_keeps_bounded_histories() -> None:
+    state = DashboardState(history_len=3)
+    for waiting in range(5):
+        state.apply(SnapshotReceived(make_snapshot(
+            queues={"waiting": waiting}, throughput={"prompt_tok_s": waiting * 10.0,
+                                                     "generation_tok_s": 1.5})), now=0.0)
+    assert list(state.queue_history) == [2.0, 3.0, 4.0]
+    assert list(state.prompt_history) == [20.0, 30.0, 40.0]
+    assert list(state.generation_history) == [1.5, 1.5, 1.5]
+    assert state.num_snapshots == 5
+    assert state.snapshot is not None and state.snapshot["queues"]["waiting"] == 4
+
+
+def test_state_bounds_pending_events_and_counts_drops() -> None:
+    state = DashboardState(max_pending_events=2)
+    for i in range(4):
+        state.apply(EventReceived(f"e{i}", 0.0, {}), now=0.0)
+    state.apply(Dropped(10), now=0.0)
+    assert [e.name for e in state.take_events()] == ["e2", "e3"]
+    assert state.take_events() == []
+    assert state.num_dropped == 12
+
+
+def test_state_tracks_connection_and_uptime() -> None:
+    state = DashboardState(wall_clock=lambda: time.mktime((2024, 5, 1, 8, 0, 0, 0, 0, -1)))
+    assert state.connection == "connecting" and state.uptime_s(5.0) == 0.0
+    state.apply(Connected("stage-0", "skippyd 1"), now=0.0)
+    state.apply(SnapshotReceived(make_snapshot(uptime_s=100.0)), now=10.0)
+    assert state.uptime_s(12.5) == pytest.approx(102.5)
+    state.apply(Disconnected("gone", 0.5), now=13.0)
+    assert (state.connection, state.reason, state.retry_in_s) == ("disconnected", "gone", 0.5)
+    assert state.uptime_s(20.0) == pytest.approx(100.0)  # frozen at the last snapshot
+    state.apply(Disconnected("gone", 1.0), now=14.0)  # a retry failing the same way
+    state.apply(Disconnected("refused", 2.0), now=15.0)
+    assert [e.text for e in state.take_events()] == [
+        "08:00:00.000 -- connected to stage-0 (skippyd 1)",
+        "08:00:00.000 -- disconnected: gone",
+        "08:00:00.000 -- disconnected: refused",
+    ]
+
+
+def test_tolerant_readers_and_formatters() -> None:
+    assert section(None, "kv") == {} and section({"kv": 3}, "kv") == {}
+    assert number(None) == 0.0 and number(True) == 0.0 and number(3) == 3.0
+    assert [fmt_count(v) for v in (950, 12_345, 4_500_000)] == ["950", "12.3k", "4.5M"]
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(3 * 2**20 / 2) == "1.5 MiB"
+    assert [fmt_duration(s) for s in (42, 187, 3720, 183_600)] == ["42s", "3m07s", "1h02m",
+                                                                   "2d03h"]
+    assert [fmt_ms(v) for v in (None, 12.34, 2500.0)] == ["-", "12.3", "2.50s"]
