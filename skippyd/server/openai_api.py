@@ -10,16 +10,17 @@ error shape. A client that goes away cancels its generation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
     from skippyd.server.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: Threads that tokenize prompts and render chat templates.
+TEXT_THREADS = 2
 
 #: Routes reachable without the API key.
 DEFAULT_PUBLIC_PATHS = frozenset({"/health"})
@@ -150,6 +155,7 @@ class OpenAiApi:
         self._default_max_tokens = default_max_tokens
         self._created = int(time.time())
         self._metrics = metrics
+        self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="skippyd-text")
 
     async def health(self, request: Request) -> Response:
         """``GET /health``: 200 when serving, 503 with the state (and reason) otherwise."""
@@ -178,8 +184,8 @@ class OpenAiApi:
         parsed = parse_completion_request(body, self._limits, n_vocab=self._backend.n_vocab)
         logger.debug("completion request %s", parsed.anon_repr())
         if isinstance(parsed.prompt, str):
-            tokens = await run_in_threadpool(self._backend.tokenize, parsed.prompt,
-                                             add_special=True)
+            tokens = await self._off_loop(self._backend.tokenize, parsed.prompt,
+                                          add_special=True)
         else:
             tokens = list(parsed.prompt)
         return await self._generate(request, "completion", tokens, parsed.params, "prompt")
@@ -190,8 +196,18 @@ class OpenAiApi:
         self._require_ready()
         parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab)
         logger.debug("chat request %s", parsed.anon_repr())
-        tokens = await run_in_threadpool(self._chat_tokens, parsed.messages)
+        tokens = await self._off_loop(self._chat_tokens, parsed.messages)
         return await self._generate(request, "chat", tokens, parsed.params, "messages")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run tokenization off the event loop, on a small pool of its own.
+
+        NOTE: a fixed pool instead of Starlette's shared one keeps the daemon's thread
+        count constant (AnyIO's workers linger until the next call) and bounds how many
+        prompts are tokenized at once.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
 
     def _chat_tokens(self, messages: tuple[dict[str, str], ...]) -> list[int]:
         """Render and tokenize a chat (runs in the thread pool: templates can be slow)."""

@@ -1,0 +1,291 @@
+"""Soak a running skippyd: many mixed requests, abrupt disconnects, invalid input; no leaks.
+
+Drives a daemon with ``--requests`` requests (default 10 000) of mixed prompt and output
+lengths, streaming and not, at a concurrency above its lane count; 20 % of the clients
+disconnect at a random moment and 5 % send invalid requests. At the end it checks, from
+the control socket and from /proc: every request got a result or a clear error; no
+session is active; the lanes hold no KV cells; the daemon's thread count and open file
+descriptors are back to what they were after warm-up; resident memory grew less than
+``--rss-bound-mib`` after warm-up. It prints a one-line summary and exits 0 only if every
+check passed.
+
+    python bench/soak.py --config examples/configs/single.toml            # starts skippyd
+    python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P   # a running one
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from skippyd.control_client import ControlClient
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+         "every jovial bard near the old stone bridge").split()
+READY = "skippyd serving"
+
+
+@dataclass
+class Tally:
+    outcomes: collections.Counter = field(default_factory=collections.Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, outcome: str, detail: str | None = None) -> None:
+        self.outcomes[outcome] += 1
+        if detail is not None and len(self.failures) < 20:
+            self.failures.append(detail)
+
+
+def proc_stats(pid: int) -> dict[str, int]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {"threads": int(fields["Threads"]), "rss_kib": int(fields["VmRSS"].split()[0]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def invalid_request(rng: random.Random) -> tuple[str, dict | bytes]:
+    choices = [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}),
+        ("/v1/completions", {"prompt": "hi", "n": 3}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}),
+        ("/v1/chat/completions", {"messages": "not a list"}),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": 3}]}),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 100}),
+    ]
+    return rng.choice(choices)
+
+
+def normal_request(rng: random.Random, max_output: int) -> tuple[str, dict]:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
+    body = {"max_tokens": rng.randint(1, max_output), "temperature": rng.choice([0, 0.8]),
+            "stream": rng.random() < 0.6, "seed": rng.randint(0, 1000)}
+    if rng.random() < 0.5:
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
+async def run_one(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
+                  max_output: int) -> None:
+    roll = rng.random()
+    if roll < 0.05:
+        path, body = invalid_request(rng)
+        kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+            if isinstance(body, bytes) else {"json": body}
+        response = await client.post(path, **kwargs)
+        if 400 <= response.status_code < 500 and response.json().get("error", {}).get("message"):
+            tally.add("invalid->4xx")
+        else:
+            tally.add("error", f"invalid request got {response.status_code}: {response.text[:120]}")
+        return
+    path, body = normal_request(rng, max_output)
+    if roll < 0.25:
+        await disconnect_midway(client, rng, path, {**body, "stream": True}, tally)
+        return
+    response = await client.post(path, json=body) if not body["stream"] else None
+    if response is None:
+        await read_stream(client, path, body, tally)
+    elif response.status_code == 200 and response.json()["choices"]:
+        tally.add("ok")
+    elif response.status_code == 429:
+        tally.add("429")
+    else:
+        tally.add("error", f"{response.status_code}: {response.text[:120]}")
+
+
+async def read_stream(client, path, body, tally: Tally) -> None:
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code == 429:
+            tally.add("429")
+            return
+        if response.status_code != 200:
+            tally.add("error", f"stream {response.status_code}")
+            return
+        done = False
+        async for line in response.aiter_lines():
+            if line.strip() == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {") and '"error"' in line[:20]:
+                tally.add("error", f"stream error {line[:120]}")
+                return
+        tally.add("ok" if done else "error", None if done else "stream ended without [DONE]")
+
+
+async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
+    chunks_before_drop = rng.randint(0, 6)
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            tally.add("429" if response.status_code == 429 else "error",
+                      None if response.status_code == 429 else f"{response.status_code}")
+            return
+        seen = 0
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen > chunks_before_drop:
+                    break
+    tally.add("disconnected")  # leaving the block closes the connection mid-stream
+
+
+async def drive(url: str, total: int, concurrency: int, seed: int, max_output: int,
+                tally: Tally, progress_every: int) -> None:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    semaphore = asyncio.Semaphore(concurrency)
+    started = time.monotonic()
+
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        async def one(i: int) -> None:
+            async with semaphore:
+                try:
+                    await run_one(client, random.Random(rng.random()), tally, max_output)
+                except (httpx.HTTPError, ValueError) as exc:
+                    tally.add("error", f"{type(exc).__name__}: {exc}")
+            if progress_every and (i + 1) % progress_every == 0:
+                print(f"  {i + 1}/{total} in {time.monotonic() - started:.0f}s "
+                      f"{dict(tally.outcomes)}", file=sys.stderr, flush=True)
+
+        await asyncio.gather(*(one(i) for i in range(total)))
+
+
+def settle(control: ControlClient, timeout: float) -> dict:
+    """Wait for the daemon to go idle; return its last snapshot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snapshot = control.status()
+        busy = [lane for lane in snapshot["lanes"] if lane["phase"] != "idle"]
+        idle = not busy and snapshot["queues"]["waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.2)
+
+
+def wait_back_to(pid: int, baseline: dict[str, int], timeout: float) -> dict[str, int]:
+    """Idle worker threads of thread pools exit after a while: give them that while."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = proc_stats(pid)
+        if (now["threads"] <= baseline["threads"] and now["fds"] <= baseline["fds"]) \
+                or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def start_daemon(config: Path) -> tuple[subprocess.Popen, str, Path]:
+    from skippyd.config import load_config
+
+    socket_path = load_config(config).control.socket_path
+    proc = subprocess.Popen([sys.executable, "-m", "skippyd.cli", "serve", "--config",
+                             str(config), "--listen", "127.0.0.1:0"],
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if READY in line:
+            url = line.split(" on ", 1)[1].strip().removesuffix("/v1")
+            # Keep reading stderr so the daemon never blocks on a full pipe.
+            threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
+            return proc, url, socket_path
+    raise SystemExit(f"skippyd exited with {proc.wait()} before it was ready")
+
+
+def _drain(stream) -> None:
+    for _line in stream:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--config", type=Path, help="start skippyd with this config")
+    target.add_argument("--url", help="base URL of a running skippyd")
+    parser.add_argument("--socket", type=Path, help="control socket (with --url)")
+    parser.add_argument("--pid", type=int, help="daemon pid (with --url)")
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--warmup", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="parallel clients (default: 2 x lane_count)")
+    parser.add_argument("--max-output", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rss-bound-mib", type=float, default=64.0)
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+
+    proc = None
+    if args.config is not None:
+        proc, url, socket_path = start_daemon(args.config)
+        pid = proc.pid
+    else:
+        if args.socket is None or args.pid is None:
+            parser.error("--url needs --socket and --pid")
+        url, socket_path, pid = args.url, args.socket, args.pid
+    try:
+        return soak(args, url, ControlClient.connect(socket_path), pid)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
+def soak(args, url: str, control: ControlClient, pid: int) -> int:
+    lanes = control.status()["lane_count"]
+    concurrency = args.concurrency or 2 * lanes
+    warm = Tally()
+    asyncio.run(drive(url, args.warmup, concurrency, args.seed + 1, args.max_output, warm, 0))
+    settle(control, 60)
+    baseline = proc_stats(pid)
+    tally = Tally()
+    started = time.monotonic()
+    asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
+                      max(args.requests // 10, 1)))
+    elapsed = time.monotonic() - started
+    snapshot = settle(control, 60)
+    after = wait_back_to(pid, baseline, 30)
+    return report(args, tally, snapshot, baseline, after, elapsed)
+
+
+def report(args, tally: Tally, snapshot, baseline, after, elapsed) -> int:
+    active = sum(1 for lane in snapshot["lanes"] if lane["phase"] != "idle")
+    rss_growth_mib = (after["rss_kib"] - baseline["rss_kib"]) / 1024
+    accounted = sum(tally.outcomes.values()) == args.requests
+    checks = {
+        "every request answered": accounted and tally.outcomes["error"] == 0,
+        "no active session": active == 0 and snapshot["queues"]["waiting"] == 0,
+        "lanes hold no KV": snapshot["kv"]["cells_used"] == 0,
+        "threads back": after["threads"] <= baseline["threads"],
+        "fds back": after["fds"] <= baseline["fds"],
+        f"rss growth < {args.rss_bound_mib:g} MiB": rss_growth_mib < args.rss_bound_mib,
+    }
+    passed = all(checks.values())
+    outcomes = " ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items()))
+    print(f"soak: {args.requests} requests in {elapsed:.0f}s ({outcomes}); active {active}; "
+          f"kv cells {snapshot['kv']['cells_used']}; threads {baseline['threads']}->"
+          f"{after['threads']}; fds {baseline['fds']}->{after['fds']}; rss "
+          f"{rss_growth_mib:+.1f} MiB after warm-up: {'PASS' if passed else 'FAIL'}")
+    for name, ok in checks.items():
+        if not ok:
+            print(f"  failed: {name}", file=sys.stderr)
+    for failure in tally.failures:
+        print(f"  error: {failure}", file=sys.stderr)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "requests": args.requests, "elapsed_s": elapsed, "outcomes": dict(tally.outcomes),
+            "checks": checks, "baseline": baseline, "after": after,
+            "rss_growth_mib": rss_growth_mib, "errors": tally.failures}, indent=2))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
