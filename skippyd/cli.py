@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skippyd import __version__
+from skippyd.bench.command import app as bench_app
 from skippyd.config import (
     ConfigError,
     StageConfig,
@@ -35,6 +36,7 @@ config_app = typer.Typer(help="Write, check and show stage configs.", no_args_is
 model_app = typer.Typer(help="Inspect and slice GGUF models.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
+app.add_typer(bench_app)  # no name: `skippyd bench` is a top-level command
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -103,6 +105,33 @@ def serve(
                                 log_level=log_level)
     configure_logging(stage.telemetry.log_level)
     raise typer.Exit(run_daemon(stage))
+
+
+# -- watching a daemon -----------------------------------------------------------------
+SocketOption = Annotated[Path | None, typer.Option("--socket", help="Daemon control socket.")]
+ConfigOption = Annotated[Path | None, typer.Option(
+    "--config", "-c", envvar="SKIPPYD_CONFIG", help="Stage config (for control.socket).")]
+
+
+@app.command()
+def top(
+    socket: SocketOption = None,
+    config: ConfigOption = None,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Watch a running daemon live: queues, lanes, KV, cache, throughput, latency, events."""
+    from skippyd.tui import run_top
+
+    raise typer.Exit(run_top(socket, config, once, as_json))
+
+
+@app.command()
+def status(socket: SocketOption = None, config: ConfigOption = None, as_json: JsonFlag = False) -> None:
+    """Print a one-screen summary of a running daemon (exit 0 when it is healthy)."""
+    from skippyd.status_view import run_status
+
+    raise typer.Exit(run_status(socket, config, as_json))
 
 
 # -- config ----------------------------------------------------------------------------

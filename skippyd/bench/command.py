@@ -1,0 +1,245 @@
+"""``skippyd bench``: a one-shot load benchmark of OpenAI-compatible endpoints.
+
+It measures skippyd (started for the run from ``--config``) or any endpoint (``--url``),
+optionally side by side with a second one (``--vs``), with streaming ``/v1/completions``
+requests. ``--lab`` runs the scheduler lab instead (modelled times, no server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from skippyd.bench.loadgen import (
+    DEFAULT_TIMEOUT_S,
+    BenchError,
+    TargetRun,
+    make_client,
+    resolve_target,
+    run_benchmark,
+    skippyd_process,
+)
+from skippyd.bench.report import (
+    RichProgress,
+    comparison_rows,
+    comparison_table,
+    error_lines,
+    level_metrics,
+    report_to_json,
+    target_tables,
+)
+from skippyd.bench.workload import (
+    WorkloadError,
+    WorkloadSpec,
+    parse_concurrency,
+    parse_range,
+)
+
+logger = logging.getLogger(__name__)
+
+app = typer.Typer(add_completion=False)
+# NOTE: a pipe gets 120 columns, not rich's default 80, so the tables stay readable in logs.
+stdout = Console(width=None if Console().is_terminal else 120)
+stderr = Console(stderr=True)
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(code)
+
+
+def _concurrency(text: str) -> str:
+    try:
+        parse_concurrency(text)
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return text
+
+
+def _length_range(text: str) -> str:
+    try:
+        parse_range(text, "value")
+    except WorkloadError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("value: ")) from None
+    return text
+
+
+def _opt(*names: str, **kwargs) -> typer.models.OptionInfo:
+    return typer.Option(*names, show_default=kwargs.pop("show_default", False), **kwargs)
+
+
+ConfigOpt = Annotated[Path | None, _opt(
+    "--config", help="Start skippyd with this stage config for the run, then stop it.")]
+UrlOpt = Annotated[str | None, _opt(
+    help="An OpenAI-compatible endpoint to measure (e.g. http://127.0.0.1:8080/v1).")]
+VsOpt = Annotated[str | None, _opt(
+    help="A second endpoint measured in the same run, level by level; prints ratios.")]
+ModelOpt = Annotated[str | None, _opt(
+    help="Model name to request (default: the first id of /v1/models).")]
+VsModelOpt = Annotated[str | None, _opt(help="Model name for --vs.")]
+ApiKeyOpt = Annotated[str | None, _opt(envvar="SKIPPYD_BENCH_API_KEY",
+                                       help="Bearer key for --url (--config: the config's).")]
+VsApiKeyOpt = Annotated[str | None, _opt(help="Bearer key for --vs.")]
+LevelsOpt = Annotated[str, _opt("--concurrency", "-c", callback=_concurrency, show_default=True,
+                                help="Concurrent streams per level, e.g. 1,4,8 (a sweep).")]
+RequestsOpt = Annotated[int, _opt("--requests", "-n", min=1, show_default=True,
+                                  help="Requests per concurrency level.")]
+PromptOpt = Annotated[str, _opt(callback=_length_range, show_default=True,
+                                help="Prompt length N or LOW:HIGH, in words (about tokens).")]
+OutputOpt = Annotated[str, _opt(callback=_length_range, show_default=True,
+                                help="Output tokens N or LOW:HIGH (exact: ignore_eos).")]
+PrefixOpt = Annotated[int, _opt(min=0, show_default=True,
+                                help="Words shared by every prompt's start (prefix caches).")]
+RateOpt = Annotated[float | None, _opt(
+    help="Poisson arrivals at R requests/s (default: closed loop).")]
+SeedOpt = Annotated[int, _opt(help="Seed of prompts, lengths and arrivals.", show_default=True)]
+TemperatureOpt = Annotated[float, _opt(min=0.0, help="Sampling temperature.", show_default=True)]
+TimeoutOpt = Annotated[float, _opt(min=0.1, help="Per-request timeout, seconds.",
+                                   show_default=True)]
+JsonOpt = Annotated[Path | None, _opt("--json", help="Also write the results as JSON here.")]
+PerRequestOpt = Annotated[bool, _opt(help="Include every request's record in the JSON.")]
+LabOpt = Annotated[bool, _opt("--lab", help="Run the scheduler lab (modelled times) instead.")]
+ScenarioOpt = Annotated[list[str] | None, _opt(
+    help="Lab scenario to run (repeatable; default: all).")]
+LabRunsOpt = Annotated[int | None, _opt(min=0, help="Timed policy runs per lab scenario.")]
+
+
+@app.command("bench")
+def bench(
+    config: ConfigOpt = None, url: UrlOpt = None, vs: VsOpt = None, model: ModelOpt = None,
+    vs_model: VsModelOpt = None, api_key: ApiKeyOpt = None, vs_api_key: VsApiKeyOpt = None,
+    concurrency: LevelsOpt = "1,4,8", requests: RequestsOpt = 16,
+    prompt_tokens: PromptOpt = "64", output_tokens: OutputOpt = "64",
+    shared_prefix: PrefixOpt = 0, rate: RateOpt = None, seed: SeedOpt = 0,
+    temperature: TemperatureOpt = 0.0, timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    json_path: JsonOpt = None, per_request: PerRequestOpt = False,
+    lab: LabOpt = False, scenario: ScenarioOpt = None, lab_runs: LabRunsOpt = None,
+) -> None:
+    """Measure streaming completions: TTFT, inter-token latency, throughput, errors."""
+    if lab:
+        _run_lab(scenario, lab_runs, json_path)
+        return
+    if (config is None) == (url is None):
+        raise _fail("give exactly one target: --config PATH or --url URL", EXIT_USAGE)
+    spec = _make_spec(concurrency, requests, prompt_tokens, output_tokens, shared_prefix,
+                      rate, seed, temperature)
+    endpoints = [(config, url, model, api_key), (None, vs, vs_model, vs_api_key)]
+    runs = _measure(spec, [e for e in endpoints if e[0] or e[1]], timeout)
+    _report(spec, runs, json_path, per_request)
+
+
+def _make_spec(concurrency: str, requests: int, prompt_tokens: str, output_tokens: str,
+               shared_prefix: int, rate: float | None, seed: int,
+               temperature: float) -> WorkloadSpec:
+    try:
+        return WorkloadSpec(
+            concurrency=parse_concurrency(concurrency), num_requests=requests,
+            prompt_words=parse_range(prompt_tokens, "--prompt-tokens"),
+            output_tokens=parse_range(output_tokens, "--output-tokens"),
+            shared_prefix_words=shared_prefix, rate=rate, seed=seed, temperature=temperature)
+    except WorkloadError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+Endpoint = tuple[Path | None, str | None, str | None, str | None]
+"""(config, url, model, api key) of one target."""
+
+
+def _measure(spec: WorkloadSpec, endpoints: list[Endpoint], timeout_s: float) -> list[TargetRun]:
+    """Start skippyd when a config is given, then run the workload on every endpoint."""
+    try:
+        with contextlib.ExitStack() as stack:
+            resolved = [_open_endpoint(stack, endpoint) for endpoint in endpoints]
+            names = _names([url for url, _, _ in resolved], [e[0] for e in endpoints])
+            return asyncio.run(_run(spec, names, resolved, timeout_s))
+    except BenchError as exc:
+        raise _fail(str(exc), EXIT_FAILED) from None
+
+
+def _open_endpoint(stack: contextlib.ExitStack,
+                   endpoint: Endpoint) -> tuple[str, str | None, str | None]:
+    config, url, model, api_key = endpoint
+    if config is None:
+        assert url is not None
+        return url, model, api_key
+    from skippyd.config import ConfigError, load_config
+
+    try:
+        api_key = load_config(config).http.api_key
+    except ConfigError as exc:
+        raise _fail(f"invalid config {config}\n{exc}", EXIT_USAGE) from None
+    stderr.print(f"starting skippyd serve --config {config} …")
+    server = stack.enter_context(skippyd_process(str(config)))
+    return server.url, model, api_key
+
+
+def _names(urls: list[str], configs: list[Path | None]) -> list[str]:
+    names = ["skippyd" if config else httpx.URL(url).netloc.decode() or url
+             for url, config in zip(urls, configs, strict=True)]
+    if len(names) == 2 and names[0] == names[1]:
+        names[1] += " (vs)"
+    return names
+
+
+async def _run(spec: WorkloadSpec, names: list[str],
+               resolved: list[tuple[str, str | None, str | None]],
+               timeout_s: float) -> list[TargetRun]:
+    async with make_client(max(spec.concurrency), timeout_s) as client:
+        targets = [await resolve_target(client, name, url, model=model, api_key=key)
+                   for name, (url, model, key) in zip(names, resolved, strict=True)]
+        with RichProgress(stderr) as progress:
+            return await run_benchmark(client, targets, spec, timeout_s=timeout_s,
+                                       progress=progress)
+
+
+def _report(spec: WorkloadSpec, runs: list[TargetRun], json_path: Path | None,
+            per_request: bool) -> None:
+    metrics = [[level_metrics(level) for level in run.levels] for run in runs]
+    for run, levels in zip(runs, metrics, strict=True):
+        for table in target_tables(run, levels):
+            stdout.print(table)
+        for line in error_lines(run, levels):
+            stderr.print(f"[yellow]{escape(line)}[/]", highlight=False)
+    if len(runs) == 2:
+        stdout.print(comparison_table(runs[0], runs[1], comparison_rows(*metrics)))
+    if json_path is not None:
+        report = report_to_json(spec, runs, metrics, per_request=per_request)
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        stderr.print(f"wrote {json_path}")
+    failed = [run.target.name for run, levels in zip(runs, metrics, strict=True)
+              if not any(m.num_ok for m in levels)]
+    if failed:
+        raise _fail(f"every request failed on {', '.join(failed)}", EXIT_FAILED)
+
+
+def _run_lab(scenarios: list[str] | None, lab_runs: int | None, json_path: Path | None) -> None:
+    from skippyd.bench.lab import (
+        DEFAULT_BENCH_RUNS,
+        UnknownScenarioError,
+        lab_rows_to_json,
+        lab_table,
+        run_lab,
+    )
+
+    runs = DEFAULT_BENCH_RUNS if lab_runs is None else lab_runs
+    try:
+        rows = run_lab(scenarios or None, bench_runs=runs)
+    except UnknownScenarioError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    stdout.print(lab_table(rows))
+    if json_path is not None:
+        json_path.write_text(json.dumps(lab_rows_to_json(rows), indent=2) + "\n",
+                             encoding="utf-8")
+        stderr.print(f"wrote {json_path}")
