@@ -36,6 +36,7 @@ from skippyd.engine.runtime_api import (
     SamplingConfig,
     SessionAlignment,
 )
+from skippyd.engine.runtime_slots import CacheSlotsMixin
 from skippyd.engine.sampling import SamplerChain
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,11 @@ class _Session:
     sampler: SamplerChain | None = None
 
 
-class LlamaRuntime:
+class LlamaRuntime(CacheSlotsMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
+    Prefix-cache slots (the sequence ids reserved beyond the lanes) are moved by the
+    methods of :class:`~skippyd.engine.runtime_slots.CacheSlotsMixin`.
     Use as a context manager, or call :meth:`close`.
     """
 

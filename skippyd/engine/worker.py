@@ -40,6 +40,7 @@ from skippyd.engine.direct_batch import (
     validate_direct_iteration,
 )
 from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime_api import IterationPhase, Runtime, SamplingConfig
 from skippyd.engine.scheduler_config import (
     build_scheduler_config,
@@ -106,6 +107,7 @@ class IterationScheduler:
         pipeline_decode_groups: Planned decode groups; ``SKIPPY_PIPELINE_DECODE_GROUPS``
             overrides it.
         telemetry: Hub to publish to; a private one is created if None.
+        prefix_cache: The stage's prefix cache over ``runtime``, driven by the worker.
 
     Raises:
         ValueError: ``queue_capacity`` is below 1.
@@ -124,6 +126,7 @@ class IterationScheduler:
         exports: bool = False,
         pipeline_decode_groups: int | None = None,
         telemetry: TelemetryHub | None = None,
+        prefix_cache: LivePrefixCache | None = None,
     ) -> None:
         if queue_capacity < 1:
             raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
@@ -142,8 +145,8 @@ class IterationScheduler:
             mixed_prefill_decode=config.mixed_prefill_decode,
         )
         commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
-        self._shared = SchedulerOwnership(SchedulerWorker(runtime, config, commands, hub, settings),
-                               commands)
+        worker = SchedulerWorker(runtime, config, commands, hub, settings, prefix_cache)
+        self._shared = SchedulerOwnership(worker, commands)
         self._shared.thread.start()
         self._finalizer = weakref.finalize(self, self._shared.release)
 

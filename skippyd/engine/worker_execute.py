@@ -3,8 +3,10 @@
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
-  a victim chosen by the policy's preemption rule (lowest priority, latest admitted,
-  reference §1.8) gives its KV back and the rest of the plan is retried.
+  cached prefixes give their cells back first (the prefix cache's ``relieve_kv``); only
+  when none is left does a victim chosen by the policy's preemption rule (lowest
+  priority, latest admitted, reference §1.8) give its KV back, and the rest of the plan
+  is retried.
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
   only the bad one fails.
@@ -16,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from skippyd.engine.policy import (
     IterationPhase,
@@ -24,6 +27,7 @@ from skippyd.engine.policy import (
     IterationWork,
     Scheduler,
 )
+from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.runtime_api import (
     InvalidIterationError,
     IterationOutput,
@@ -83,6 +87,29 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
     )
 
 
+def step_attributes(step: IterationTelemetry, step_ms: float,
+                    execution_ms: float) -> dict[str, Any]:
+    """``stage.scheduler_iteration`` attributes but the lifecycle counters (§3.11)."""
+    prefix = "skippy.scheduler."
+    attributes: dict[str, Any] = {
+        prefix + name: getattr(step, name)
+        for name in ("iteration", "admitted", "preempted", "prefill_tokens",
+                     "recompute_tokens", "decode_tokens", "prefix_hits", "prefix_misses")
+    }
+    attributes[prefix + "running"] = step.active_sequences
+    attributes[prefix + "waiting"] = step.waiting_sequences
+    attributes[prefix + "step_ms"] = step_ms
+    attributes[prefix + "execution_ms"] = execution_ms
+    attributes[prefix + "overhead_ms"] = max(0.0, step_ms - execution_ms)
+    available = dict(step.component_available_bytes)
+    for name, used in step.component_used_bytes:
+        component = f"{prefix}component.{name}."
+        attributes[component + "used_bytes"] = used
+        attributes[component + "available_bytes"] = available.get(name, 0)
+        attributes[component + "free_bytes"] = max(0, available.get(name, 0) - used)
+    return attributes
+
+
 def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSample]:
     """Samples by request index; out-of-range indices are ignored, duplicates dropped."""
     samples: dict[int, PlanSample] = {}
@@ -107,6 +134,8 @@ class PlanExecutor:
         scheduler: The policy scheduler (for preemption under KV pressure).
         on_preempted: Frees the runtime state of a preempted request.
         fail_request: Fails one request with a typed error.
+        relieve_kv: Evicts cached prefixes so a batch of the given token count may fit;
+            True if it freed anything (then the same plan is retried).
     """
 
     def __init__(
@@ -115,8 +144,10 @@ class PlanExecutor:
         scheduler: Scheduler,
         on_preempted: Callable[[str], None],
         fail_request: Callable[[str, SchedulerError], None],
+        relieve_kv: Callable[[int], bool] | None = None,
     ) -> None:
         self._runtime = runtime
+        self._relieve_kv = relieve_kv
         self._scheduler = scheduler
         self._on_preempted = on_preempted
         self._fail_request = fail_request
@@ -131,6 +162,8 @@ class PlanExecutor:
             try:
                 return self._run(plan)
             except KvSlotUnavailableError as exc:
+                if self._relieve_kv is not None and self._relieve_kv(plan.token_count):
+                    continue  # cache entries gave way: active requests keep their KV
                 plan = self._relieve_kv_pressure(plan, exc)
             except InvalidIterationError as exc:
                 if len(plan.work) > 1:

@@ -35,6 +35,7 @@ from skippyd.engine.direct_batch import (
     take_direct_iteration_batch,
 )
 from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime_api import Runtime
 from skippyd.engine.scheduler_config import WorkerSettings
 from skippyd.engine.telemetry import (
@@ -84,13 +85,14 @@ class SchedulerWorker:
         commands: queue.Queue[Command],
         telemetry: TelemetryHub,
         settings: WorkerSettings,
+        prefix_cache: LivePrefixCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings
         self.telemetry = telemetry
         self._commands = commands
         self.planned = PlannedGenerations(runtime, config, telemetry.publish, self.fail_all,
-                                          self._refresh_active_sessions)
+                                          self._refresh_active_sessions, prefix_cache)
         self.direct: deque[DirectIteration] = deque()
         self.cache_queue: CacheRuntimeQueue[RuntimeOperation] = CacheRuntimeQueue(
             config.cache_aging_cost_per_iteration, config.group_waiting_prefixes
@@ -216,9 +218,14 @@ class SchedulerWorker:
             # Inline, in command order: FIFO with every other command (reference §3.3).
             self.run_runtime_operation(command, None)
         elif isinstance(command, CacheAwareRuntimeCommand):
+            refresh = command.refresh_affinity
+            flow = self.planned.prefix_flow
+            if refresh is None and flow is not None:
+                # The stage's own cache values the operation: a peek, recency untouched.
+                prompt = tuple(command.prompt_tokens)
+                refresh = lambda: flow.cache.affinity(prompt)  # noqa: E731
             self.cache_queue.enqueue_lazy(command.operation, command.prompt_tokens,
-                                          command.priority, command.payload,
-                                          command.refresh_affinity)
+                                          command.priority, command.payload, refresh)
         elif isinstance(command, CancelCommand):
             self.planned.cancel(command.req_id)
 
@@ -378,7 +385,7 @@ class SchedulerWorker:
         """Replace the stats snapshot (one reference assignment: atomic for readers)."""
         metrics = self.planned.scheduler.metrics()
         self.stats = SchedulerStats(
-            num_waiting=metrics.waiting_sequences,
+            num_waiting=metrics.waiting_sequences + self.planned.num_parked,
             num_active=metrics.active_sequences,
             command_queue_depth=self._commands.qsize(),
             direct_queue_depth=len(self.direct),

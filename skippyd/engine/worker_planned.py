@@ -25,10 +25,12 @@ from skippyd.engine.policy import (
 )
 from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
 from skippyd.engine.policy.telemetry import IterationTelemetry
+from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime_api import Runtime, RuntimeFailure
 from skippyd.engine.scheduler_config import admission_tokens, kv_capacity_tokens
 from skippyd.engine.telemetry import SCHEDULER_ITERATION
-from skippyd.engine.worker_execute import PlanExecutor, PlanResult
+from skippyd.engine.worker_cache import Admission, PrefixCacheFlow
+from skippyd.engine.worker_execute import PlanExecutor, PlanResult, step_attributes
 from skippyd.engine.worker_types import (
     CompleteEvent,
     ErrorEvent,
@@ -85,6 +87,7 @@ class PlannedGenerations:
         fail_everything: Called with an error when the runtime failed in a way that
             leaves no request safe (reference §3.6 step 7: ``fail_all``).
         on_sessions_dropped: Called after runtime sessions were dropped.
+        prefix_cache: The stage's prefix cache, if it runs one (see ``worker_cache``).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class PlannedGenerations:
         publish: Publish,
         fail_everything: Callable[[SchedulerError], None],
         on_sessions_dropped: Callable[[], None],
+        prefix_cache: LivePrefixCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.scheduler = Scheduler(config)
@@ -102,14 +106,23 @@ class PlannedGenerations:
         self._publish = publish
         self._fail_everything = fail_everything
         self._on_sessions_dropped = on_sessions_dropped
-        self._executor = PlanExecutor(runtime, self.scheduler, self._release_preempted,
-                                      self.fail_request)
+        self.prefix_flow = None if prefix_cache is None else PrefixCacheFlow(
+            prefix_cache, runtime, self.scheduler,
+            lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
+        self._executor = PlanExecutor(
+            runtime, self.scheduler, self._release_preempted, self.fail_request,
+            None if prefix_cache is None else prefix_cache.relieve_kv_pressure)
         self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def num_parked(self) -> int:
+        """Requests waiting outside the policy for a leader's shared prefix."""
+        return 0 if self.prefix_flow is None else len(self.prefix_flow.parked)
 
     # -- commands ----------------------------------------------------------------------
 
@@ -129,17 +142,52 @@ class PlannedGenerations:
                 f"more than the {self._kv_capacity} available"
             )))
             return
-        try:
-            self.scheduler.submit(self._make_sequence(request))
-        except PolicyQueueFullError:
-            state.emit(ErrorEvent(QueueFullError()))
+        flow = self.prefix_flow
+        if flow is None or request.generated_tokens or runtime_configured:
+            self._enter_policy(state, None)
             return
-        except PolicyInputError as exc:  # duplicate id, empty prompt, bad field
-            state.emit(ErrorEvent(InvalidRequestError(str(exc))))
+        if request.request_id in self.requests:
+            state.emit(ErrorEvent(InvalidRequestError(
+                f"sequence {request.request_id} is already waiting or running")))
             return
         self.requests[request.request_id] = state
+        admission = flow.route(request)
+        if admission is not None:  # None: parked behind a leader's shared prefix
+            self._enter_policy(state, admission)
 
-    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+    def _enter_policy(self, state: RequestState, admission: Admission | None) -> bool:
+        """Submit to the policy; on refusal answer with an ``ErrorEvent`` and forget it."""
+        request = state.request
+        error: SchedulerError | None = None
+        try:
+            self.scheduler.submit(self._make_sequence(request, admission))
+        except PolicyQueueFullError:
+            error = QueueFullError()
+        except PolicyInputError as exc:  # duplicate id, empty prompt, bad field
+            error = InvalidRequestError(str(exc))
+        if error is None:
+            self.requests[request.request_id] = state
+            return True
+        if self.requests.get(request.request_id) is state:
+            del self.requests[request.request_id]
+            if self.prefix_flow is not None:
+                self.prefix_flow.forget(request.request_id)
+        state.emit(ErrorEvent(error))
+        return False
+
+    def _reroute(self, released: Iterable[GenerationRequest]) -> None:
+        """Route requests released from parking again (they may hit, or park anew)."""
+        flow = self.prefix_flow
+        for request in released if flow is not None else ():
+            state = self.requests.get(request.request_id)
+            if state is None:
+                continue
+            admission = flow.route(request)
+            if admission is not None:
+                self._enter_policy(state, admission)
+
+    def _make_sequence(self, request: GenerationRequest,
+                       admission: Admission | None = None) -> Sequence:
         # Reserve bounded decode headroom, not the client's whole ceiling (reference §3.7).
         reserve = admission_tokens(len(request.prompt_tokens), request.max_tokens,
                                    self._kv_capacity)
@@ -152,6 +200,10 @@ class PlannedGenerations:
         ).with_admission_tokens(reserve)
         if request.generated_tokens:
             sequence.with_prefilled_generation(request.generated_tokens)
+        if admission is not None:
+            sequence.with_cache_affinity(admission.affinity)
+            if admission.restore is not None:
+                sequence.with_prefix_restore(admission.restore)
         return sequence
 
     def cancel(self, req_id: str) -> None:
@@ -160,6 +212,13 @@ class PlannedGenerations:
         state = self.requests.pop(req_id, None)
         if state is not None and not state.request.retain_runtime:
             self.drop_runtime_sessions([req_id])
+        self._leave_prefix_cache(req_id)
+
+    def _leave_prefix_cache(self, req_id: str) -> None:
+        """Release the request's lease and whatever was parked behind it."""
+        if self.prefix_flow is not None:
+            self.prefix_flow.forget(req_id)
+            self._reroute(self.prefix_flow.release_followers(req_id))
 
     def fail_request(self, req_id: str, error: SchedulerError) -> None:
         """Cancel a request and send it ``error``."""
@@ -210,9 +269,12 @@ class PlannedGenerations:
         state = self.requests.pop(req_id, None)
         if state is None:
             return
+        if self.prefix_flow is not None:
+            self.prefix_flow.record_finished(req_id)
         if not state.request.retain_runtime:
             self.drop_runtime_sessions([req_id])
         state.emit(CompleteEvent(state.finish_reason()))
+        self._leave_prefix_cache(req_id)
 
     # -- one planned turn --------------------------------------------------------------
 
@@ -239,6 +301,8 @@ class PlannedGenerations:
         self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
         step = self.scheduler.complete_iteration(result.plan, result.predictions())
         self._finish_iteration(result)
+        if self.prefix_flow is not None:
+            self._reroute(self.prefix_flow.release_ready())
         self._emit_step_telemetry(step, time.monotonic() - started, result.execution_s)
         return True
 
@@ -254,6 +318,9 @@ class PlannedGenerations:
                 continue
             try:
                 self.runtime.ensure_session_active(work.sequence_id)
+                if self.prefix_flow is not None:
+                    self.prefix_flow.restore(work.sequence_id,
+                                             self.scheduler.config.prefill_chunk_tokens)
             except RuntimeFailure as exc:
                 error = scheduler_error_from_runtime(
                     f"prepare scheduler session {work.sequence_id}", exc
@@ -302,16 +369,7 @@ class PlannedGenerations:
         self.last_step_ms = total_s * 1000.0
         self.last_execution_ms = execution_s * 1000.0
         prefix = "skippy.scheduler."
-        attributes: dict[str, Any] = {
-            prefix + name: getattr(step, name)
-            for name in ("iteration", "admitted", "preempted", "prefill_tokens",
-                         "recompute_tokens", "decode_tokens", "prefix_hits", "prefix_misses")
-        }
-        attributes[prefix + "running"] = step.active_sequences
-        attributes[prefix + "waiting"] = step.waiting_sequences
-        attributes[prefix + "step_ms"] = self.last_step_ms
-        attributes[prefix + "execution_ms"] = self.last_execution_ms
-        attributes[prefix + "overhead_ms"] = max(0.0, self.last_step_ms - self.last_execution_ms)
+        attributes = step_attributes(step, self.last_step_ms, self.last_execution_ms)
         lifecycle = (step.finished, step.failed, step.cancelled, step.rejected_overload)
         if lifecycle != self._last_lifecycle:
             # Counters only when they changed since the last emission (reference §3.11).
@@ -319,12 +377,6 @@ class PlannedGenerations:
             for name, value in zip(("finished", "failed", "cancelled", "rejected_overload"),
                                    lifecycle, strict=True):
                 attributes[prefix + name] = value
-        available = dict(step.component_available_bytes)
-        for name, used in step.component_used_bytes:
-            component = f"{prefix}component.{name}."
-            attributes[component + "used_bytes"] = used
-            attributes[component + "available_bytes"] = available.get(name, 0)
-            attributes[component + "free_bytes"] = max(0, available.get(name, 0) - used)
         self._publish(SCHEDULER_ITERATION, attributes)
 
 

@@ -1,0 +1,49 @@
+"""Radix prefix cache over resident KV and saved sequence states (DESIGN.md item 9).
+
+* :mod:`.radix` indexes recorded token prefixes per namespace (model and layer range).
+* :mod:`.entries` keeps the entries' tiers, slots, pins, recency and counters.
+* :mod:`.eviction` picks victims with the capacity-planning helper (reference §1.11).
+* :mod:`.live` runs it all against a runtime's reserved sequence ids.
+
+The worker drives it (``worker_cache.py``); the policy only sees the results: a
+``PrefixRestore`` on a sequence and its ``CacheAffinity``.
+"""
+
+from skippyd.engine.prefix_cache.entries import (
+    CacheEntry,
+    CacheMatch,
+    EntryTable,
+    PrefixCacheStats,
+    Tier,
+)
+from skippyd.engine.prefix_cache.live import (
+    PREFIX_CACHE_EVENT,
+    Lease,
+    LivePrefixCache,
+    SlotRuntime,
+)
+from skippyd.engine.prefix_cache.radix import (
+    PrefixIndex,
+    RadixMatch,
+    RadixTree,
+    common_prefix_length,
+)
+from skippyd.engine.prefix_cache.settings import PrefixCacheSettings, settings_from_config
+
+__all__ = [
+    "PREFIX_CACHE_EVENT",
+    "CacheEntry",
+    "CacheMatch",
+    "EntryTable",
+    "Lease",
+    "LivePrefixCache",
+    "PrefixCacheSettings",
+    "PrefixCacheStats",
+    "PrefixIndex",
+    "RadixMatch",
+    "RadixTree",
+    "SlotRuntime",
+    "Tier",
+    "common_prefix_length",
+    "settings_from_config",
+]

@@ -1,0 +1,260 @@
+"""Cache entries and their bookkeeping: tiers, sequence-id slots, pins, recency, counters.
+
+An entry is one recorded token prefix. It lives in one of two tiers:
+
+* **resident**: its KV cells stay in the unified pool under a reserved sequence id (a
+  *slot*); a hit copies them into a lane with ``llama_memory_seq_cp`` (cells shared).
+* **host**: evicted from the pool but kept as a saved sequence state in host RAM; a hit
+  loads the state into a lane.
+
+:class:`EntryTable` is pure bookkeeping over one namespace; it never calls a runtime.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from skippyd.engine.prefix_cache.radix import RadixTree
+from skippyd.engine.prefix_cache.settings import PrefixCacheSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(enum.Enum):
+    """Where an entry's KV lives."""
+
+    RESIDENT = "resident"
+    HOST = "host"
+
+
+@dataclass(eq=False, slots=True)
+class CacheEntry:
+    """One recorded prefix."""
+
+    id: str
+    tokens: tuple[int, ...]
+    tier: Tier
+    slot: int | None = None
+    """Reserved sequence id holding the KV (resident tier)."""
+    state: bytes | None = None
+    """Saved sequence state (host tier)."""
+    last_used: int = 0
+    """Recency stamp; smaller is colder."""
+    hits: int = 0
+    pins: set[str] = field(default_factory=set)
+    """Requests holding a lease on this entry: it may not be dropped."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.state is None else len(self.state)
+
+    def anon_repr(self) -> str:
+        """Describe the entry without its tokens."""
+        return (f"CacheEntry(id={self.id}, tokens={self.num_tokens}, tier={self.tier.value}, "
+                f"slot={self.slot}, pins={len(self.pins)})")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMatch:
+    """The best entry for a prompt (a peek: recency untouched)."""
+
+    num_tokens: int
+    """Leading prompt tokens the entry can restore (0 below ``min_tokens``)."""
+    entry: CacheEntry | None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Counters and sizes; ``as_dict`` gives the keys the status snapshot reads."""
+
+    hits: int = 0
+    misses: int = 0
+    matched_tokens: int = 0
+    """Prompt tokens restored instead of computed, summed over hits."""
+    bytes_resident: int = 0
+    bytes_host: int = 0
+    evictions: int = 0
+    """Entries that left the pool (to host RAM or dropped) plus host entries dropped."""
+    entries_resident: int = 0
+    entries_host: int = 0
+    records: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    def as_dict(self) -> dict[str, int | float]:
+        """The status snapshot's ``prefix_cache`` section (exactly these keys)."""
+        return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
+                "matched_tokens": self.matched_tokens, "bytes_resident": self.bytes_resident,
+                "bytes_host": self.bytes_host, "evictions": self.evictions}
+
+    def telemetry(self) -> dict[str, int | float]:
+        """Everything, for telemetry events."""
+        return {**self.as_dict(), "entries_resident": self.entries_resident,
+                "entries_host": self.entries_host, "records": self.records}
+
+
+@dataclass(slots=True)
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    matched_tokens: int = 0
+    evictions: int = 0
+    records: int = 0
+
+
+class EntryTable:
+    """Entries of one namespace; see the module docstring.
+
+    Args:
+        settings: Budgets and thresholds.
+        slot_ids: The reserved sequence ids entries may occupy.
+    """
+
+    def __init__(self, settings: PrefixCacheSettings, slot_ids: Iterable[int]) -> None:
+        self.settings = settings
+        self.index = RadixTree()
+        self.entries: dict[str, CacheEntry] = {}
+        self.counters = _Counters()
+        self.epoch = 0
+        """Bumped on every change of what is cached (stale-affinity detection)."""
+        self.kv_bytes_per_token = 0
+        """Measured at the first saved state; 0 until then."""
+        self._free_slots = sorted(slot_ids, reverse=True)
+        self._clock = itertools.count(1)
+        self._ids = itertools.count(1)
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def match(self, prompt: Sequence[int]) -> CacheMatch:
+        """Best entry holding a prefix of ``prompt``: resident first, then the warmest."""
+        found = self.index.match(prompt)
+        if found.num_tokens < self.settings.min_tokens or not found.entry_ids:
+            return CacheMatch(0, None)
+        entries = [self.entries[entry_id] for entry_id in found.entry_ids]
+        best = max(entries, key=lambda e: (e.tier is Tier.RESIDENT, e.last_used, e.id))
+        return CacheMatch(found.num_tokens, best)
+
+    def covers(self, tokens: Sequence[int]) -> CacheEntry | None:
+        """A resident entry holding all of ``tokens`` already, if any."""
+        found = self.index.match(tokens)
+        if found.num_tokens < len(tokens):
+            return None
+        resident = [self.entries[i] for i in found.entry_ids
+                    if self.entries[i].tier is Tier.RESIDENT]
+        return max(resident, key=lambda e: e.last_used, default=None)
+
+    def touch(self, entry: CacheEntry) -> None:
+        """Mark ``entry`` as just used (LRU recency)."""
+        entry.last_used = next(self._clock)
+
+    def resident(self) -> list[CacheEntry]:
+        return [e for e in self.entries.values() if e.tier is Tier.RESIDENT]
+
+    def host(self) -> list[CacheEntry]:
+        return [e for e in self.entries.values() if e.tier is Tier.HOST]
+
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots) and len(self.resident()) < self.settings.max_entries
+
+    def host_bytes(self) -> int:
+        return sum(entry.host_bytes for entry in self.entries.values())
+
+    # -- changes -----------------------------------------------------------------------
+
+    def add_resident(self, tokens: Sequence[int]) -> CacheEntry:
+        """Index a new resident entry and give it a free slot.
+
+        Raises:
+            RuntimeError: No slot is free (the caller must evict first).
+        """
+        if not self.has_free_slot():
+            raise RuntimeError(f"no free prefix-cache slot ({len(self.resident())} resident, "
+                               f"max_entries {self.settings.max_entries})")
+        entry = CacheEntry(id=f"p{next(self._ids)}", tokens=tuple(tokens), tier=Tier.RESIDENT,
+                           slot=self._free_slots.pop())
+        self.touch(entry)
+        self.entries[entry.id] = entry
+        self.index.insert(entry.tokens, entry.id)
+        self.counters.records += 1
+        self.epoch += 1
+        return entry
+
+    def move_to_host(self, entry: CacheEntry, state: bytes) -> None:
+        """The entry's slot was saved to ``state`` and cleared."""
+        self._release_slot(entry)
+        entry.tier, entry.state = Tier.HOST, state
+        self.counters.evictions += 1
+        self.epoch += 1
+
+    def move_to_resident(self, entry: CacheEntry) -> int:
+        """Give a host entry a slot again (its state goes); returns the slot.
+
+        Raises:
+            RuntimeError: No slot is free.
+        """
+        if not self.has_free_slot():
+            raise RuntimeError("no free prefix-cache slot to promote a host entry into")
+        entry.slot, entry.tier, entry.state = self._free_slots.pop(), Tier.RESIDENT, None
+        self.epoch += 1
+        return entry.slot
+
+    def remove(self, entry: CacheEntry, *, evicted: bool = True) -> None:
+        """Forget ``entry`` (its slot, if any, must already be cleared by the caller)."""
+        if self.entries.pop(entry.id, None) is None:
+            return
+        self.index.remove(entry.id)
+        self._release_slot(entry)
+        entry.state = None
+        if evicted:
+            self.counters.evictions += 1
+        self.epoch += 1
+
+    def _release_slot(self, entry: CacheEntry) -> None:
+        if entry.slot is not None:
+            self._free_slots.append(entry.slot)
+            entry.slot = None
+
+    def superseded(self, entry: CacheEntry) -> list[CacheEntry]:
+        """Unpinned entries whose tokens resident ``entry`` starts with.
+
+        A partial match into ``entry`` restores the same prefix, so a shorter resident
+        entry only holds a slot, and a host entry (even as long) only holds host RAM.
+        """
+        covered = []
+        for other in self.entries.values():
+            longest = entry.num_tokens - (other.tier is Tier.RESIDENT)
+            if (other is not entry and not other.pins and other.num_tokens <= longest
+                    and entry.tokens[:other.num_tokens] == other.tokens):
+                covered.append(other)
+        return covered
+
+    # -- counters ----------------------------------------------------------------------
+
+    def count_lookup(self, restored_tokens: int) -> None:
+        if restored_tokens > 0:
+            self.counters.hits += 1
+            self.counters.matched_tokens += restored_tokens
+        else:
+            self.counters.misses += 1
+
+    def stats(self) -> PrefixCacheStats:
+        resident = self.resident()
+        counters = self.counters
+        return PrefixCacheStats(
+            hits=counters.hits, misses=counters.misses, matched_tokens=counters.matched_tokens,
+            bytes_resident=sum(e.num_tokens for e in resident) * self.kv_bytes_per_token,
+            bytes_host=self.host_bytes(), evictions=counters.evictions,
+            entries_resident=len(resident), entries_host=len(self.entries) - len(resident),
+            records=counters.records,
+        )

@@ -1,0 +1,92 @@
+"""Helpers of the prefix-cache tests: tiny-model runtimes with cache slots, greedy runs."""
+
+from __future__ import annotations
+
+import threading
+
+from skippyd.engine.prefix_cache import PrefixCacheSettings
+from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.worker_types import (
+    CompleteEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SchedulerError,
+    SchedulerEvent,
+    TokenControl,
+    TokenEvent,
+)
+
+#: Greedy, and never stopping early: every generation has its full length.
+GREEDY = SamplingConfig(temperature=0.0, ignore_eos=True)
+N_BATCH = 256
+N_UBATCH = 64
+WAIT_S = 30.0
+#: Small thresholds so short test prompts are worth caching.
+SETTINGS = PrefixCacheSettings(max_entries=8, min_tokens=16, shared_prefix_stride_tokens=32,
+                               host_ram_bytes=64 << 20)
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    """``count`` deterministic token ids of the tiny vocabulary (no control tokens)."""
+    return [3 + (seed * 31 + i * 7) % 290 for i in range(count)]
+
+
+def open_runtime(path, *, lanes: int = 4, ctx_size: int = 1024, slots: int = 8) -> LlamaRuntime:
+    return LlamaRuntime(RuntimeOptions(str(path), lane_count=lanes, ctx_size=ctx_size,
+                                       n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=1,
+                                       reserved_seq_ids=slots))
+
+
+def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], count: int) -> list[int]:
+    """Prefill ``suffix`` in one call after what the session holds, then decode greedily."""
+    request = IterationRequest(session, suffix, sampling=GREEDY, sample_last=True)
+    generated: list[int] = []
+    while len(generated) < count:
+        generated.append(runtime.iteration_batch_sampled([request]).samples[0].token)
+        request = IterationRequest(session, [generated[-1]], sampling=GREEDY, sample_last=True,
+                                   phase=IterationPhase.DECODE)
+    return generated
+
+
+def prefill(runtime: LlamaRuntime, session: str, prompt: list[int]) -> None:
+    """Compute ``prompt`` into the session in one call, without sampling."""
+    runtime.iteration_batch_sampled([IterationRequest(session, prompt)])
+
+
+class Collector:
+    """An ``on_event`` callback that answers every token with Continue and keeps them."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: SchedulerError | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: SchedulerEvent) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event.token)
+            event.ack.send(TokenControl.CONTINUE)
+        elif isinstance(event, CompleteEvent):
+            self.finish_reason = event.finish_reason
+            self.done.set()
+        elif isinstance(event, ErrorEvent):
+            self.error = event.error
+            self.done.set()
+
+    def result(self, timeout_s: float = WAIT_S) -> list[int]:
+        """The generated tokens once complete; raises the generation's error."""
+        assert self.done.wait(timeout_s), "the generation did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.tokens
+
+
+def submit_all(scheduler, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Collector]:
+    """Queue every prompt at once (no waiting in between) and return their collectors."""
+    collectors = {}
+    for req_id, prompt in prompts.items():
+        collectors[req_id] = Collector()
+        scheduler.submit_generation(
+            GenerationRequest(req_id, list(prompt), max_tokens, GREEDY), collectors[req_id])
+    return collectors

@@ -1,0 +1,44 @@
+"""Fixtures for the prefix-cache tests: tiny-model runtimes with cache slots, schedulers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from cache_helpers import N_BATCH, N_UBATCH, SETTINGS, open_runtime
+
+from skippyd.engine.prefix_cache import LivePrefixCache, PrefixCacheSettings
+from skippyd.engine.runtime import LlamaRuntime
+from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker import IterationScheduler
+
+
+@pytest.fixture
+def runtime(tiny_model_path) -> Iterator[LlamaRuntime]:
+    with open_runtime(tiny_model_path) as rt:
+        yield rt
+
+
+@pytest.fixture
+def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[IterationScheduler, Any]]]:
+    """Build (scheduler, cache or None) over a fresh tiny runtime; closed after the test."""
+    opened: list[tuple[IterationScheduler, LlamaRuntime]] = []
+
+    def build(*, cache: bool = True, settings: PrefixCacheSettings = SETTINGS, lanes: int = 4,
+              ctx_size: int = 1024, queue_capacity: int = 8):
+        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=ctx_size,
+                               slots=settings.slot_count(lanes) if cache else 0)
+        hub = TelemetryHub()
+        live = LivePrefixCache(runtime, settings, namespace="tiny:0-4",
+                               publish=hub.publish) if cache else None
+        scheduler = IterationScheduler(runtime, queue_capacity=queue_capacity, n_batch=N_BATCH,
+                                       n_ubatch=N_UBATCH, telemetry=hub, prefix_cache=live)
+        opened.append((scheduler, runtime))
+        return scheduler, live
+
+    yield build
+    for scheduler, runtime in opened:
+        scheduler.close()
+        assert not scheduler.thread.is_alive()
+        runtime.close()

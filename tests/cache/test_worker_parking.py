@@ -1,0 +1,105 @@
+"""The worker turn by turn: parked requests, and cache-aware operations valued by a peek."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from cache_helpers import GREEDY, N_BATCH, N_UBATCH, SETTINGS, Collector, open_runtime, tokens
+
+from skippyd.engine.cache_runtime import CachePayload, CacheRuntimeContext, RuntimeOperation
+from skippyd.engine.prefix_cache import LivePrefixCache
+from skippyd.engine.scheduler_config import build_scheduler_config, make_worker_settings
+from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker_loop import SchedulerWorker
+from skippyd.engine.worker_types import (
+    CacheAwareRuntimeCommand,
+    CancelCommand,
+    GenerationRequest,
+    SubmitCommand,
+)
+
+SHARED = tokens(1, 150)
+
+
+@pytest.fixture
+def worker(tiny_model_path):
+    """A worker core without its thread, one lane, over a runtime with cache slots."""
+    runtime = open_runtime(tiny_model_path, lanes=1, slots=SETTINGS.slot_count(1))
+    config = build_scheduler_config(1, runtime.kv_pool_tokens, 0, N_BATCH, N_UBATCH, 8)
+    settings = make_worker_settings(1, 8, N_BATCH, 1, config)
+    cache = LivePrefixCache(runtime, SETTINGS, namespace="tiny")
+    core = SchedulerWorker(runtime, config, queue.Queue(), TelemetryHub(), settings, cache)
+    yield core
+    runtime.close()
+
+
+def submit(worker: SchedulerWorker, req_id: str, prompt: list[int], max_tokens: int) -> Collector:
+    collector = Collector()
+    worker.handle_command(SubmitCommand(GenerationRequest(req_id, prompt, max_tokens, GREEDY),
+                                        collector))
+    return collector
+
+
+def run_until(worker: SchedulerWorker, done, max_turns: int = 200) -> None:
+    for _ in range(max_turns):
+        if done():
+            return
+        worker.run_work_turn()
+    raise AssertionError("the condition did not hold within the turn limit")
+
+
+def test_a_follower_waits_for_the_leader_then_restores_its_prefix(worker):
+    blocker = submit(worker, "blocker", tokens(7, 20), 3)  # holds the only lane
+    worker.run_work_turn()
+    leader = submit(worker, "leader", SHARED + tokens(8, 10), 3)
+    follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
+    assert worker.planned.num_parked == 1  # the leader has no KV yet
+    worker.publish_stats()
+    assert worker.stats.num_waiting == 2
+    run_until(worker, lambda: follower.done.is_set())
+    assert len(follower.result()) == 3 and len(leader.result()) == 3 and blocker.done.is_set()
+    cache = worker.planned.prefix_flow.cache
+    assert cache.cached_prompt_tokens("follower") == len(SHARED)
+    assert (cache.stats().hits, cache.stats().misses) == (1, 2)
+
+
+def test_a_parked_request_can_be_cancelled_and_its_leader_goes_on(worker):
+    submit(worker, "blocker", tokens(7, 20), 3)
+    worker.run_work_turn()
+    leader = submit(worker, "leader", SHARED + tokens(8, 10), 3)
+    follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
+    worker.handle_command(CancelCommand("follower"))
+    worker.handle_command(CancelCommand("follower"))  # idempotent
+    assert worker.planned.num_parked == 0 and "follower" not in worker.planned.requests
+    run_until(worker, lambda: leader.done.is_set())
+    assert len(leader.result()) == 3
+    assert not follower.done.is_set() and follower.tokens == []  # a cancel sends nothing
+
+
+def test_followers_of_a_cancelled_leader_are_routed_again(worker):
+    submit(worker, "blocker", tokens(7, 20), 3)
+    worker.run_work_turn()
+    submit(worker, "leader", SHARED + tokens(8, 10), 3)
+    follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
+    worker.handle_command(CancelCommand("leader"))
+    assert worker.planned.num_parked == 0  # nothing left to wait for: it queues cold
+    run_until(worker, lambda: follower.done.is_set())
+    assert len(follower.result()) == 3
+    assert worker.planned.prefix_flow.cache.cached_prompt_tokens("follower") == 0
+
+
+def test_the_cache_runtime_queue_serves_the_operation_with_the_cached_prefix_first(worker):
+    warm = submit(worker, "warm", SHARED + tokens(8, 10), 3)
+    run_until(worker, warm.done.is_set)  # its history is recorded when it finishes
+    ran: list[str] = []
+
+    def operation(name: str) -> RuntimeOperation:
+        context = CacheRuntimeContext(name)
+        return RuntimeOperation(name, lambda runtime, ctx: ran.append(name), context)
+
+    for name, prompt in (("cold", tokens(9, 160)), ("hot", SHARED + tokens(9, 10))):
+        worker.handle_command(CacheAwareRuntimeCommand(
+            operation(name), prompt, 0, CachePayload.RESIDENT_KV, None))
+    run_until(worker, lambda: len(ran) == 2)
+    assert ran == ["hot", "cold"]  # enqueued second, valued first
