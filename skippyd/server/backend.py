@@ -16,7 +16,7 @@ from skippyd.engine.worker_types import GenerationRequest, SchedulerEvent
 
 logger = logging.getLogger(__name__)
 
-HealthStatus = Literal["loading", "ok", "failed", "draining"]
+HealthStatus = Literal["loading", "ok", "failed", "draining", "degraded"]
 
 
 @runtime_checkable

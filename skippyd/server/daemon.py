@@ -21,10 +21,13 @@ import uvicorn
 
 from skippyd.config import StageConfig
 from skippyd.engine.gguf_tools import ModelFileError
+from skippyd.server.control import ControlServer, ControlSocketError
 from skippyd.server.engine import StageEngine, StartupError
+from skippyd.server.metrics import ServingMetrics, metrics_route
 from skippyd.server.openai_api import create_app
 from skippyd.server.requests import HttpLimits
 from skippyd.server.sdnotify import SystemdNotifier
+from skippyd.server.snapshot import snapshot_source
 from skippyd.server.stage_split import run_link_stage, slice_progress
 
 logger = logging.getLogger(__name__)
@@ -104,8 +107,10 @@ class Daemon:
         self.config = config
         # A split stage 0 slices its layer range on first start: show a progress bar.
         self.engine = StageEngine(config, progress=slice_progress())
+        self.metrics = ServingMetrics.for_engine(self.engine)
         app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
-                         default_max_tokens=config.http.default_max_tokens)
+                         default_max_tokens=config.http.default_max_tokens,
+                         extra_routes=[metrics_route(self.metrics)], metrics=self.metrics)
         host, port = config.http.address
         if config.http.api_key is None and not _is_loopback(host):
             logger.warning(
@@ -140,14 +145,38 @@ class Daemon:
         if not self.server.started_event.is_set():
             await serving
             return STARTUP_FAILURE  # could not bind: uvicorn logged why
-        await self._load()
+        self.metrics.attach(self.engine.telemetry)
+        control = await self._start_control()
+        if control is not None:
+            await self._load()
         housekeeping = asyncio.create_task(self._housekeeping())
         await serving
         housekeeping.cancel()
+        if control is not None:
+            await control.close()
+        self.metrics.detach()
         await asyncio.to_thread(self.engine.close)
         self.notifier.close()
         logger.info("stage %s stopped", self.config.stage.id)
         return self.exit_code
+
+    async def _start_control(self) -> ControlServer | None:
+        """Open the control socket (``skippyd top``/``status``) before the model loads."""
+        control = ControlServer(
+            self.config.control.socket_path, stage_id=self.config.stage.id,
+            snapshot=snapshot_source(self.engine, self.metrics), telemetry=self.engine.telemetry,
+            group=self.config.control.group,
+        )
+        try:
+            await control.start()
+        except ControlSocketError as exc:
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            self.exit_code = STARTUP_FAILURE
+            self.server.should_exit = True
+            return None
+        logger.info("control socket at %s", self.config.control.socket_path)
+        return control
 
     async def _housekeeping(self) -> None:
         """Watchdog pings while the worker is alive, and a STATUS line for systemctl."""

@@ -15,6 +15,12 @@ from pathlib import Path
 
 from skippyd.config import StageConfig
 from skippyd.engine.gguf_tools import ModelInfo, cached_slice, inspect_model
+from skippyd.engine.prefix_cache import (
+    LivePrefixCache,
+    PrefixCacheSettings,
+    PrefixCacheStats,
+    settings_from_config,
+)
 from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime_watch import WatchedRuntime
 from skippyd.engine.telemetry import TelemetryHub
@@ -22,6 +28,7 @@ from skippyd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from skippyd.engine.worker import IterationScheduler
 from skippyd.engine.worker_types import GenerationRequest, SchedulerEvent, SchedulerStoppedError
 from skippyd.server.backend import HealthStatus
+from skippyd.server.stage_split import SplitStage, make_split
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +41,9 @@ class StartupError(Exception):
     """The stage could not start (bad model, unsupported topology...)."""
 
 
-def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
-    """The llama.cpp settings a stage config asks for."""
+def runtime_options(config: StageConfig, model_path: Path, *,
+                    reserved_seq_ids: int = 0) -> RuntimeOptions:
+    """The llama.cpp settings a stage config asks for (plus prefix-cache sequence ids)."""
     rt = config.runtime
     return RuntimeOptions(
         model_path=str(model_path),
@@ -50,6 +58,7 @@ def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
         flash_attn=rt.flash_attn,
         first_stage=config.is_first,
         final_stage=config.is_final,
+        reserved_seq_ids=reserved_seq_ids,
     )
 
 
@@ -74,6 +83,8 @@ class StageEngine:
         self._tokenizer: Tokenizer | None = None
         self._runtime: WatchedRuntime | None = None
         self._scheduler: IterationScheduler | None = None
+        self._split: SplitStage | None = None
+        self._prefix_cache: LivePrefixCache | None = None
         self.hang_threshold_s = HANG_THRESHOLD_S
         self._state: HealthStatus = "loading"
         self._reason: str | None = "loading the model"
@@ -86,19 +97,21 @@ class StageEngine:
         Raises:
             StartupError: the model cannot be served by this stage.
         """
-        if not (self.config.is_first and self.config.is_final):
-            raise StartupError(
-                "this stage has an upstream or downstream peer; serving a split pipeline"
-                " needs the stage link, which this build does not provide yet"
-            )
         source = self.config.resolved_model_path
         self.info = inspect_model(source)
         stage = self.config.stage
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,
                             self.config.runtime.slice_cache_dir, progress=self._progress)
-        self._tokenizer = Tokenizer(source)
-        self.n_vocab = self._tokenizer.n_vocab
-        self._runtime = WatchedRuntime(LlamaRuntime(runtime_options(self.config, path)))
+        if self.config.is_first:  # later stages of a split take rows, not text
+            self._tokenizer = Tokenizer(source)
+            self.n_vocab = self._tokenizer.n_vocab
+        cache_settings = self._prefix_cache_settings()
+        reserved = 0 if cache_settings is None else cache_settings.slot_count(
+            self.config.runtime.lane_count)
+        local = LlamaRuntime(runtime_options(self.config, path, reserved_seq_ids=reserved))
+        self._split = make_split(self.config, local)
+        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime)
+        self._prefix_cache = self._make_prefix_cache(cache_settings)
         rt = self.config.runtime
         self._scheduler = IterationScheduler(
             self._runtime,
@@ -109,12 +122,48 @@ class StageEngine:
             n_ubatch=rt.n_ubatch,
             recurrent_bytes_per_seq=self.info.recurrent_bytes(stage.layer_start, stage.layer_end),
             exports=not self.config.is_final,
+            pipeline_decode_groups=None if self._split is None else self._split.decode_groups,
             telemetry=self.telemetry,
+            prefix_cache=self._prefix_cache,
         )
+        self._start_split()
         self._set_state("ok", None)
         logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
                     self.model_id, stage.layer_start, stage.layer_end, rt.lane_count,
                     self._runtime.kv_pool_tokens)
+
+    def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
+        """The prefix cache runs on an unsplit stage of an attention-only model."""
+        assert self.info is not None
+        unsplit = self.config.is_first and self.config.is_final
+        attention_only = self.info.recurrent_bytes() == 0
+        reason = ("a split stage keeps no prefix cache yet" if not unsplit
+                  else "recurrent state cannot be restored from a token prefix")
+        return settings_from_config(self.config.kv_cache, supported=unsplit and attention_only,
+                                    reason=reason)
+
+    def _make_prefix_cache(self, settings: PrefixCacheSettings | None) -> LivePrefixCache | None:
+        if settings is None or self._split is not None:
+            return None
+        stage = self.config.stage
+        return LivePrefixCache(
+            self._runtime, settings, stage_index=stage.index, publish=self.telemetry.publish,
+            namespace=f"{self.model_id}:{stage.layer_start}-{stage.layer_end}",
+        )
+
+    def _start_split(self) -> None:
+        if self._split is None:
+            return
+        try:
+            self._split.start(self._scheduler)
+        except OSError as exc:
+            raise StartupError(f"link.listen: cannot listen on {self.config.link.listen}: "
+                               f"{exc}") from exc
+
+    @property
+    def link_address(self) -> tuple[str, int] | None:
+        """The bound stage-link address of a split stage, if it listens."""
+        return None if self._split is None else self._split.link_address
 
     def fail(self, reason: str) -> None:
         self._set_state("failed", reason)
@@ -129,6 +178,9 @@ class StageEngine:
         with self._lock:
             scheduler, runtime, tokenizer = self._scheduler, self._runtime, self._tokenizer
             self._scheduler = self._runtime = self._tokenizer = None
+            split, self._split = self._split, None
+        if split is not None:  # first: requests waiting on the pipeline fail promptly
+            split.close()
         if scheduler is not None:
             scheduler.close()
         if runtime is not None:
@@ -164,6 +216,10 @@ class StageEngine:
         busy = self.runtime_busy_for()
         if self._state == "ok" and busy >= self.hang_threshold_s:
             return "failed", f"runtime call running for {busy:.0f} s (hung?)"
+        split = self._split
+        degraded = split.degraded() if split is not None else None
+        if self._state == "ok" and degraded is not None:
+            return "degraded", degraded
         return self._state, self._reason
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
@@ -195,7 +251,14 @@ class StageEngine:
             scheduler.cancel(request_id)
 
     def cached_prompt_tokens(self, request_id: str) -> int:
-        return 0  # no prefix cache yet: every prompt token is computed
+        """Prompt tokens of the request restored from the prefix cache (0 without one)."""
+        cache = self._prefix_cache
+        return 0 if cache is None else cache.cached_prompt_tokens(request_id)
+
+    def prefix_cache_stats(self) -> dict[str, int | float]:
+        """``hits, misses, hit_rate, matched_tokens, bytes_resident, bytes_host, evictions``."""
+        cache = self._prefix_cache
+        return (PrefixCacheStats() if cache is None else cache.stats()).as_dict()
 
     def _require_tokenizer(self) -> Tokenizer:
         tokenizer = self._tokenizer

@@ -1,0 +1,227 @@
+"""Split serving against unsplit serving: same model, same total threads, same run.
+
+Starts the embedded SmolLM2-135M as one process (``--threads`` llama.cpp threads) and as
+a 2-stage chain (layers 0-15 and 15-30, ``--threads / 2`` threads each) on loopback,
+then runs the ``skippyd bench`` workload (streaming completions, unique prompts, exact
+output lengths) at each concurrency level, alternating the targets for ``--rounds``
+rounds. For the chain it also reads every stage's STATUS over the stage link before and
+after each level: the busy fraction (time in llama.cpp / wall time) of each stage and
+the link bytes per generated token.
+
+Usage::
+
+    python bench/split_vs_unsplit.py [--threads 2] [-c 1,8] [-n 16] [--rounds 2] [--json out.json]
+
+On a machine other work shares, a two-thread llama.cpp server degrades far more than two
+one-thread stages (its threads spin at barriers while the other is descheduled), which
+flatters the chain. ``--pin 1 --unsplit-threads 1`` puts every server on one CPU with
+one thread each: the ratio then shows what splitting costs on equal CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from skippyd.bench.loadgen import (
+    SKIPPYD_READY,
+    ProgressHook,
+    ServerProcess,
+    make_client,
+    resolve_target,
+    run_level,
+    warm_up,
+)
+from skippyd.bench.report import level_metrics
+from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
+from skippyd.server.stage_chain import query_status
+
+logger = logging.getLogger(__name__)
+
+SECRET = "split-bench-secret-0123456789abcdef"
+STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
+#: Target of the split issue: the chain at 8 streams reaches 0.85x the unsplit tok/s.
+TARGET = (8, 0.85)
+console = Console(width=None if Console().is_terminal else 120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", "-c", default="1,8", help="levels (default 1,8)")
+    parser.add_argument("--requests", "-n", type=int, default=16, help="requests per level")
+    parser.add_argument("--prompt-tokens", type=int, default=60, help="prompt words (~tokens)")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="total llama.cpp threads (the chain gives each stage half)")
+    parser.add_argument("--unsplit-threads", type=int, default=None,
+                        help="threads of the unsplit server (default: --threads)")
+    parser.add_argument("--pin", default=None, metavar="CPUS",
+                        help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
+                             "cost of splitting on equal CPU when the machine is shared")
+    parser.add_argument("--lanes", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str) -> Path:
+    path = workdir / f"{name}.toml"
+    path.write_text(
+        f'[stage]\nid = "{name}"\n{extra}'
+        f"[runtime]\nctx_size = 4096\nlane_count = {lanes}\nthreads = {threads}\n"
+        f'threads_batch = {threads}\nslice_cache_dir = "{workdir / "slices"}"\n'
+        f'[control]\nsocket = "{workdir / name}.sock"\n')
+    return path
+
+
+def start_servers(workdir: Path, args: argparse.Namespace,
+                  stack: contextlib.ExitStack) -> tuple[ServerProcess, ServerProcess, list[int]]:
+    """The unsplit server and the 2-stage chain; returns (unsplit, chain head, link ports)."""
+    ports = [free_port(), free_port()]
+    half = max(1, args.threads // 2)
+    link = f'[link]\nsecret = "{SECRET}"\n'
+    stage1 = stage_config(workdir, "stage-1", half, args.lanes,
+                          "index = 1\nlayer_start = 15\nlayer_end = 30\n"
+                          f'{link}listen = "127.0.0.1:{ports[1]}"\n'
+                          f'[upstream]\nstage_id = "stage-0"\nendpoint = "127.0.0.1:{ports[0]}"\n')
+    stage0 = stage_config(workdir, "stage-0", half, args.lanes,
+                          "index = 0\nlayer_start = 0\nlayer_end = 15\n"
+                          f'{link}listen = "127.0.0.1:{ports[0]}"\n'
+                          f'[downstream]\nstage_id = "stage-1"\n'
+                          f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n')
+    single = stage_config(workdir, "unsplit", args.unsplit_threads or args.threads, args.lanes,
+                          '[http]\nlisten = "127.0.0.1:0"\n')
+    stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin))
+    head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin))
+    unsplit = stack.enter_context(serve(single, SKIPPYD_READY, "unsplit", args.pin))
+    deadline = time.monotonic() + 60
+    while httpx.get(head.url.removesuffix("/v1") + "/health").json()["status"] != "ok":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the chain did not connect:\n" + head.log_tail())
+        time.sleep(0.1)  # stage 0 dials stage 1 with backoff; poll its health
+    return unsplit, head, ports
+
+
+def serve(config: Path, ready: str, name: str, cpus: str | None) -> ServerProcess:
+    """``skippyd serve`` of ``config``, under ``taskset -c cpus`` when asked."""
+    argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(config)]
+    return ServerProcess((["taskset", "-c", cpus] if cpus else []) + argv, ready, name=name)
+
+
+def chain_status(ports: list[int]) -> list[dict[str, Any]]:
+    return [query_status(("127.0.0.1", port), SECRET.encode()) for port in ports]
+
+
+def chain_figures(before: list[dict], after: list[dict], tokens: int) -> dict[str, Any]:
+    """Busy fraction per stage and link bytes per generated token over one level."""
+    busy = []
+    for old, new in zip(before, after, strict=True):
+        wall = new["uptime_s"] - old["uptime_s"]
+        busy.append((new["busy_s"] - old["busy_s"]) / wall if wall > 0 else 0.0)
+    link = [after[0]["chain"][k] - before[0]["chain"][k] for k in ("bytes_out", "bytes_in")]
+    hits = after[0]["lookahead_hits"] - before[0]["lookahead_hits"]
+    steps = after[0]["lookahead_steps"] - before[0]["lookahead_steps"]
+    return {"busy": busy, "bytes_per_token": sum(link) / max(tokens, 1),
+            "bytes_down_per_token": link[0] / max(tokens, 1),
+            "lookahead_steps": steps, "lookahead_hits": hits}
+
+
+async def measure(args: argparse.Namespace, urls: dict[str, str],
+                  ports: list[int]) -> list[dict[str, Any]]:
+    levels = parse_concurrency(args.concurrency)
+    spec = WorkloadSpec(concurrency=levels, num_requests=args.requests,
+                        prompt_words=IntRange(args.prompt_tokens, args.prompt_tokens),
+                        output_tokens=IntRange(args.output_tokens, args.output_tokens))
+    rows = []
+    async with make_client(max(levels)) as client:
+        targets = {name: await warm_up(client, await resolve_target(client, name, url), spec,
+                                       300.0) for name, url in urls.items()}
+        for index, concurrency in enumerate(levels):
+            for round_ in range(args.rounds):
+                # Fresh prompts every round, the same for both targets within a round.
+                requests = build_level(spec, index + round_ * len(levels))
+                order = list(targets) if round_ % 2 == 0 else list(reversed(targets))
+                for name in order:
+                    before = chain_status(ports) if name == "split" else None
+                    level = await run_level(client, targets[name], requests, concurrency,
+                                            temperature=0.0, timeout_s=300.0,
+                                            on_done=ProgressHook().request_done)
+                    metrics = level_metrics(level)
+                    row = {"target": name, "concurrency": concurrency, "round": round_,
+                           "output_tok_s": metrics.output_tok_s, "errors": metrics.errors,
+                           "ttft_p50_ms": metrics.ttft_ms.p50}
+                    if before is not None:
+                        row.update(chain_figures(before, chain_status(ports),
+                                                 metrics.output_tokens))
+                    console.print(f"c={concurrency} round {round_} {name}: "
+                                  f"{metrics.output_tok_s:.1f} tok/s")
+                    rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="2-stage chain vs unsplit (median over rounds)")
+    for column in ("streams", "unsplit tok/s", "split tok/s", "ratio", "busy stage 0",
+                   "busy stage 1", "link B/token", "look-ahead hits"):
+        table.add_column(column, justify="right")
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        one = [r for r in rows if r["concurrency"] == concurrency]
+        unsplit = median(r["output_tok_s"] for r in one if r["target"] == "unsplit")
+        split_rows = [r for r in one if r["target"] == "split"]
+        split = median(r["output_tok_s"] for r in split_rows)
+        busy = [median(r["busy"][i] for r in split_rows) for i in range(2)]
+        bpt = median(r["bytes_per_token"] for r in split_rows)
+        hits = sum(r["lookahead_hits"] for r in split_rows)
+        steps = sum(r["lookahead_steps"] for r in split_rows)
+        table.add_row(str(concurrency), f"{unsplit:.1f}", f"{split:.1f}",
+                      f"{split / unsplit:.2f}x" if unsplit else "-", f"{busy[0]:.0%}",
+                      f"{busy[1]:.0%}", f"{bpt:.0f}", f"{hits}/{steps}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        console.print("starting the unsplit server and the 2-stage chain …")
+        unsplit, head, ports = start_servers(Path(tmp), args, stack)
+        rows = asyncio.run(measure(args, {"unsplit": unsplit.url, "split": head.url}, ports))
+    console.print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on "
+                  f"{os.cpu_count()} CPUs (other load makes the figures noisy)")
+    console.print(summary(rows))
+    streams, target = TARGET
+    at = [r for r in rows if r["concurrency"] == streams]
+    if at:
+        ratio = (median(r["output_tok_s"] for r in at if r["target"] == "split")
+                 / median(r["output_tok_s"] for r in at if r["target"] == "unsplit"))
+        met = ratio >= target
+        console.print(f"[{'green' if met else 'red'}]{'MET' if met else 'MISSED'}[/] "
+                      f"{streams} streams: split/unsplit {ratio:.2f}x (target >= {target}x)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime_api.Runtime`.
+
+:class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
+and the link to the rest of the chain, so stage 0's unchanged iteration scheduler and
+policy drive the whole pipeline: each ``iteration_batch_sampled`` runs the local layers,
+ships the rows (with tokens, positions and sampling) downstream as batches, and returns
+the predictions that the final stage sends straight back (reference §5.1).
+
+The chain is kept busy three ways (reference §3.8, §5.1 "middle-out" prefill):
+
+* **Prefill chunks flow without waiting.** A call that samples nothing returns as soon
+  as its rows are sent, so stage 0 computes chunk k+1 while chunk k travels on.
+* **Decode groups.** The requests of a call are split into groups (by default one per
+  stage); stage 0 computes group B while stage 1 works on group A.
+* **Decode look-ahead.** When one group's predictions arrive while the call still waits
+  for another group, stage 0 immediately runs that group's next decode step (the
+  predicted token at the next position) and ships it. The next call finds the step
+  already in flight and only waits for it. A look-ahead the scheduler does not ask for
+  (the sequence finished, or it replays) is retracted locally and trimmed away
+  downstream by the next frame's first position (align "trim if ahead, never extend").
+
+Only the worker thread calls this object, except the ``on_*`` listener callbacks, which
+the link's reader thread calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from skippyd.engine.direct_batch import (
+    PIPELINE_DECODE_GROUPS_ENV,
+    resolve_pipeline_decode_groups,
+)
+from skippyd.engine.pipeline_types import (
+    ChainBatchError,
+    ChainEntry,
+    ChainSample,
+    ChainUnavailableError,
+    Downstream,
+    InflightBatch,
+    InflightStep,
+    PipelineCounters,
+    split_groups,
+)
+from skippyd.engine.runtime_api import (
+    IterationOutput,
+    IterationPhase,
+    IterationRequest,
+    IterationSample,
+    Runtime,
+    RuntimeFailure,
+    SessionAlignment,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Batches sent but not yet answered by the final stage (the credit window).
+MAX_INFLIGHT_BATCHES = 8
+#: A sampled batch with no reply for this long means the chain is stuck.
+REPLY_TIMEOUT_S = 30.0
+
+
+class PipelineRuntime:
+    """Stage 0's slice plus the downstream chain, behind the Runtime protocol.
+
+    Args:
+        local: Stage 0's own runtime (first stage, not final).
+        downstream: The link to stage 1; its reader thread calls ``on_result``,
+            ``on_error`` and ``on_down`` of this object.
+        decode_groups: Groups per call; None means one per pipeline stage, unless
+            ``SKIPPY_PIPELINE_DECODE_GROUPS`` says otherwise (reference §3.5).
+        lookahead: Start the next decode step of a group as soon as its prediction
+            arrives (see the module docstring).
+    """
+
+    def __init__(self, local: Runtime, downstream: Downstream, *,
+                 decode_groups: int | None = None, lookahead: bool = True,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        self.local = local
+        self.counters = PipelineCounters()
+        self._link = downstream
+        self._decode_groups = decode_groups
+        self._lookahead = lookahead
+        self._reply_timeout_s = reply_timeout_s
+        self._cond = threading.Condition()
+        self._steps: dict[str, InflightStep] = {}
+        self._batches: dict[int, InflightBatch] = {}
+        self._async_error: str | None = None
+        self._wire_ids: dict[str, int] = {}
+        self._shipped_epoch: dict[str, int] = {}
+        self._next_wire_id = 1
+        self._next_batch_id = 1
+
+    # -- facts (Runtime protocol) ------------------------------------------------------
+
+    @property
+    def lane_count(self) -> int:
+        return self.local.lane_count
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.local.kv_pool_tokens
+
+    def active_session_count(self) -> int:
+        return self.local.active_session_count()
+
+    def ensure_session_active(self, session_id: str) -> None:
+        self.local.ensure_session_active(session_id)
+
+    def session_token_count(self, session_id: str) -> int | None:
+        """Tokens of the session as the scheduler sees them (look-ahead excluded)."""
+        count = self.local.session_token_count(session_id)
+        step = self._steps.get(session_id)
+        if count is not None and step is not None and step.speculative:
+            return step.start
+        return count
+
+    def close(self) -> None:
+        """Free the local runtime (the link is closed by its owner)."""
+        self.local.close()  # type: ignore[attr-defined]
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def drop_session(self, session_id: str) -> None:
+        """Free the session here and, through a DROP frame, on every later stage."""
+        self.local.drop_session(session_id)
+        with self._cond:
+            self._steps.pop(session_id, None)
+        wire_id = self._wire_ids.pop(session_id, None)
+        epoch = self._shipped_epoch.pop(session_id, None)
+        if wire_id is None or epoch != self._link.epoch or not self._link.is_up:
+            return  # never shipped on the current connection: nothing to free downstream
+        try:
+            self._link.send_drop(wire_id)
+        except ChainUnavailableError:
+            pass  # the chain is gone and with it the session
+
+    def trim_session(self, session_id: str, token_count: int) -> None:
+        """Trim here; later stages trim when the session's next frame starts earlier."""
+        self._retract(session_id)
+        self.local.trim_session(session_id, token_count)
+
+    def align_session_to_token_count_if_ahead(
+        self, session_id: str, target: int
+    ) -> SessionAlignment | None:
+        self._retract(session_id)
+        return self.local.align_session_to_token_count_if_ahead(session_id, target)
+
+    def _retract(self, session_id: str) -> None:
+        """Forget a look-ahead step and remove its token from the local KV."""
+        with self._cond:
+            step = self._steps.pop(session_id, None)
+        if step is not None and step.speculative:
+            self.counters.lookahead_retracted += 1
+            if self.local.session_token_count(session_id) is not None:
+                self.local.trim_session(session_id, step.start)
+
+    # -- iterations ---------------------------------------------------------------------
+
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        """Run the local layers, ship the rows, and return the final stage's samples.
+
+        Raises:
+            ChainUnavailableError: The downstream chain is down or was lost.
+            ChainBatchError: A downstream stage failed a batch.
+            RuntimeFailure: The local runtime refused or failed (nothing was shipped
+                for the failing group).
+        """
+        if not requests:
+            return IterationOutput()
+        self._check_chain(requests)
+        starts = [self._start_of(r) for r in requests]
+        needed, fresh = self._match(requests, starts)
+        lookahead_batches = {step.batch_id for step in needed.values()}
+        compute_s = 0.0
+        # Look-ahead batches already form groups of their own (reference §3.5).
+        groups = max(1, self._num_groups() - len(lookahead_batches))
+        for group in split_groups(fresh, groups):
+            items = [(requests[i], starts[i]) for i in group]
+            steps, seconds = self._ship(items, speculative=False)
+            compute_s += seconds
+            needed.update({i: s for i, s in zip(group, steps, strict=True) if s is not None})
+        compute_s += self._await(list(needed.values()))
+        return self._output(requests, needed, compute_s)
+
+    def _check_chain(self, requests: Sequence[IterationRequest]) -> None:
+        if not self._link.is_up:
+            reason = self._link.down_reason() or "not connected"
+            raise ChainUnavailableError(f"the downstream pipeline is unavailable: {reason}")
+        with self._cond:
+            error, self._async_error = self._async_error, None
+        if error is not None:
+            raise ChainBatchError(f"a downstream stage failed a batch: {error}")
+        epoch = self._link.epoch
+        for request in requests:
+            shipped = self._shipped_epoch.get(request.session_id)
+            if shipped is not None and shipped != epoch:
+                raise ChainUnavailableError(
+                    f"session {request.session_id} lived on a pipeline connection that was lost")
+
+    def _start_of(self, request: IterationRequest) -> int:
+        if request.positions:
+            return int(request.positions[0])
+        return self.session_token_count(request.session_id) or 0
+
+    def _match(self, requests: Sequence[IterationRequest],
+               starts: list[int]) -> tuple[dict[int, InflightStep], list[int]]:
+        """Requests already in flight as look-ahead steps, and the rest."""
+        needed: dict[int, InflightStep] = {}
+        fresh: list[int] = []
+        for index, (request, start) in enumerate(zip(requests, starts, strict=True)):
+            step = self._steps.get(request.session_id)
+            if step is not None and step.matches(request, start):
+                needed[index] = step
+                self.counters.lookahead_hits += 1
+                continue
+            if step is not None:
+                self._retract(request.session_id)
+            fresh.append(index)
+        return needed, fresh
+
+    def _num_groups(self) -> int:
+        if self._decode_groups is not None:
+            return max(1, self._decode_groups)
+        return resolve_pipeline_decode_groups(os.environ.get(PIPELINE_DECODE_GROUPS_ENV),
+                                              self._link.num_stages + 1)
+
+    def _ship(self, items: list[tuple[IterationRequest, int]],
+              speculative: bool) -> tuple[list[InflightStep | None], float]:
+        """Compute ``items`` locally and send them downstream as one batch."""
+        local = [IterationRequest(r.session_id, r.token_ids,
+                                  positions=range(start, start + len(r.token_ids)),
+                                  sampling=r.sampling, phase=r.phase) for r, start in items]
+        output = self.local.iteration_batch_sampled(local)
+        self.counters.local_compute_s += output.compute_s
+        entries, steps = [], []
+        for (request, start), rows in zip(items, output.output_rows, strict=True):
+            entries.append(ChainEntry(
+                session_id=self._wire_id(request.session_id), first_position=start,
+                token_ids=list(request.token_ids), rows=rows,
+                sampling=request.sampling if request.sample_last else None,
+                sample_last=request.sample_last, decode=request.phase is IterationPhase.DECODE,
+            ))
+            steps.append(InflightStep(request.session_id, start, tuple(request.token_ids),
+                               request.sampling, speculative) if request.sample_last else None)
+        self._send(entries, steps, [r.session_id for r, _ in items])
+        return steps, output.compute_s
+
+    def _wire_id(self, session_id: str) -> int:
+        wire_id = self._wire_ids.get(session_id)
+        if wire_id is None:
+            wire_id = self._wire_ids[session_id] = self._next_wire_id
+            self._next_wire_id += 1
+        return wire_id
+
+    def _send(self, entries: list[ChainEntry], steps: list[InflightStep | None],
+              session_ids: list[str]) -> None:
+        epoch = self._link.epoch
+        with self._cond:
+            self._wait_for_credit()
+            batch_id = self._next_batch_id
+            self._next_batch_id += 1
+            self._batches[batch_id] = InflightBatch(epoch, steps)
+            for step in steps:
+                if step is None:
+                    continue
+                step.batch_id = batch_id
+                if step.speculative:
+                    self._steps[step.session_id] = step
+        try:
+            self._link.send_batch(batch_id, entries)
+        except ChainUnavailableError:
+            with self._cond:
+                self._batches.pop(batch_id, None)
+            raise
+        self.counters.batches_sent += 1
+        for session_id in session_ids:
+            # The first connection a session was shipped on is the one holding its KV.
+            self._shipped_epoch.setdefault(session_id, epoch)
+
+    def _wait_for_credit(self) -> None:
+        """Caller holds the condition. Bounds the batches the chain must buffer."""
+        epoch = self._link.epoch
+        deadline = time.monotonic() + self._reply_timeout_s
+        while len(self._batches) >= MAX_INFLIGHT_BATCHES:
+            if not self._link.is_up or self._link.epoch != epoch:
+                raise ChainUnavailableError("the downstream pipeline was lost")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._link.reset(epoch, f"no reply for {self._reply_timeout_s:.0f} s")
+                raise ChainUnavailableError("the downstream pipeline stopped answering")
+            self._cond.wait(remaining)
+
+    def _await(self, steps: list[InflightStep]) -> float:
+        """Wait for every step's prediction, starting look-ahead steps meanwhile."""
+        compute_s = 0.0
+        deadline = time.monotonic() + self._reply_timeout_s
+        while True:
+            with self._cond:
+                arrived = self._poll(steps, deadline)
+                if arrived is None:
+                    return compute_s
+            compute_s += self._start_lookahead(arrived)
+            deadline = time.monotonic() + self._reply_timeout_s
+
+    def _poll(self, steps: list[InflightStep], deadline: float) -> list[InflightStep] | None:
+        """Caller holds the condition. None when all answered; else steps to follow."""
+        epoch = self._link.epoch
+        while True:
+            failed = next((s.error for s in steps if s.error is not None), None)
+            if failed is not None:
+                raise failed
+            pending = [s for s in steps if s.result is None]
+            if not pending:
+                return None
+            if self._lookahead:
+                arrived = [s for s in steps if s.result is not None and not s.followed
+                           and not s.result.is_eog]
+                if arrived:
+                    return arrived
+            if not self._link.is_up or self._link.epoch != epoch:
+                raise ChainUnavailableError(
+                    f"the downstream pipeline was lost: {self._link.down_reason()}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._link.reset(epoch, f"no prediction for {self._reply_timeout_s:.0f} s")
+                raise ChainUnavailableError("the downstream pipeline stopped answering")
+            self._cond.wait(remaining)
+
+    def _start_lookahead(self, arrived: list[InflightStep]) -> float:
+        """Run and ship the next decode step of sessions whose prediction just arrived."""
+        items = []
+        for step in arrived:
+            step.followed = True
+            if (self._steps.get(step.session_id, step) is step
+                    and self.local.session_token_count(step.session_id) == step.end):
+                request = IterationRequest(step.session_id, [step.result.token],  # type: ignore[union-attr]
+                                           sampling=step.sampling, sample_last=True,
+                                           phase=IterationPhase.DECODE)
+                items.append((request, step.end))
+        if not items:
+            return 0.0
+        try:
+            _, seconds = self._ship(items, speculative=True)
+        except RuntimeFailure as exc:
+            # Nothing changed (the runtime's guarantee): the scheduler's own call will
+            # run these steps, or report the problem itself.
+            logger.debug("look-ahead step skipped: %s", exc)
+            return 0.0
+        self.counters.lookahead_steps += len(items)
+        return seconds
+
+    def _output(self, requests: Sequence[IterationRequest], needed: dict[int, InflightStep],
+                compute_s: float) -> IterationOutput:
+        samples = []
+        with self._cond:
+            for index, step in sorted(needed.items()):
+                assert step.result is not None
+                samples.append(IterationSample(index, step.result.token, step.result.is_eog))
+                if self._steps.get(step.session_id) is step:
+                    del self._steps[step.session_id]  # consumed
+        return IterationOutput(output_rows=[None] * len(requests), samples=samples,
+                               compute_s=compute_s)
+
+    # -- listener callbacks (the link's reader thread) -------------------------------------
+
+    def on_result(self, epoch: int, request_id: int, samples: Sequence[ChainSample]) -> None:
+        """The final stage answered batch ``request_id``."""
+        by_index = {sample.index: sample for sample in samples}
+        with self._cond:
+            batch = self._batches.get(request_id)
+            if batch is None or batch.epoch != epoch:
+                return
+            del self._batches[request_id]
+            for index, step in enumerate(batch.steps):
+                if step is None:
+                    continue
+                step.result = by_index.get(index)
+                if step.result is None:
+                    step.error = ChainBatchError(
+                        f"the final stage returned no prediction for entry {index}")
+            self._cond.notify_all()
+
+    def on_error(self, epoch: int, request_id: int, message: str) -> None:
+        """A stage could not run batch ``request_id``."""
+        with self._cond:
+            batch = self._batches.pop(request_id, None)
+            if batch is None or batch.epoch != epoch:
+                return
+            steps = [step for step in batch.steps if step is not None]
+            for step in steps:
+                step.error = ChainBatchError(f"a downstream stage failed a batch: {message}")
+            if not steps:
+                self._async_error = message  # raised by the next call
+            self._cond.notify_all()
+
+    def on_down(self, epoch: int, reason: str) -> None:
+        """Connection ``epoch`` is gone: fail everything waiting on it."""
+        with self._cond:
+            for batch_id, batch in list(self._batches.items()):
+                if batch.epoch != epoch:
+                    continue
+                del self._batches[batch_id]
+                for step in batch.steps:
+                    if step is not None and step.result is None:
+                        step.error = ChainUnavailableError(
+                            f"the downstream pipeline was lost: {reason}")
+            self._cond.notify_all()

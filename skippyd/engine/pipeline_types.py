@@ -1,0 +1,166 @@
+"""Plain records of a split pipeline, shared by stage 0 and later stages.
+
+Stage 0's :class:`~skippyd.engine.pipeline_runtime.PipelineRuntime` produces entries,
+the stage link (``skippyd.server.stage_link``) puts them on the wire, and a later
+stage's link server turns them into direct iterations. The :class:`Downstream` protocol
+is what the pipeline runtime needs from the link; the in-flight records are its
+bookkeeping. They live in the engine so the engine never imports the server layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from skippyd.engine.runtime_api import (
+    IterationRequest,
+    LanesBusyError,
+    RuntimeFailure,
+    SamplingConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ChainUnavailableError(LanesBusyError):
+    """The downstream part of the pipeline is unreachable or was lost.
+
+    NOTE: a subclass of ``LanesBusyError`` on purpose: the worker maps it to a retryable
+    capacity error (HTTP 503 with ``Retry-After``), which is what a client should see
+    while stage 0 reconnects to its downstream stage.
+    """
+
+
+class ChainBatchError(RuntimeFailure):
+    """A downstream stage could not run a batch (its runtime refused or failed it)."""
+
+
+@dataclass(slots=True)
+class ChainEntry:
+    """One session's rows in a batch sent down the chain (one ITERATION frame)."""
+
+    session_id: int
+    """Stage 0's wire id of the session (unique per chain connection)."""
+    first_position: int
+    """Position of the first token; later stages trim a session that is ahead of it."""
+    token_ids: Sequence[int]
+    """The token sideband: the tokens these rows stand for (sampler history)."""
+    rows: np.ndarray | None = None
+    """float32 activation rows, shape ``(len(token_ids), n_embd)``, token-major."""
+    sampling: SamplingConfig | None = None
+    """Sampling parameters for the final stage (None: greedy)."""
+    sample_last: bool = False
+    """The final stage samples a token from the last row."""
+    decode: bool = False
+    """A decode step (phase hint only)."""
+    has_positions: bool = True
+    """Whether the position sideband is sent (always, by skippyd's own writers)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.first_position, self.first_position + len(self.token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSample:
+    """The final stage's prediction for one entry of a batch."""
+
+    index: int
+    """Index of the entry within its batch."""
+    token: int
+    is_eog: bool
+
+
+class Downstream(Protocol):
+    """Stage 0's link to the rest of the pipeline (``skippyd.server.stage_chain``)."""
+
+    @property
+    def epoch(self) -> int:
+        """Number of the current connection; bumps on every reconnect."""
+        ...
+
+    @property
+    def is_up(self) -> bool: ...
+
+    @property
+    def num_stages(self) -> int:
+        """Stages behind stage 0 (learned at the handshake)."""
+        ...
+
+    def down_reason(self) -> str | None: ...
+
+    def send_batch(self, request_id: int, entries: Sequence[ChainEntry]) -> None:
+        """Send one batch; raises :class:`ChainUnavailableError` if the link is down."""
+        ...
+
+    def send_drop(self, session_id: int) -> None:
+        """Tell the chain a session ended; raises :class:`ChainUnavailableError`."""
+        ...
+
+    def reset(self, epoch: int, reason: str) -> None:
+        """Drop connection ``epoch`` (it stopped answering) and reconnect."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class InflightStep:
+    """A sampled entry in flight: the final stage will predict its next token."""
+
+    session_id: str
+    start: int
+    tokens: tuple[int, ...]
+    sampling: SamplingConfig | None
+    speculative: bool
+    batch_id: int = 0
+    result: ChainSample | None = None
+    error: RuntimeFailure | None = None
+    followed: bool = False
+    """A look-ahead step was already started from this step's prediction."""
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def matches(self, request: IterationRequest, start: int) -> bool:
+        return (request.sample_last and start == self.start
+                and tuple(request.token_ids) == self.tokens and request.sampling == self.sampling)
+
+
+@dataclass(slots=True)
+class InflightBatch:
+    epoch: int
+    steps: list[InflightStep | None]
+    """Per entry: its sampled step, or None for an entry that samples nothing."""
+
+
+@dataclass(slots=True)
+class PipelineCounters:
+    """Cumulative counters for status and benchmarks."""
+
+    local_compute_s: float = 0.0
+    batches_sent: int = 0
+    lookahead_steps: int = 0
+    lookahead_hits: int = 0
+    lookahead_retracted: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def split_groups(indices: list[int], groups: int) -> list[list[int]]:
+    """Cut ``indices`` into at most ``groups`` contiguous, nearly equal parts."""
+    groups = max(1, min(groups, len(indices)))
+    size, extra = divmod(len(indices), groups)
+    parts, start = [], 0
+    for g in range(groups):
+        end = start + size + (1 if g < extra else 0)
+        parts.append(indices[start:end])
+        start = end
+    return [part for part in parts if part]

@@ -1,0 +1,354 @@
+"""Stage 0's connection to the rest of a split pipeline: dial, authenticate, reconnect.
+
+:class:`ChainLink` dials stage 1 (a CHAIN connection, which every stage extends to the
+next one before answering), then dials the final stage's return endpoint (a RETURN
+connection) so predictions come straight back to stage 0 (reference §5.1, §5.2). A
+connector thread keeps the pair up: when either side fails it tells the pipeline
+runtime (``on_down``), waits with exponential backoff and dials again. Each successful
+connection gets a new ``epoch`` so results of a lost connection are never mistaken
+for the current one's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from skippyd.config import StageConfig
+from skippyd.config.schema import parse_host_port
+from skippyd.engine.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
+from skippyd.server.stage_handshake import Hello, HelloAck, Role, dial_handshake
+from skippyd.server.stage_link import (
+    Frame,
+    FrameKind,
+    LinkLimits,
+    LinkProtocolError,
+    encode_drop,
+    encode_iteration,
+)
+from skippyd.server.stage_link_io import FrameSocket
+
+logger = logging.getLogger(__name__)
+
+#: First and longest wait between reconnection attempts.
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 2.0
+#: The whole handshake, the downstream stages' own dialling included.
+CHAIN_SETUP_TIMEOUT_S = 30.0
+#: One TCP connect attempt.
+DIAL_TIMEOUT_S = 5.0
+
+
+class ChainListener(Protocol):
+    """Who hears what arrives from the chain (the pipeline runtime)."""
+
+    def on_result(self, epoch: int, request_id: int, samples: Sequence[ChainSample]) -> None: ...
+
+    def on_error(self, epoch: int, request_id: int, message: str) -> None: ...
+
+    def on_down(self, epoch: int, reason: str) -> None: ...
+
+
+class ChainSetupError(Exception):
+    """The chain answered but cannot serve this stage (capacity, topology)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainIdentity:
+    """What stage 0 tells the chain about itself and requires from it."""
+
+    downstream_id: str
+    endpoint: tuple[str, int]
+    secret: bytes
+    model_id: str
+    layer_end: int
+    n_embd: int
+    lanes: int
+    kv_pool_tokens: int
+    max_frame_bytes: int
+
+    @classmethod
+    def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
+                    kv_pool_tokens: int) -> ChainIdentity:
+        downstream = config.downstream
+        if downstream is None or config.link.secret is None or config.stage.layer_end is None:
+            raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
+        return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
+                   config.stage.model_id, config.stage.layer_end, n_embd, lanes,
+                   kv_pool_tokens, config.link.max_frame_bytes)
+
+
+def configure_socket(sock: socket.socket) -> None:
+    """No Nagle delay on small decode frames; keepalive finds silent peers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def dial(address: tuple[str, int], secret: bytes, hello: Hello,
+         timeout_s: float = CHAIN_SETUP_TIMEOUT_S) -> tuple[FrameSocket, HelloAck]:
+    """Connect to a stage's link listener and authenticate; the socket stays blocking.
+
+    Raises:
+        OSError: Could not connect, or the peer went silent.
+        LinkProtocolError: The handshake failed (``LinkRefusedError`` carries a reason).
+    """
+    sock = socket.create_connection(address, timeout=DIAL_TIMEOUT_S)
+    try:
+        configure_socket(sock)
+        sock.settimeout(timeout_s)
+        conn = FrameSocket(sock)
+        ack = dial_handshake(conn, secret, hello)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return conn, ack
+
+
+def query_status(address: tuple[str, int], secret: bytes,
+                 timeout_s: float = DIAL_TIMEOUT_S) -> dict[str, Any]:
+    """Read a stage's counters over its link listener (a STATUS connection).
+
+    Raises:
+        OSError: Could not connect.
+        LinkProtocolError: The handshake or the reply was malformed.
+    """
+    conn, _ = dial(address, secret, Hello(Role.STATUS), timeout_s)
+    try:
+        conn.sock.settimeout(timeout_s)
+        frame = conn.read()
+    finally:
+        conn.close()
+    if frame is None or frame.kind is not FrameKind.STATUS:
+        raise LinkProtocolError("the stage sent no STATUS frame")
+    try:
+        return json.loads(frame.payload)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise LinkProtocolError(f"malformed STATUS body: {exc}") from None
+
+
+class ChainLink:
+    """The downstream side of stage 0; see the module docstring.
+
+    Implements ``skippyd.engine.pipeline_runtime.Downstream``.
+    """
+
+    def __init__(self, identity: ChainIdentity) -> None:
+        self.identity = identity
+        self._listener: ChainListener | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._down = threading.Event()
+        self._epoch = 0
+        self._up = False
+        self._num_stages = 1
+        self._final_id = "the final stage"
+        self._reason: str | None = "connecting"
+        self._last_failure: str | None = None
+        self._data: FrameSocket | None = None
+        self._return: FrameSocket | None = None
+        self._bytes = [0, 0]
+        self._thread = threading.Thread(target=self._run, name="skippyd-chain-connector",
+                                        daemon=True)
+
+    def start(self, listener: ChainListener) -> None:
+        self._listener = listener
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop reconnecting and close both connections. Idempotent."""
+        self._closed.set()
+        self._mark_down(self._epoch, "stage 0 is shutting down")
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=DIAL_TIMEOUT_S + 1)
+
+    # -- Downstream protocol -------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def is_up(self) -> bool:
+        return self._up
+
+    @property
+    def num_stages(self) -> int:
+        return self._num_stages
+
+    def down_reason(self) -> str | None:
+        return None if self._up else self._reason
+
+    def send_batch(self, request_id: int, entries: Sequence[ChainEntry]) -> None:
+        last = len(entries) - 1
+        data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last)
+                        for i, entry in enumerate(entries))
+        self._write(data)
+
+    def send_drop(self, session_id: int) -> None:
+        self._write(encode_drop(session_id))
+
+    def reset(self, epoch: int, reason: str) -> None:
+        self._mark_down(epoch, reason)
+
+    def _write(self, data: bytes) -> None:
+        with self._send_lock:
+            conn, epoch = self._data, self._epoch
+            if conn is None or not self._up:
+                raise ChainUnavailableError(f"the downstream pipeline is unavailable: "
+                                            f"{self._reason}")
+            try:
+                conn.write(data)
+            except OSError as exc:
+                self._mark_down(epoch, f"sending to {self.identity.downstream_id} failed: {exc}")
+                raise ChainUnavailableError(f"the downstream pipeline was lost: {exc}") from exc
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Counters and state for STATUS and benchmarks."""
+        with self._lock:
+            conns = [c for c in (self._data, self._return) if c is not None]
+            bytes_out = self._bytes[0] + sum(c.bytes_out for c in conns)
+            bytes_in = self._bytes[1] + sum(c.bytes_in for c in conns)
+        return {"up": self._up, "reason": self.down_reason(), "epoch": self._epoch,
+                "num_stages": self._num_stages + 1, "bytes_out": bytes_out,
+                "bytes_in": bytes_in}
+
+    # -- connector thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = BACKOFF_MIN_S
+        while not self._closed.is_set():
+            try:
+                self._connect()
+            except (OSError, LinkProtocolError, ChainSetupError) as exc:
+                self._note_failure(f"{self.identity.downstream_id} at "
+                                   f"{_show(self.identity.endpoint)}: {exc}", delay)
+                self._closed.wait(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                continue
+            delay = BACKOFF_MIN_S
+            self._down.wait()
+            self._closed.wait(BACKOFF_MIN_S)
+
+    def _note_failure(self, reason: str, delay: float) -> None:
+        # Say it once at warning level; identical repeats during the backoff are debug.
+        level = logging.WARNING if reason != self._last_failure else logging.DEBUG
+        logger.log(level, "cannot reach the pipeline: %s (retrying in %.1f s)", reason, delay)
+        self._last_failure = reason
+        self._reason = f"{reason} (reconnecting)"
+
+    def _connect(self) -> None:
+        ident = self.identity
+        chain_id = int.from_bytes(os.urandom(8), "little")
+        hello = Hello(Role.CHAIN, chain_id, ident.n_embd, 0, ident.layer_end, ident.model_id)
+        data, ack = dial(ident.endpoint, ident.secret, hello)
+        try:
+            self._check_capacity(ack)
+            ret, _ = dial(parse_host_port(ack.return_endpoint), ident.secret,
+                          Hello(Role.RETURN, chain_id, ident.n_embd, 0, ident.layer_end,
+                                ident.model_id))
+        except BaseException:
+            data.close()
+            raise
+        limits = LinkLimits(max_frame_bytes=ident.max_frame_bytes, row_width=ident.n_embd)
+        data.limits = ret.limits = limits
+        self._go_up(data, ret, ack)
+
+    def _check_capacity(self, ack: HelloAck) -> None:
+        ident = self.identity
+        if ack.min_lanes < ident.lanes:
+            raise ChainSetupError(f"a later stage has {ack.min_lanes} lanes, fewer than "
+                                  f"stage 0's {ident.lanes}")
+        if ack.min_ctx < ident.kv_pool_tokens:
+            raise ChainSetupError(f"a later stage has a {ack.min_ctx}-token KV pool, smaller "
+                                  f"than stage 0's {ident.kv_pool_tokens}")
+
+    def _go_up(self, data: FrameSocket, ret: FrameSocket, ack: HelloAck) -> None:
+        with self._lock:
+            if self._closed.is_set():
+                data.close()
+                ret.close()
+                return
+            self._last_failure = None
+            self._epoch += 1
+            epoch = self._epoch
+            self._data, self._return = data, ret
+            self._num_stages = ack.num_stages
+            self._final_id = ack.final_stage_id or self._final_id
+            self._down.clear()
+            self._up = True
+            self._reason = None
+        for target, conn, name in ((self._read_returns, ret, "return"),
+                                   (self._watch_data, data, "watch")):
+            threading.Thread(target=target, args=(conn, epoch), daemon=True,
+                             name=f"skippyd-chain-{name}-{epoch}").start()
+        logger.info("pipeline connected: %d stages, predictions return from %s at %s",
+                    ack.num_stages + 1, ack.final_stage_id, ack.return_endpoint)
+
+    def _mark_down(self, epoch: int, reason: str) -> None:
+        with self._lock:
+            if epoch != self._epoch or self._data is None:
+                return
+            conns = [c for c in (self._data, self._return) if c is not None]
+            self._bytes[0] += sum(c.bytes_out for c in conns)
+            self._bytes[1] += sum(c.bytes_in for c in conns)
+            self._data = self._return = None
+            was_up, self._up = self._up, False
+            self._reason = f"{reason} (reconnecting)"
+        for conn in conns:
+            conn.close()
+        if was_up and not self._closed.is_set():
+            logger.warning("pipeline lost: %s; reconnecting", reason)
+        if self._listener is not None:
+            self._listener.on_down(epoch, reason)
+        self._down.set()
+
+    def _read_returns(self, conn: FrameSocket, epoch: int) -> None:
+        """Deliver RESULT and ERROR frames of the return connection until it fails."""
+        try:
+            while True:
+                frame = conn.read()
+                if frame is None:
+                    reason = f"{self._final_id} closed the return connection"
+                    break
+                self._deliver(frame, epoch)
+        except LinkProtocolError as exc:
+            reason = f"protocol error on the return connection: {exc}"
+        except OSError as exc:
+            reason = f"return connection failed: {exc}"
+        self._mark_down(epoch, reason)
+
+    def _deliver(self, frame: Frame, epoch: int) -> None:
+        listener = self._listener
+        assert listener is not None
+        if frame.kind is FrameKind.RESULT:
+            listener.on_result(epoch, frame.header.request_id, frame.payload)  # type: ignore[arg-type]
+        elif frame.kind is FrameKind.ERROR:
+            listener.on_error(epoch, frame.header.request_id, str(frame.payload))
+        else:
+            raise LinkProtocolError(f"unexpected {frame.kind.name} frame")
+
+    def _watch_data(self, conn: FrameSocket, epoch: int) -> None:
+        """Nothing comes back on the data connection: any read result means it ended."""
+        try:
+            frame = conn.read()
+            reason = (f"{self.identity.downstream_id} closed the connection" if frame is None
+                      else f"unexpected {frame.kind.name} frame from "
+                           f"{self.identity.downstream_id}")
+        except (LinkProtocolError, OSError) as exc:
+            reason = f"connection to {self.identity.downstream_id} failed: {exc}"
+        self._mark_down(epoch, reason)
+
+
+def _show(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,365 @@
+"""The stage link wire format: frames, codec, limits and the typed protocol error.
+
+Every message between two stages is one frame: a fixed 36-byte little-endian header
+followed by ``body_bytes`` of body (layouts in ``docs/stage-protocol.md``). The reader
+validates the header before it reads a body, so an oversized or malformed frame is
+refused without buffering it; anything wrong raises :class:`LinkProtocolError`, and
+the connection that sent it is closed (reference §5.3: explicit limits, typed errors).
+The handshake that authenticates a connection lives in ``stage_handshake``, reading and
+writing frames on sockets in ``stage_link_io``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from skippyd.engine.pipeline_types import ChainEntry, ChainSample
+from skippyd.engine.runtime_api import LLAMA_MAX_SEQ, MAX_LOGIT_BIAS, SamplingConfig
+from skippyd.engine.scheduler_config import MAX_NATIVE_ITERATION_TOKENS
+
+logger = logging.getLogger(__name__)
+
+#: Bumped on any incompatible change of a frame layout or of the handshake.
+PROTOCOL_VERSION = 1
+MAGIC = b"SKPL"
+#: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
+#: first_position i32, token_count u32, row_width u32.
+HEADER = struct.Struct("<IHHQQiII")
+HEADER_BYTES = HEADER.size
+MAX_TEXT_BYTES = 4096
+MAX_STATUS_BYTES = 64 * 1024
+#: Most entries in one batch: llama.cpp's sequence limit.
+MAX_BATCH_ENTRIES = LLAMA_MAX_SEQ
+
+# Sampling block: 7 f64 (temperature, top_p, min_p, typical_p, repeat_penalty,
+# presence_penalty, frequency_penalty), top_k i32, penalty_last_n i32, seed u64,
+# sampling flags u8, reserved u8, logit-bias count u16; then count x (i32, f64).
+_SAMPLING = struct.Struct("<7diiQBBH")
+_BIAS = struct.Struct("<id")
+_SAMPLING_HAS_SEED = 1
+_SAMPLING_IGNORE_EOS = 2
+_RESULT = struct.Struct("<IiI")
+_RESULT_EOG = 1
+
+
+class FrameKind(enum.IntEnum):
+    """Frame kinds (``kind`` header field)."""
+
+    CHALLENGE = 1
+    HELLO = 2
+    HELLO_ACK = 3
+    REFUSE = 4
+    ITERATION = 10
+    DROP = 11
+    ERROR = 12
+    RESULT = 20
+    STATUS = 30
+
+
+class Flag(enum.IntFlag):
+    """ITERATION flags (``flags`` header field); other kinds carry none."""
+
+    POSITIONS = 1 << 0
+    SAMPLING = 1 << 1
+    SAMPLE_LAST = 1 << 2
+    END_OF_BATCH = 1 << 3
+    DECODE = 1 << 4
+
+
+_ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
+                 | Flag.DECODE)
+_KINDS = {int(kind): kind for kind in FrameKind}
+
+
+class LinkProtocolError(Exception):
+    """A peer broke the stage link protocol; the connection must be closed."""
+
+
+class LinkAuthError(LinkProtocolError):
+    """The peer does not know the pipeline's shared secret."""
+
+
+class LinkRefusedError(LinkProtocolError):
+    """The peer authenticated but refused the connection (reason in the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    """What a reader accepts; everything beyond is a :class:`LinkProtocolError`."""
+
+    max_frame_bytes: int = 64 << 20
+    """Largest body (config ``link.max_frame_bytes``)."""
+    row_width: int = 0
+    """Values per activation row agreed at the handshake; 0 refuses rows."""
+    max_tokens: int = MAX_NATIVE_ITERATION_TOKENS
+    """Most tokens in one ITERATION frame."""
+
+
+#: Before authentication a peer may send only a small HELLO.
+HANDSHAKE_LIMITS = LinkLimits(max_frame_bytes=4096)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    body_bytes: int
+    kind: FrameKind
+    flags: int
+    session_id: int
+    request_id: int
+    first_position: int
+    token_count: int
+    row_width: int
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A decoded frame: its header and the kind-specific payload.
+
+    ``payload`` is a :class:`ChainEntry` (ITERATION), a tuple of :class:`ChainSample`
+    (RESULT), ``str`` (ERROR, REFUSE), ``bytes`` (handshake kinds, STATUS) or None (DROP).
+    """
+
+    header: FrameHeader
+    payload: object
+
+    @property
+    def kind(self) -> FrameKind:
+        return self.header.kind
+
+
+# -- encoding ------------------------------------------------------------------------------
+
+
+def encode_frame(kind: FrameKind, body: bytes = b"", *, flags: int = 0, session_id: int = 0,
+                 request_id: int = 0, first_position: int = 0, token_count: int = 0,
+                 row_width: int = 0) -> bytes:
+    """One frame as bytes (header + body)."""
+    header = HEADER.pack(len(body), int(kind), flags, session_id, request_id, first_position,
+                         token_count, row_width)
+    return header + body
+
+
+def encode_sampling(config: SamplingConfig) -> bytes:
+    """The sampling block of an ITERATION frame."""
+    flags = (_SAMPLING_HAS_SEED if config.seed is not None else 0) | (
+        _SAMPLING_IGNORE_EOS if config.ignore_eos else 0)
+    head = _SAMPLING.pack(config.temperature, config.top_p, config.min_p, config.typical_p,
+                          config.repeat_penalty, config.presence_penalty,
+                          config.frequency_penalty, config.top_k, config.penalty_last_n,
+                          (config.seed or 0) & 0xFFFFFFFFFFFFFFFF, flags, 0,
+                          len(config.logit_bias))
+    return head + b"".join(_BIAS.pack(t, b) for t, b in config.logit_bias)
+
+
+def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool) -> bytes:
+    """One session's share of a batch as an ITERATION frame."""
+    count = len(entry.token_ids)
+    tokens = np.asarray(entry.token_ids, dtype="<i4")
+    parts = [tokens.tobytes()]
+    flags = Flag.END_OF_BATCH if end_of_batch else Flag(0)
+    if entry.has_positions:
+        flags |= Flag.POSITIONS
+        parts.append(np.arange(entry.first_position, entry.first_position + count,
+                               dtype="<i4").tobytes())
+    if entry.sampling is not None:
+        flags |= Flag.SAMPLING
+        parts.append(encode_sampling(entry.sampling))
+    width = 0
+    if entry.rows is not None:
+        rows = np.ascontiguousarray(entry.rows, dtype="<f4")
+        width = int(rows.shape[1])
+        parts.append(rows.tobytes())
+    flags |= (Flag.SAMPLE_LAST if entry.sample_last else 0) | (
+        Flag.DECODE if entry.decode else 0)
+    return encode_frame(FrameKind.ITERATION, b"".join(parts), flags=int(flags),
+                        session_id=entry.session_id, request_id=request_id,
+                        first_position=entry.first_position, token_count=count,
+                        row_width=width)
+
+
+def encode_result(request_id: int, samples: list[ChainSample]) -> bytes:
+    body = b"".join(_RESULT.pack(s.index, s.token, _RESULT_EOG if s.is_eog else 0)
+                    for s in samples)
+    return encode_frame(FrameKind.RESULT, body, request_id=request_id,
+                        token_count=len(samples))
+
+
+def encode_text(kind: FrameKind, text: str, *, request_id: int = 0) -> bytes:
+    """An ERROR or REFUSE frame; the text is cut to :data:`MAX_TEXT_BYTES`."""
+    body = text.encode("utf-8", errors="replace")[:MAX_TEXT_BYTES]
+    return encode_frame(kind, body, request_id=request_id)
+
+
+def encode_drop(session_id: int) -> bytes:
+    return encode_frame(FrameKind.DROP, session_id=session_id)
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+
+def decode_header(data: bytes | bytearray | memoryview, limits: LinkLimits) -> FrameHeader:
+    """Parse and check a header (reject before reading the body).
+
+    Raises:
+        LinkProtocolError: Unknown kind, oversized body, or a field out of range.
+    """
+    if len(data) != HEADER_BYTES:
+        raise LinkProtocolError(f"truncated frame header ({len(data)} of {HEADER_BYTES} bytes)")
+    body_bytes, kind, flags, session_id, request_id, first, count, width = HEADER.unpack(data)
+    if kind not in _KINDS:
+        raise LinkProtocolError(f"unknown frame kind {kind}")
+    frame_kind = _KINDS[kind]
+    if body_bytes > limits.max_frame_bytes:
+        raise LinkProtocolError(f"{frame_kind.name} frame body of {body_bytes} bytes exceeds "
+                                f"the {limits.max_frame_bytes}-byte limit")
+    if frame_kind is FrameKind.ITERATION:
+        _check_iteration_header(flags, first, count, width, limits)
+    elif flags or width or first or (count and frame_kind is not FrameKind.RESULT):
+        raise LinkProtocolError(f"{frame_kind.name} frame: flags, first_position, "
+                                "token_count and row_width must be 0")
+    return FrameHeader(body_bytes, frame_kind, flags, session_id, request_id, first, count,
+                       width)
+
+
+def _check_iteration_header(flags: int, first: int, count: int, width: int,
+                            limits: LinkLimits) -> None:
+    if flags & ~_ALL_FLAGS:
+        raise LinkProtocolError(f"ITERATION frame: unknown flags {flags & ~_ALL_FLAGS:#x}")
+    if first < 0:
+        raise LinkProtocolError(f"ITERATION frame: first_position {first} is negative")
+    if not 1 <= count <= limits.max_tokens:
+        raise LinkProtocolError(f"ITERATION frame: token_count {count} outside "
+                                f"1..{limits.max_tokens}")
+    if width not in (0, limits.row_width):
+        raise LinkProtocolError(f"ITERATION frame: row_width {width}, expected "
+                                f"{limits.row_width} (agreed at the handshake)")
+
+
+def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
+    """Decode a body whose header :func:`decode_header` accepted.
+
+    Raises:
+        LinkProtocolError: The body does not match the header or a field is invalid.
+    """
+    if len(body) != header.body_bytes:
+        raise LinkProtocolError(f"truncated {header.kind.name} frame "
+                                f"({len(body)} of {header.body_bytes} body bytes)")
+    kind = header.kind
+    if kind is FrameKind.ITERATION:
+        return Frame(header, _decode_iteration(header, body))
+    if kind is FrameKind.RESULT:
+        return Frame(header, _decode_result(header, body))
+    if kind is FrameKind.DROP:
+        if body:
+            raise LinkProtocolError("DROP frame must have no body")
+        return Frame(header, None)
+    if kind in (FrameKind.ERROR, FrameKind.REFUSE):
+        if len(body) > MAX_TEXT_BYTES:
+            raise LinkProtocolError(f"{kind.name} text longer than {MAX_TEXT_BYTES} bytes")
+        return Frame(header, bytes(body).decode("utf-8", errors="replace"))
+    if kind is FrameKind.STATUS and len(body) > MAX_STATUS_BYTES:
+        raise LinkProtocolError(f"STATUS body longer than {MAX_STATUS_BYTES} bytes")
+    return Frame(header, bytes(body))
+
+
+def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntry:
+    count, width, flags = header.token_count, header.row_width, header.flags
+    offset = 4 * count
+    positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
+    rows_bytes = 4 * count * width
+    sampling_bytes = len(body) - offset - positions_bytes - rows_bytes
+    has_sampling = bool(flags & Flag.SAMPLING)
+    if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
+        raise LinkProtocolError(f"ITERATION frame body is {len(body)} bytes, which does not "
+                                f"match {count} tokens of width {width}")
+    tokens = np.frombuffer(body, dtype="<i4", count=count)
+    if (tokens < 0).any():
+        raise LinkProtocolError("ITERATION frame: negative token id")
+    if positions_bytes:
+        positions = np.frombuffer(body, dtype="<i4", count=count, offset=offset)
+        if (positions != np.arange(header.first_position, header.first_position + count)).any():
+            raise LinkProtocolError("ITERATION frame: positions must count up from "
+                                    "first_position")
+        offset += positions_bytes
+    sampling = None
+    if has_sampling:
+        sampling = decode_sampling(bytes(body[offset:offset + sampling_bytes]))
+        offset += sampling_bytes
+    rows = None
+    if width:
+        rows = np.frombuffer(body, dtype="<f4", count=count * width,
+                             offset=offset).reshape(count, width)
+    return ChainEntry(
+        session_id=header.session_id, first_position=header.first_position,
+        token_ids=tokens.tolist(), rows=rows, sampling=sampling,
+        sample_last=bool(flags & Flag.SAMPLE_LAST), decode=bool(flags & Flag.DECODE),
+        has_positions=bool(positions_bytes),
+    )
+
+
+def decode_sampling(block: bytes) -> SamplingConfig:
+    """Parse a sampling block; it must be exactly one block long.
+
+    Raises:
+        LinkProtocolError: Wrong size, too many logit biases, or an invalid value.
+    """
+    if len(block) < _SAMPLING.size:
+        raise LinkProtocolError(f"sampling block of {len(block)} bytes is too short")
+    (temperature, top_p, min_p, typical_p, repeat_penalty, presence, frequency, top_k,
+     last_n, seed, flags, _reserved, n_bias) = _SAMPLING.unpack_from(block)
+    if n_bias > MAX_LOGIT_BIAS or len(block) != _SAMPLING.size + n_bias * _BIAS.size:
+        raise LinkProtocolError(f"sampling block: {n_bias} logit biases do not fit "
+                                f"{len(block)} bytes (at most {MAX_LOGIT_BIAS})")
+    bias = tuple(_BIAS.unpack_from(block, _SAMPLING.size + i * _BIAS.size)
+                 for i in range(n_bias))
+    config = SamplingConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence, frequency_penalty=frequency,
+        penalty_last_n=last_n, seed=seed if flags & _SAMPLING_HAS_SEED else None,
+        logit_bias=bias, ignore_eos=bool(flags & _SAMPLING_IGNORE_EOS),
+    )
+    values = (temperature, top_p, min_p, typical_p, repeat_penalty, presence, frequency,
+              *(b for _, b in bias))
+    if not all(np.isfinite(values)):
+        raise LinkProtocolError("sampling block: values must be finite")
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise LinkProtocolError(f"sampling block: {exc}") from None
+    return config
+
+
+def _decode_result(header: FrameHeader, body: bytes | bytearray) -> tuple[ChainSample, ...]:
+    count = header.token_count
+    if count > MAX_BATCH_ENTRIES or len(body) != count * _RESULT.size:
+        raise LinkProtocolError(f"RESULT frame: {count} samples do not fit {len(body)} bytes "
+                                f"(at most {MAX_BATCH_ENTRIES})")
+    samples = []
+    for i in range(count):
+        index, token, flags = _RESULT.unpack_from(body, i * _RESULT.size)
+        if index >= MAX_BATCH_ENTRIES or token < 0 or flags & ~_RESULT_EOG:
+            raise LinkProtocolError(f"RESULT frame: bad sample {i} (index {index}, "
+                                    f"token {token}, flags {flags:#x})")
+        samples.append(ChainSample(index, token, bool(flags & _RESULT_EOG)))
+    return tuple(samples)
+
+
+def decode_stream(data: bytes, limits: LinkLimits) -> list[Frame]:
+    """Decode consecutive frames filling ``data`` exactly (tests and tools).
+
+    Raises:
+        LinkProtocolError: Any malformed or truncated frame.
+    """
+    frames = []
+    offset = 0
+    while offset < len(data):
+        header = decode_header(data[offset:offset + HEADER_BYTES], limits)
+        start = offset + HEADER_BYTES
+        frames.append(decode_body(header, data[start:start + header.body_bytes]))
+        offset = start + header.body_bytes
+    return frames

@@ -1,0 +1,121 @@
+"""Frames on sockets: a whole-frame reader/writer and the batch assembler.
+
+:class:`FrameSocket` validates each header (``stage_link.decode_header``) before it reads
+the body, so an oversized frame is refused without buffering it, and counts the bytes
+for the stage's STATUS. :class:`BatchAssembler` groups ITERATION frames into batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from skippyd.engine.pipeline_types import ChainEntry
+from skippyd.server.stage_link import (
+    HANDSHAKE_LIMITS,
+    HEADER_BYTES,
+    MAX_BATCH_ENTRIES,
+    Flag,
+    Frame,
+    LinkLimits,
+    LinkProtocolError,
+    decode_body,
+    decode_header,
+)
+
+logger = logging.getLogger(__name__)
+
+class FrameSocket:
+    """Reads and writes whole frames on a connected socket, counting bytes.
+
+    Reading is for one thread; writes are for one thread at a time (callers serialise).
+    """
+
+    def __init__(self, sock: socket.socket, limits: LinkLimits = HANDSHAKE_LIMITS) -> None:
+        self.sock = sock
+        self.limits = limits
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._header = bytearray(HEADER_BYTES)
+
+    def read(self) -> Frame | None:
+        """The next frame, or None on a clean end of stream between frames.
+
+        Raises:
+            LinkProtocolError: Malformed, oversized or truncated frame.
+            OSError: The connection failed.
+        """
+        got = self._recv_into(memoryview(self._header))
+        if got == 0:
+            return None
+        if got < HEADER_BYTES:
+            raise LinkProtocolError(f"truncated frame header ({got} of {HEADER_BYTES} bytes)")
+        header = decode_header(self._header, self.limits)
+        body = bytearray(header.body_bytes)
+        got = self._recv_into(memoryview(body))
+        if got < header.body_bytes:
+            raise LinkProtocolError(f"truncated {header.kind.name} frame "
+                                    f"({got} of {header.body_bytes} body bytes)")
+        return decode_body(header, body)
+
+    def _recv_into(self, view: memoryview) -> int:
+        """Fill ``view``; returns how many bytes arrived before the stream ended."""
+        done = 0
+        while done < len(view):
+            n = self.sock.recv_into(view[done:])
+            if n == 0:
+                break
+            done += n
+        self.bytes_in += done
+        return done
+
+    def write(self, data: bytes) -> None:
+        self.sock.sendall(data)
+        self.bytes_out += len(data)
+
+    def close(self) -> None:
+        """Shut the connection down (unblocking a reader) and close it. Idempotent."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class BatchAssembler:
+    """Groups consecutive ITERATION frames of one ``request_id`` into a batch.
+
+    Raises :class:`LinkProtocolError` on a batch that mixes request ids, repeats a
+    session or grows beyond :data:`MAX_BATCH_ENTRIES`.
+    """
+
+    def __init__(self) -> None:
+        self._request_id: int | None = None
+        self._entries: list[ChainEntry] = []
+        self._sessions: set[int] = set()
+
+    @property
+    def open(self) -> bool:
+        return self._request_id is not None
+
+    def add(self, frame: Frame) -> tuple[int, list[ChainEntry]] | None:
+        """Add an ITERATION frame; returns (request id, entries) when the batch ends."""
+        header = frame.header
+        if self._request_id is not None and header.request_id != self._request_id:
+            raise LinkProtocolError(f"ITERATION frame of batch {header.request_id} inside "
+                                    f"unfinished batch {self._request_id}")
+        if header.session_id in self._sessions:
+            raise LinkProtocolError(f"batch {header.request_id} repeats session "
+                                    f"{header.session_id}")
+        if len(self._entries) >= MAX_BATCH_ENTRIES:
+            raise LinkProtocolError(f"batch {header.request_id} exceeds {MAX_BATCH_ENTRIES} "
+                                    "entries")
+        self._request_id = header.request_id
+        self._sessions.add(header.session_id)
+        assert isinstance(frame.payload, ChainEntry)
+        self._entries.append(frame.payload)
+        if not header.flags & Flag.END_OF_BATCH:
+            return None
+        done = (header.request_id, self._entries)
+        self._request_id, self._entries, self._sessions = None, [], set()
+        return done

@@ -1,0 +1,394 @@
+"""One CHAIN connection on a later stage: batches in, direct iterations, results out.
+
+Two threads per connection. The *reader* (the connection's own thread) decodes frames
+and submits every entry of a batch to the iteration scheduler as a direct iteration
+without waiting, so the worker can batch this stage's work while results of earlier
+batches are still being written. The *completer* handles batches strictly in arrival
+order: it waits for each batch's outcomes, then forwards the output rows downstream
+(middle stage) or sends the predictions to stage 0 (final stage).
+
+A DROP is applied by the reader, before it submits anything that follows it: it waits
+for the session's iterations still on the worker, then queues the drop. The worker runs
+commands in order, so the freed lane is back before the next batch (perhaps a new
+session stage 0 admitted into that very lane) asks for one. A session's runtime name
+carries an incarnation number that a DROP bumps, so a replay of the same session after
+a DROP always starts from a fresh runtime session.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from skippyd.engine.direct_batch import DirectIteration
+from skippyd.engine.pipeline_types import ChainEntry, ChainSample
+from skippyd.engine.runtime_api import IterationPhase
+from skippyd.engine.worker_types import QueueFullError, SchedulerError
+from skippyd.server.stage_chain import dial
+from skippyd.server.stage_handshake import Hello, HelloAck, Role, send_ack
+from skippyd.server.stage_link import (
+    Frame,
+    FrameKind,
+    LinkLimits,
+    LinkProtocolError,
+    encode_drop,
+    encode_iteration,
+    encode_result,
+    encode_text,
+)
+from skippyd.server.stage_link_io import BatchAssembler, FrameSocket
+
+if TYPE_CHECKING:
+    from skippyd.server.stage_server import StageLinkServer
+
+logger = logging.getLogger(__name__)
+
+#: Batches read ahead of the completer; beyond it the reader stops reading (back-pressure).
+MAX_QUEUED_BATCHES = 32
+#: How long the final stage waits for stage 0's RETURN connection.
+RETURN_WAIT_S = 10.0
+#: How long a submit keeps retrying while the worker's command queue is full.
+SUBMIT_RETRY_S = 10.0
+
+
+class _Refusal(Exception):
+    """The chain cannot be served; the message goes back to the upstream stage."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: int
+    entries: list[ChainEntry]
+    futures: list[Future]
+
+
+@dataclass(slots=True)
+class _Drop:
+    wire_id: int
+
+
+@dataclass(slots=True)
+class _Relay:
+    request_id: int
+    message: str
+
+
+_STOP = object()
+
+
+class ChainConnection:
+    """Serves one authenticated CHAIN connection; see the module docstring."""
+
+    def __init__(self, server: StageLinkServer, upstream: FrameSocket, hello: Hello,
+                 nonces: tuple, peer: str) -> None:
+        self.chain_id = hello.chain_id
+        self._server = server
+        self._facts = server.facts
+        self._scheduler = server.scheduler
+        self._upstream = upstream
+        self._hello = hello
+        self._nonces = nonces
+        self._peer = peer
+        self._downstream: FrameSocket | None = None
+        self._return: FrameSocket | None = None
+        self._return_ready = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=MAX_QUEUED_BATCHES)
+        self._names: dict[int, str] = {}
+        self._incarnations: dict[int, int] = {}
+        self._live: set[str] = set()
+        self._outstanding: dict[str, list[Future]] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._close_reason: str | None = None
+        self._batches = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Set the chain up, then read until the connection ends (caller's thread)."""
+        try:
+            ack = self._setup()
+        except _Refusal as exc:
+            self._server.refuse(self._upstream, self._peer, str(exc))
+            self._close_sockets()
+            return
+        if not self._server.register(self):
+            self._server.refuse(self._upstream, self._peer, "too many chain connections")
+            self._close_sockets()
+            return
+        send_ack(self._upstream, self._facts.secret, self._nonces, ack)
+        limits = LinkLimits(max_frame_bytes=self._facts.max_frame_bytes,
+                            row_width=self._facts.n_embd)
+        self._upstream.limits = limits
+        self._upstream.sock.settimeout(None)
+        logger.info("chain connection from %s accepted (%d stage(s) from here to the end)",
+                    self._peer, ack.num_stages)
+        completer = threading.Thread(target=self._complete_loop, daemon=True,
+                                     name=f"skippyd-link-completer-{self._peer}")
+        completer.start()
+        if self._downstream is not None:
+            threading.Thread(target=self._watch_downstream, daemon=True,
+                             name=f"skippyd-link-watch-{self._peer}").start()
+        self.close(self._read_loop())
+        self._queue.put(_STOP)
+        completer.join()
+        self._server.unregister(self, self.counters())
+
+    def close(self, reason: str) -> None:
+        """End the connection (first reason wins); safe from any thread."""
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+            self._close_reason = reason
+        logger.info("chain connection from %s closed: %s", self._peer, reason)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for conn in (self._upstream, self._downstream, self._return):
+            if conn is not None:
+                conn.close()
+
+    def attach_return(self, conn: FrameSocket) -> bool:
+        """Use ``conn`` (opened by stage 0) for predictions; False if not possible."""
+        with self._lock:
+            if self._closing.is_set() or self._return is not None:
+                return False
+            self._return = conn
+        self._return_ready.set()
+        return True
+
+    def counters(self) -> dict[str, int]:
+        conns = [c for c in (self._upstream, self._downstream, self._return) if c is not None]
+        return {"bytes_in": sum(c.bytes_in for c in conns),
+                "bytes_out": sum(c.bytes_out for c in conns), "batches": self._batches}
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _setup(self) -> HelloAck:
+        facts, hello = self._facts, self._hello
+        for ok, problem in (
+            (hello.model_id == facts.model_id,
+             f"upstream serves model {hello.model_id!r}, this stage {facts.model_id!r}"),
+            (hello.stage_index == facts.stage_index - 1,
+             f"upstream is stage index {hello.stage_index}, this stage expects "
+             f"{facts.stage_index - 1}"),
+            (hello.layer_end == facts.layer_start,
+             f"upstream ends at layer {hello.layer_end}, this stage starts at "
+             f"{facts.layer_start}"),
+            (hello.n_embd == facts.n_embd,
+             f"upstream sends rows of width {hello.n_embd}, this stage takes {facts.n_embd}"),
+        ):
+            if not ok:
+                raise _Refusal(problem)
+        if facts.is_final:
+            return HelloAck(1, facts.lanes, facts.kv_pool_tokens,
+                            self._server.return_endpoint(self._upstream), facts.stage_id)
+        return self._extend_chain()
+
+    def _extend_chain(self) -> HelloAck:
+        """Dial the next stage with the same chain id; fold its answer into ours."""
+        facts = self._facts
+        assert facts.downstream is not None
+        hello = Hello(Role.CHAIN, self.chain_id, facts.n_embd, facts.stage_index,
+                      facts.layer_end, facts.model_id)
+        try:
+            self._downstream, ack = dial(facts.downstream, facts.secret, hello)
+        except (OSError, LinkProtocolError) as exc:
+            raise _Refusal(f"{facts.downstream_id} at {facts.downstream[0]}:"
+                           f"{facts.downstream[1]}: {exc}") from None
+        return HelloAck(ack.num_stages + 1, min(facts.lanes, ack.min_lanes),
+                        min(facts.kv_pool_tokens, ack.min_ctx), ack.return_endpoint,
+                        ack.final_stage_id)
+
+    def _watch_downstream(self) -> None:
+        """Nothing comes back on the downstream connection: any read result ends it."""
+        assert self._downstream is not None
+        try:
+            frame = self._downstream.read()
+            reason = ("the downstream stage closed the connection" if frame is None
+                      else f"unexpected {frame.kind.name} frame from downstream")
+        except (LinkProtocolError, OSError) as exc:
+            reason = f"downstream connection failed: {exc}"
+        self.close(reason)
+
+    # -- reader ----------------------------------------------------------------------------
+
+    def _read_loop(self) -> str:
+        assembler = BatchAssembler()
+        try:
+            while not self._closing.is_set():
+                frame = self._upstream.read()
+                if frame is None:
+                    return "the upstream stage closed the connection"
+                self._dispatch(frame, assembler)
+        except LinkProtocolError as exc:
+            logger.warning("closing chain connection from %s: %s", self._peer, exc)
+            return f"protocol error: {exc}"
+        except OSError as exc:
+            return self._close_reason or f"upstream connection failed: {exc}"
+        return self._close_reason or "closed"
+
+    def _dispatch(self, frame: Frame, assembler: BatchAssembler) -> None:
+        kind = frame.kind
+        if kind is FrameKind.ITERATION:
+            done = assembler.add(frame)
+            if done is not None:
+                self._submit_batch(*done)
+            return
+        if assembler.open:
+            raise LinkProtocolError(f"{kind.name} frame inside an unfinished batch")
+        if kind is FrameKind.DROP:
+            self._drop(frame.header.session_id)
+        elif kind is FrameKind.ERROR:
+            self._queue.put(_Relay(frame.header.request_id, str(frame.payload)))
+        else:
+            raise LinkProtocolError(f"unexpected {kind.name} frame on a chain connection")
+
+    def _submit_batch(self, request_id: int, entries: list[ChainEntry]) -> None:
+        final = self._facts.is_final
+        futures = []
+        for entry in entries:
+            name = self._session_name(entry.session_id)
+            iteration = DirectIteration(
+                session_id=name, token_ids=entry.token_ids, positions=list(entry.positions),
+                sampling=entry.sampling if final else None, input_rows=entry.rows,
+                sample_last=entry.sample_last and final,
+                phase=IterationPhase.DECODE if entry.decode else IterationPhase.PREFILL,
+                # Trim a session that is ahead (a retracted look-ahead step); never
+                # extend one (reference §3.8 session alignment).
+                target_token_count=entry.first_position,
+            )
+            future = self._submit(iteration)
+            futures.append(future)
+            pending = [f for f in self._outstanding.get(name, []) if not f.done()]
+            self._outstanding[name] = [*pending, future]
+        self._queue.put(_Pending(request_id, entries, futures))
+
+    def _drop(self, wire_id: int) -> None:
+        """Free a session on the worker before anything after the DROP is submitted."""
+        self._incarnations[wire_id] = self._incarnations.get(wire_id, 0) + 1
+        name = self._names.pop(wire_id, None)
+        if name is not None:
+            # Queued now, the drop could overtake the session's own queued iterations
+            # (runtime operations run as they are dequeued): wait for those first.
+            futures_wait(self._outstanding.pop(name, []))
+            self._free(name)
+        self._queue.put(_Drop(wire_id))  # forwarded downstream in order
+
+    def _session_name(self, wire_id: int) -> str:
+        name = self._names.get(wire_id)
+        if name is None:
+            incarnation = self._incarnations.get(wire_id, 0)
+            name = self._names[wire_id] = f"link{self.chain_id:x}.{wire_id}.{incarnation}"
+            self._live.add(name)
+        return name
+
+    def _submit(self, iteration: DirectIteration) -> Future:
+        deadline = time.monotonic() + SUBMIT_RETRY_S
+        while True:
+            try:
+                return self._scheduler.submit_iteration(iteration)
+            except QueueFullError as exc:
+                # Back-pressure: the worker drains its command queue every turn.
+                if time.monotonic() > deadline or self._closing.wait(0.001):
+                    return _failed(exc)
+            except SchedulerError as exc:
+                return _failed(exc)
+
+    # -- completer -------------------------------------------------------------------------
+
+    def _complete_loop(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            try:
+                self._complete(item)
+            except OSError as exc:
+                self.close(f"sending failed: {exc}")
+            except Exception as exc:  # a bug: end this connection, never the completer
+                logger.exception("chain connection from %s failed", self._peer)
+                self.close(f"internal error: {exc!r}")
+        for name in list(self._live):
+            self._free(name)
+
+    def _complete(self, item: Any) -> None:
+        if isinstance(item, _Drop):
+            if self._downstream is not None and not self._closing.is_set():
+                self._downstream.write(encode_drop(item.wire_id))
+        elif isinstance(item, _Relay):
+            if not self._closing.is_set():
+                self._send_error(item.request_id, item.message)
+        else:
+            self._finish_batch(item)
+
+    def _finish_batch(self, pending: _Pending) -> None:
+        outcomes, error = [], None
+        for future in pending.futures:
+            try:
+                outcomes.append(future.result())
+            except SchedulerError as exc:
+                error = error or f"{self._facts.stage_id}: {exc.message}"
+                outcomes.append(None)
+        self._batches += 1
+        if self._closing.is_set():
+            return
+        if error is not None:
+            self._send_error(pending.request_id, error)
+        elif self._facts.is_final:
+            samples = [ChainSample(i, o.predicted, o.is_eog)
+                       for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True))
+                       if e.sample_last]
+            self._send_return(encode_result(pending.request_id, samples))
+        else:
+            last = len(pending.entries) - 1
+            data = b"".join(
+                encode_iteration(pending.request_id, replace(e, rows=o.output_rows),
+                                 end_of_batch=i == last)
+                for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True)))
+            assert self._downstream is not None
+            self._downstream.write(data)
+
+    def _send_error(self, request_id: int, message: str) -> None:
+        data = encode_text(FrameKind.ERROR, message, request_id=request_id)
+        if self._facts.is_final:
+            self._send_return(data)
+        else:
+            assert self._downstream is not None
+            self._downstream.write(data)
+
+    def _send_return(self, data: bytes) -> None:
+        if not self._return_ready.wait(RETURN_WAIT_S):
+            raise OSError(f"stage 0 opened no return connection within {RETURN_WAIT_S:.0f} s")
+        assert self._return is not None
+        self._return.write(data)
+
+    def _free(self, name: str) -> None:
+        """Drop a runtime session on the worker.
+
+        Precondition: none of the session's iterations is still queued on the worker.
+        """
+        self._live.discard(name)
+        deadline = time.monotonic() + SUBMIT_RETRY_S
+        while True:
+            try:
+                self._scheduler.execute_runtime_detached(
+                    "link-drop-session", lambda runtime, n=name: runtime.drop_session(n))
+                return
+            except QueueFullError:
+                if time.monotonic() > deadline:
+                    logger.error("could not free session %s: the worker queue stays full", name)
+                    return
+                time.sleep(0.001)
+            except SchedulerError:
+                return  # a stopped worker frees nothing more, and needs nothing more
+
+
+def _failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future

@@ -1,0 +1,292 @@
+"""The link listener of a stage: authenticate peers, then serve them by role.
+
+On a later stage, a CHAIN connection from the upstream stage carries batches. Each
+batch's entries enter this stage's iteration scheduler as direct iterations (reference
+§3.5, §3.8): the worker keeps per-session order, coalesces the steps of concurrent
+sessions into one native batch and trims a session that is ahead of the entry's first
+position. Results are handled strictly in arrival order: a middle stage forwards its
+output rows downstream, the final stage sends predictions straight to stage 0 on the
+RETURN connection stage 0 opened to it (reference §5.1, §5.6). Because the next batch
+is already queued on the worker while the previous one's rows are being written, a
+stage computes one chunk while the last one travels on.
+
+Every stage (stage 0 included) also answers STATUS connections with its counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from skippyd.server.stage_chain import configure_socket
+from skippyd.server.stage_handshake import (
+    HANDSHAKE_TIMEOUT_S,
+    Hello,
+    HelloAck,
+    Role,
+    accept_handshake,
+    send_ack,
+    send_refuse,
+)
+from skippyd.server.stage_link import (
+    FrameKind,
+    LinkAuthError,
+    LinkProtocolError,
+    encode_frame,
+)
+from skippyd.server.stage_link_io import FrameSocket
+from skippyd.server.stage_relay import ChainConnection
+
+logger = logging.getLogger(__name__)
+
+#: Connections allowed to be in the handshake at once; more are closed at once.
+MAX_PENDING_HANDSHAKES = 16
+#: Upstream connections served at once (a reconnecting stage 0 may briefly hold two).
+MAX_CHAINS = 8
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+@dataclass(frozen=True, slots=True)
+class StageFacts:
+    """What a stage's link needs to know about the stage."""
+
+    stage_id: str
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    model_id: str
+    n_embd: int
+    lanes: int
+    kv_pool_tokens: int
+    is_first: bool
+    is_final: bool
+    secret: bytes
+    max_frame_bytes: int
+    downstream_id: str | None = None
+    downstream: tuple[str, int] | None = None
+
+
+class StageLinkServer:
+    """Listens on ``link.listen`` and serves each authenticated connection by role.
+
+    Args:
+        facts: The stage's identity and limits.
+        scheduler: The stage's iteration scheduler (None on stage 0: no chain roles).
+        status: Returns the stage's counters for STATUS replies.
+    """
+
+    def __init__(self, facts: StageFacts, scheduler: Any,
+                 status: Callable[[], dict[str, Any]]) -> None:
+        self.facts = facts
+        self.scheduler = scheduler
+        self._status = status
+        self._sock: socket.socket | None = None
+        self._address: tuple[str, int] | None = None
+        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._lock = threading.Lock()
+        self._chains: dict[int, ChainConnection] = {}
+        self._closed = threading.Event()
+        self._totals = {"bytes_in": 0, "bytes_out": 0, "batches": 0, "connections": 0,
+                        "rejected": 0}
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"skippyd-link-{facts.stage_id}")
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def bind(self, listen: tuple[str, int]) -> tuple[str, int]:
+        """Bind and listen; returns the bound (host, port).
+
+        Raises:
+            OSError: The address is unusable (in use, not local...).
+        """
+        host, port = listen
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(64)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._address = (host, sock.getsockname()[1])
+        return self._address
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return self._address
+
+    def start(self) -> None:
+        if self._sock is None:
+            raise RuntimeError("bind() the link listener before start()")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting and close every connection. Idempotent."""
+        self._closed.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # unblocks accept() on Linux
+            except OSError:
+                pass
+            self._sock.close()
+        with self._lock:
+            chains = list(self._chains.values())
+        for chain in chains:
+            chain.close("the stage is shutting down")
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    # -- registry (used by ChainConnection) --------------------------------------------------
+
+    def register(self, chain: ChainConnection) -> bool:
+        """Admit a chain connection; False when too many are open."""
+        with self._lock:
+            if len(self._chains) >= MAX_CHAINS:
+                return False
+            self._chains[chain.chain_id] = chain
+            self._totals["connections"] += 1
+            return True
+
+    def unregister(self, chain: ChainConnection, counters: dict[str, int]) -> None:
+        with self._lock:
+            if self._chains.get(chain.chain_id) is chain:
+                del self._chains[chain.chain_id]
+            for key, value in counters.items():
+                self._totals[key] += value
+
+    def status(self) -> dict[str, Any]:
+        """This stage's counters: link traffic plus whatever the stage reports."""
+        with self._lock:
+            totals = dict(self._totals)
+            chains = list(self._chains.values())
+        for chain in chains:
+            for key, value in chain.counters().items():
+                totals[key] += value
+        facts = self.facts
+        return {"stage_id": facts.stage_id, "stage_index": facts.stage_index,
+                "layer_start": facts.layer_start, "layer_end": facts.layer_end,
+                "is_final": facts.is_final, "chains": len(chains), **totals,
+                **self._status()}
+
+    # -- accepting ---------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closed.is_set():
+            try:
+                sock, peer = self._sock.accept()
+            except OSError:
+                if not self._closed.is_set():
+                    logger.exception("link listener failed")
+                return
+            threading.Thread(target=self._serve, args=(sock, _show(peer)), daemon=True,
+                             name=f"skippyd-link-conn-{_show(peer)}").start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn = FrameSocket(sock)
+        authenticated = self._authenticate(conn, peer)
+        if authenticated is None:
+            conn.close()
+            return
+        hello, nonces = authenticated
+        try:
+            if hello.role is Role.STATUS:
+                self._serve_status(conn, nonces)
+            elif hello.role is Role.CHAIN:
+                self._serve_chain(conn, hello, nonces, peer)
+            else:
+                self._serve_return(conn, hello, nonces, peer)
+        except OSError as exc:
+            logger.info("link connection from %s ended: %s", peer, exc)
+        finally:
+            conn.close()
+
+    def _authenticate(self, conn: FrameSocket, peer: str) -> tuple[Hello, tuple] | None:
+        if not self._handshakes.acquire(blocking=False):
+            logger.warning("link connection from %s closed: more than %d handshakes pending",
+                           peer, MAX_PENDING_HANDSHAKES)
+            return None
+        try:
+            configure_socket(conn.sock)
+            conn.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            hello, server_nonce, client_nonce = accept_handshake(conn, self.facts.secret)
+        except LinkAuthError as exc:
+            self.reject(peer, str(exc))
+            return None
+        except LinkProtocolError as exc:
+            self.reject(peer, f"bad handshake: {exc}")
+            return None
+        except OSError as exc:
+            self.reject(peer, f"handshake failed: {exc}")
+            return None
+        finally:
+            self._handshakes.release()
+        return hello, (server_nonce, client_nonce)
+
+    def reject(self, peer: str, reason: str) -> None:
+        """Log why a connection is being closed and count it."""
+        logger.warning("link connection from %s rejected: %s", peer, reason)
+        with self._lock:
+            self._totals["rejected"] += 1
+
+    def refuse(self, conn: FrameSocket, peer: str, reason: str) -> None:
+        """Refuse an authenticated peer: log, count, and tell it why."""
+        self.reject(peer, reason)
+        send_refuse(conn, reason)
+
+    def _serve_status(self, conn: FrameSocket, nonces: tuple) -> None:
+        send_ack(conn, self.facts.secret, nonces, HelloAck(final_stage_id=self.facts.stage_id))
+        body = json.dumps(self.status(), sort_keys=True).encode()
+        conn.write(encode_frame(FrameKind.STATUS, body))
+
+    def _serve_chain(self, conn: FrameSocket, hello: Hello, nonces: tuple, peer: str) -> None:
+        if self.facts.is_first or self.scheduler is None:
+            self.refuse(conn, peer, "stage 0 accepts no chain connections")
+            return
+        chain = ChainConnection(self, conn, hello, nonces, peer)
+        chain.run()
+
+    def _serve_return(self, conn: FrameSocket, hello: Hello, nonces: tuple, peer: str) -> None:
+        if not self.facts.is_final:
+            self.refuse(conn, peer, f"stage {self.facts.stage_id} is not the final stage")
+            return
+        with self._lock:
+            chain = self._chains.get(hello.chain_id)
+        if chain is None:
+            self.refuse(conn, peer, "no chain connection with that id")
+            return
+        send_ack(conn, self.facts.secret, nonces, HelloAck(final_stage_id=self.facts.stage_id))
+        if not chain.attach_return(conn):
+            self.reject(peer, "the chain already has a return connection")
+            return
+        conn.sock.settimeout(None)
+        # Stage 0 sends nothing on this connection: any read result means it ended.
+        try:
+            frame = conn.read()
+            reason = ("stage 0 closed the return connection" if frame is None
+                      else f"unexpected {frame.kind.name} frame on the return connection")
+        except (LinkProtocolError, OSError) as exc:
+            reason = f"return connection failed: {exc}"
+        chain.close(reason)
+
+    def return_endpoint(self, conn: FrameSocket) -> str:
+        """Where stage 0 reaches this (final) stage: the listen address, or, for a
+        wildcard listen host, the local address the upstream connection arrived on."""
+        assert self._address is not None
+        host, port = self._address
+        if host in _WILDCARD_HOSTS:
+            host = conn.sock.getsockname()[0]
+        return _show((host, port))
+
+
+def _show(address: tuple) -> str:
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,204 @@
+"""What a stage of a split pipeline adds to the engine and the daemon.
+
+:func:`make_split` gives the engine the runtime its scheduler drives and the link
+machinery around it: on stage 0 a :class:`PipelineRuntime` over the local slice and a
+:class:`ChainLink` to stage 1; on a later stage the local runtime (metered) and a
+:class:`StageLinkServer` that feeds it. :func:`run_link_stage` is ``skippyd serve`` for
+a later stage: no HTTP, only the link listener.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from skippyd.config import StageConfig
+from skippyd.engine.pipeline_runtime import PipelineRuntime
+from skippyd.engine.runtime_api import IterationOutput, IterationRequest, Runtime
+from skippyd.server.stage_chain import ChainIdentity, ChainLink
+from skippyd.server.stage_server import StageFacts, StageLinkServer
+
+logger = logging.getLogger(__name__)
+
+
+class MeteredRuntime:
+    """A runtime that adds up the time its iterations spend in llama.cpp (busy time)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.inner = runtime
+        self.busy_s = 0.0
+
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        output = self.inner.iteration_batch_sampled(requests)
+        self.busy_s += output.compute_s
+        return output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _facts(config: StageConfig, runtime: Any) -> StageFacts:
+    stage, link, downstream = config.stage, config.link, config.downstream
+    return StageFacts(
+        stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
+        layer_end=stage.layer_end or stage.layer_start + runtime.info.n_layer,
+        model_id=stage.model_id, n_embd=runtime.n_embd, lanes=runtime.lane_count,
+        kv_pool_tokens=runtime.kv_pool_tokens, is_first=config.is_first,
+        is_final=config.is_final, secret=(link.secret or "").encode(),
+        max_frame_bytes=link.max_frame_bytes,
+        downstream_id=downstream.stage_id if downstream else None,
+        downstream=downstream.address if downstream else None,
+    )
+
+
+class SplitStage:
+    """The split-pipeline part of one stage; created by :func:`make_split`.
+
+    Attributes:
+        runtime: What the stage's iteration scheduler drives.
+    """
+
+    def __init__(self, config: StageConfig, local: Any) -> None:
+        if not config.link.secret:
+            raise ValueError("link.secret: required on a stage of a split pipeline")
+        self.config = config
+        self.started_at = time.monotonic()
+        self._facts = _facts(config, local)
+        self._scheduler: Any = None
+        self._server: StageLinkServer | None = None
+        self.link: ChainLink | None = None
+        self.pipeline: PipelineRuntime | None = None
+        self.decode_groups = _planned_decode_groups(config)
+        if config.is_first:
+            self.link = ChainLink(ChainIdentity.from_config(
+                config, local.n_embd, local.lane_count, local.kv_pool_tokens))
+            self.pipeline = PipelineRuntime(local, self.link)
+            self.runtime: Runtime | MeteredRuntime = self.pipeline
+        else:
+            self.runtime = MeteredRuntime(local)
+
+    def start(self, scheduler: Any) -> None:
+        """Open the link listener (if configured) and, on stage 0, start dialling.
+
+        Raises:
+            OSError: ``link.listen`` cannot be bound.
+        """
+        self._scheduler = scheduler
+        listen = self.config.link.listen_address
+        if listen is not None:
+            server = StageLinkServer(self._facts, None if self.config.is_first else scheduler,
+                                     self._status)
+            server.bind(listen)
+            server.start()
+            self._server = server
+        if self.link is not None and self.pipeline is not None:
+            self.link.start(self.pipeline)
+
+    @property
+    def link_address(self) -> tuple[str, int] | None:
+        return None if self._server is None else self._server.address
+
+    def degraded(self) -> str | None:
+        """Why the pipeline cannot serve right now, or None."""
+        if self.link is None or self.link.is_up:
+            return None
+        return f"pipeline degraded: {self.link.down_reason()}"
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        if self._server is not None:
+            self._server.close()
+
+    def _status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"uptime_s": time.monotonic() - self.started_at}
+        if self._scheduler is not None:
+            status["active_sessions"] = self._scheduler.stats().active_runtime_sessions
+        if isinstance(self.runtime, MeteredRuntime):
+            status["busy_s"] = self.runtime.busy_s
+        if self.pipeline is not None and self.link is not None:
+            counters = self.pipeline.counters
+            status.update(busy_s=counters.local_compute_s, batches_sent=counters.batches_sent,
+                          lookahead_steps=counters.lookahead_steps,
+                          lookahead_hits=counters.lookahead_hits,
+                          lookahead_retracted=counters.lookahead_retracted,
+                          chain=self.link.status())
+        return status
+
+
+def _planned_decode_groups(config: StageConfig) -> int | None:
+    """Decode groups a later stage plans for (reference §3.5 "planned" value).
+
+    Stage 0 cuts each call into one group per stage of the chain (it learns the length
+    at the handshake); a later stage's worker must coalesce no more than one such group,
+    or it would wait for sessions that are still on another stage. The final stage
+    knows the length (its index + 1); a middle stage assumes one stage after it.
+    ``SKIPPY_PIPELINE_DECODE_GROUPS`` overrides this on every stage.
+    """
+    if config.is_first:
+        return None
+    return config.stage.index + (1 if config.is_final else 2)
+
+
+def make_split(config: StageConfig, local: Any) -> SplitStage | None:
+    """The split part of a stage, or None for a stage serving the whole model."""
+    if config.is_first and config.is_final:
+        return None
+    return SplitStage(config, local)
+
+
+def slice_progress() -> Callable[[int, int], None]:
+    """A progress callback drawing a rich bar on stderr while a slice is written."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    state: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "progress" not in state:
+            progress = Progress("[progress.description]{task.description}", BarColumn(),
+                                DownloadColumn(), TimeRemainingColumn(),
+                                console=Console(stderr=True), transient=False)
+            progress.start()
+            state["progress"] = progress
+            state["task"] = progress.add_task("slicing the stage model", total=total)
+        state["progress"].update(state["task"], completed=done, total=total)
+        if done >= total:
+            state.pop("progress").stop()
+
+    return update
+
+
+def run_link_stage(config: StageConfig) -> int:
+    """``skippyd serve`` for a stage after the first: load, listen, wait for a signal."""
+    from skippyd.engine.gguf_tools import ModelFileError
+    from skippyd.server.daemon import STARTUP_FAILURE
+    from skippyd.server.engine import StageEngine, StartupError
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    engine = StageEngine(config, progress=slice_progress())
+    try:
+        try:
+            engine.load()
+        except (StartupError, ModelFileError, OSError, ValueError) as exc:
+            logger.error("startup failed: %s", exc)
+            return STARTUP_FAILURE
+        host, port = engine.link_address or ("?", 0)
+        stage = config.stage
+        print(f"skippyd stage {stage.id} serving layers {stage.layer_start}:"
+              f"{stage.layer_end} on link {host}:{port}", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
+            pass
+        logger.info("stage %s stopping", stage.id)
+        return 0
+    finally:
+        engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,122 @@
+"""Helpers for the split-serving tests: stage configs and a chain of real processes.
+
+A module of its own (not conftest) so tests import it by a name no other test
+directory uses.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from serve_process import ServeProcess  # noqa: E402
+
+from skippyd.server.stage_chain import query_status  # noqa: E402
+
+SECRET = "link-tests-shared-secret-0123456789"
+N_UBATCH = 32
+LANES = 4
+STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Re-check ``predicate`` every 50 ms until it holds; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def runtime_section(slice_dir: Path, threads: int) -> str:
+    # NOTE: one llama.cpp thread per process: worker threads spin at barriers, and on a
+    # busy two-core test machine a two-thread server can stall for seconds. Thread
+    # count does not change the arithmetic, so outputs still compare bit for bit.
+    return f"""
+[runtime]
+ctx_size = 2048
+lane_count = {LANES}
+n_ubatch = {N_UBATCH}
+threads = {threads}
+threads_batch = {threads}
+slice_cache_dir = "{slice_dir}"
+"""
+
+
+class Chain:
+    """A split pipeline of ``len(bounds) - 1`` stage processes."""
+
+    def __init__(self, bounds: tuple[int, ...], workdir: Path, slice_dir: Path) -> None:
+        self.bounds = bounds
+        self.workdir = workdir
+        self.slice_dir = slice_dir
+        self.ports = [free_port() for _ in bounds[:-1]]
+        self.stages: list[ServeProcess | None] = [None] * (len(bounds) - 1)
+
+    def config(self, i: int) -> str:
+        last = len(self.ports) - 1
+        text = (f'[stage]\nid = "stage-{i}"\nindex = {i}\nlayer_start = {self.bounds[i]}\n'
+                f"layer_end = {self.bounds[i + 1]}\n")
+        text += runtime_section(self.slice_dir, threads=1)
+        if i == 0:
+            text += '[http]\nlisten = "127.0.0.1:0"\n'
+        text += f'[link]\nlisten = "127.0.0.1:{self.ports[i]}"\nsecret = "{SECRET}"\n'
+        text += f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
+        if i > 0:
+            text += (f'[upstream]\nstage_id = "stage-{i - 1}"\n'
+                     f'endpoint = "127.0.0.1:{self.ports[i - 1]}"\n')
+        if i < last:
+            text += (f'[downstream]\nstage_id = "stage-{i + 1}"\n'
+                     f'endpoint = "127.0.0.1:{self.ports[i + 1]}"\n')
+        return text
+
+    def launch(self, i: int) -> ServeProcess:
+        workdir = self.workdir / f"stage{i}"
+        workdir.mkdir(exist_ok=True)
+        self.stages[i] = ServeProcess(self.config(i), workdir)
+        return self.stages[i]
+
+    def start(self) -> Chain:
+        for i in reversed(range(len(self.stages))):
+            self.launch(i)
+        for i, proc in enumerate(self.stages):
+            if i == 0:
+                proc.wait_ready()
+            else:
+                proc.wait_for_line(STAGE_READY, timeout=120)
+        self.wait_healthy()
+        return self
+
+    @property
+    def head(self) -> ServeProcess:
+        return self.stages[0]
+
+    def health(self) -> dict:
+        return httpx.get(self.head.base_url + "/health", timeout=5).json()
+
+    def wait_healthy(self, timeout: float = 30) -> None:
+        wait_until(lambda: self.health()["status"] == "ok", timeout, "the pipeline to connect")
+
+    def status(self, i: int) -> dict:
+        return query_status(("127.0.0.1", self.ports[i]), SECRET.encode())
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=self.head.url, api_key="unused", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        for proc in self.stages:
+            if proc is not None:
+                proc.stop()

@@ -1,0 +1,98 @@
+"""Hostile or broken peers on a real stage's link port: each is refused with a logged
+reason, the connection is closed, and the pipeline keeps serving requests."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from link_support import SECRET
+
+from skippyd.engine.pipeline_types import ChainEntry
+from skippyd.server.stage_chain import dial
+from skippyd.server.stage_handshake import Hello, Role, dial_handshake
+from skippyd.server.stage_link import (
+    HEADER,
+    FrameKind,
+    LinkProtocolError,
+    encode_iteration,
+)
+from skippyd.server.stage_link_io import FrameSocket
+
+pytestmark = pytest.mark.model
+
+N_EMBD = 576
+
+
+def _address(chain) -> tuple[str, int]:
+    return "127.0.0.1", chain.ports[1]
+
+
+def _chain_hello(chain) -> Hello:
+    return Hello(Role.CHAIN, 0xABCD, N_EMBD, 0, 15, chain.head.model)
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """True once the peer closed the connection (EOF or reset)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _still_serves(chain) -> None:
+    text = chain.client().completions.create(model="any", prompt="The capital of France is",
+                                             max_tokens=4, temperature=0).choices[0].text
+    assert "Paris" in text
+    assert chain.stages[1].proc.poll() is None
+
+
+def test_wrong_secret_is_rejected_and_logged(chain2):
+    conn = FrameSocket(socket.create_connection(_address(chain2)))
+    with pytest.raises(LinkProtocolError, match="closed during the handshake"):
+        dial_handshake(conn, b"this-is-not-the-secret-at-all", _chain_hello(chain2))
+    conn.close()
+    chain2.stages[1].wait_for_line(r"rejected: wrong or missing link secret")
+    _still_serves(chain2)
+
+
+def test_garbage_bytes_are_rejected_and_logged(chain2):
+    with socket.create_connection(_address(chain2)) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)))
+        assert _closed_by_peer(sock)
+    chain2.stages[1].wait_for_line(r"rejected: bad handshake: unknown frame kind 8239")
+    _still_serves(chain2)
+
+
+def test_truncated_frame_closes_the_connection(chain2):
+    conn, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
+    entry = ChainEntry(session_id=1, first_position=0, token_ids=[1, 2, 3])
+    frame = encode_iteration(7, entry, end_of_batch=True)
+    conn.sock.sendall(HEADER.pack(1000, *HEADER.unpack(frame[:HEADER.size])[1:]) + frame[36:46])
+    conn.sock.shutdown(socket.SHUT_WR)
+    assert _closed_by_peer(conn.sock)
+    conn.close()
+    chain2.stages[1].wait_for_line(r"closing chain connection .*truncated ITERATION frame "
+                                   r"\(10 of 1000 body bytes\)")
+    _still_serves(chain2)
+
+
+def test_oversized_frame_is_refused_before_its_body(chain2):
+    conn, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
+    conn.sock.sendall(HEADER.pack(0xFFFFFFFF, int(FrameKind.ITERATION), 0, 1, 1, 0, 1, N_EMBD))
+    assert _closed_by_peer(conn.sock)
+    conn.close()
+    chain2.stages[1].wait_for_line(r"ITERATION frame body of 4294967295 bytes exceeds the "
+                                   r"\d+-byte limit")
+    _still_serves(chain2)
+
+
+def test_mismatched_topology_is_refused_with_a_reason(chain2):
+    hello = Hello(Role.CHAIN, 0xBEEF, N_EMBD, 0, 10, chain2.head.model)
+    with pytest.raises(LinkProtocolError, match="upstream ends at layer 10, this stage "
+                                                "starts at 15"):
+        dial(_address(chain2), SECRET.encode(), hello)
+    _still_serves(chain2)

@@ -1,0 +1,164 @@
+"""PipelineRuntime's own rules, over a real (tiny) local slice and a scripted chain.
+
+The scripted downstream records every batch and lets the test answer them from another
+thread, the way the link's reader thread does: decode groups, prefill chunks that do
+not wait, look-ahead steps (used, or retracted from the local KV), and a lost chain.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from skippyd.engine.pipeline_runtime import PipelineRuntime
+from skippyd.engine.pipeline_types import ChainSample, ChainUnavailableError
+from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+TIMEOUT_S = 10
+
+
+class ScriptedChain:
+    """A Downstream that records batches; the test answers them."""
+
+    def __init__(self) -> None:
+        self.epoch = 1
+        self.is_up = True
+        self.num_stages = 1
+        self.batches: list[tuple[int, list]] = []
+        self.drops: list[int] = []
+        self.resets: list[str] = []
+        self.runtime: PipelineRuntime | None = None
+        self._sent = threading.Condition()
+
+    def down_reason(self) -> str | None:
+        return None if self.is_up else "scripted outage"
+
+    def send_batch(self, request_id, entries) -> None:
+        if not self.is_up:
+            raise ChainUnavailableError("scripted outage")
+        with self._sent:
+            self.batches.append((request_id, list(entries)))
+            self._sent.notify_all()
+
+    def send_drop(self, session_id: int) -> None:
+        self.drops.append(session_id)
+
+    def reset(self, epoch: int, reason: str) -> None:
+        self.resets.append(reason)
+
+    def wait_batches(self, count: int) -> list[tuple[int, list]]:
+        with self._sent:
+            assert self._sent.wait_for(lambda: len(self.batches) >= count, TIMEOUT_S), (
+                f"expected {count} batches, got {len(self.batches)}")
+            return list(self.batches)
+
+    def answer(self, batch_index: int, tokens: dict[int, int]) -> None:
+        """RESULT for a recorded batch: ``tokens`` maps entry index to the prediction."""
+        request_id, _ = self.batches[batch_index]
+        self.runtime.on_result(self.epoch, request_id,
+                               [ChainSample(i, t, False) for i, t in tokens.items()])
+
+    def lose(self) -> None:
+        self.is_up = False
+        self.runtime.on_down(self.epoch, "scripted outage")
+
+
+@pytest.fixture
+def chain(tiny_model_path):
+    local = LlamaRuntime(RuntimeOptions(str(tiny_model_path), lane_count=4, ctx_size=256,
+                                        n_batch=128, n_ubatch=32, threads=1,
+                                        final_stage=False))
+    scripted = ScriptedChain()
+    scripted.runtime = PipelineRuntime(local, scripted, decode_groups=2, reply_timeout_s=5)
+    with ThreadPoolExecutor(1) as worker:  # the one thread that calls the runtime
+        scripted.worker = worker
+        yield scripted
+    local.close()
+
+
+def _run(chain, requests) -> Future:
+    return chain.worker.submit(chain.runtime.iteration_batch_sampled, requests)
+
+
+def _decode(session: str, token: int, position: int) -> IterationRequest:
+    return IterationRequest(session, [token], positions=[position], sampling=GREEDY,
+                            sample_last=True, phase=IterationPhase.DECODE)
+
+
+def test_groups_lookahead_and_reuse(chain):
+    prompts = [IterationRequest("a", [5, 6, 7], positions=[0, 1, 2], sampling=GREEDY,
+                                sample_last=True),
+               IterationRequest("b", [8, 9], positions=[0, 1], sampling=GREEDY,
+                                sample_last=True)]
+    call = _run(chain, prompts)
+    batches = chain.wait_batches(2)  # two decode groups: one batch per session
+    assert [[e.session_id for e in entries] for _, entries in batches] == [[1], [2]]
+    assert batches[0][1][0].rows.shape == (3, 64) and batches[0][1][0].sample_last
+    chain.answer(0, {0: 40})
+    # "a" answered while "b" is still out: its next step is computed and shipped at once.
+    lookahead = chain.wait_batches(3)[2][1][0]
+    assert (lookahead.session_id, lookahead.first_position, lookahead.token_ids) == (1, 3, [40])
+    chain.answer(1, {0: 41})
+    output = call.result(TIMEOUT_S)
+    assert [(s.request_index, s.token) for s in output.samples] == [(0, 40), (1, 41)]
+    assert chain.runtime.session_token_count("a") == 3  # the look-ahead token is not counted
+    assert chain.runtime.local.session_token_count("a") == 4
+
+    call = _run(chain, [_decode("a", 40, 3)])  # matches the look-ahead step: nothing new
+    chain.answer(2, {0: 50})
+    assert [s.token for s in call.result(TIMEOUT_S).samples] == [50]
+    assert len(chain.batches) == 3 and chain.runtime.counters.lookahead_hits == 1
+
+
+def test_a_lookahead_the_scheduler_does_not_want_is_retracted(chain):
+    call = _run(chain, [IterationRequest("a", [5, 6], positions=[0, 1], sampling=GREEDY,
+                                         sample_last=True),
+                        IterationRequest("b", [7], positions=[0], sampling=GREEDY,
+                                         sample_last=True)])
+    chain.wait_batches(2)
+    chain.answer(0, {0: 40})
+    chain.wait_batches(3)  # look-ahead for "a" at position 2
+    chain.answer(1, {0: 41})
+    call.result(TIMEOUT_S)
+    # The scheduler replays "a" from position 1 instead (a different request).
+    call = _run(chain, [IterationRequest("a", [6], positions=[1], sampling=GREEDY,
+                                         sample_last=True)])
+    replay = chain.wait_batches(4)[3][1][0]
+    assert (replay.first_position, replay.token_ids) == (1, [6])
+    chain.answer(3, {0: 44})
+    assert [s.token for s in call.result(TIMEOUT_S).samples] == [44]
+    assert chain.runtime.local.session_token_count("a") == 2
+    assert chain.runtime.counters.lookahead_retracted == 1
+    chain.answer(2, {0: 99})  # the stale look-ahead's late answer is ignored
+
+
+def test_prefill_chunks_do_not_wait_and_drops_reach_the_chain(chain):
+    output = _run(chain, [IterationRequest("p", list(range(3, 35)), positions=range(32))]
+                  ).result(TIMEOUT_S)
+    assert output.samples == [] and len(chain.batches) == 1  # returned without an answer
+    chain.worker.submit(chain.runtime.drop_session, "p").result(TIMEOUT_S)
+    assert chain.drops == [1] and chain.runtime.local.session_token_count("p") is None
+
+
+def test_a_lost_chain_fails_waiting_and_later_calls(chain):
+    call = _run(chain, [_decode("a", 5, 0)])
+    chain.wait_batches(1)
+    chain.lose()
+    with pytest.raises(ChainUnavailableError, match="lost"):
+        call.result(TIMEOUT_S)
+    with pytest.raises(ChainUnavailableError, match="scripted outage"):
+        _run(chain, [_decode("b", 5, 0)]).result(TIMEOUT_S)
+    chain.is_up, chain.epoch = True, 2  # reconnected: the old session is gone for good
+    with pytest.raises(ChainUnavailableError, match="connection that was lost"):
+        _run(chain, [_decode("a", 6, 1)]).result(TIMEOUT_S)
+
+
+def test_a_silent_chain_is_reset_after_the_reply_timeout(chain):
+    chain.runtime._reply_timeout_s = 0.2
+    with pytest.raises(ChainUnavailableError, match="stopped answering"):
+        _run(chain, [_decode("a", 5, 0)]).result(TIMEOUT_S)
+    assert chain.resets and "no prediction" in chain.resets[0]

@@ -1,0 +1,258 @@
+"""The stage link wire format and handshake, without a model: round trips, every
+rejection rule, and a fuzzed decoder that may only ever raise ``LinkProtocolError``."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skippyd.engine.pipeline_types import ChainEntry, ChainSample
+from skippyd.engine.runtime_api import SamplingConfig
+from skippyd.server.stage_handshake import (
+    Hello,
+    HelloAck,
+    Role,
+    accept_handshake,
+    dial_handshake,
+    send_ack,
+)
+from skippyd.server.stage_link import (
+    HEADER,
+    HEADER_BYTES,
+    FrameKind,
+    LinkAuthError,
+    LinkLimits,
+    LinkProtocolError,
+    LinkRefusedError,
+    decode_stream,
+    encode_drop,
+    encode_frame,
+    encode_iteration,
+    encode_result,
+    encode_text,
+)
+from skippyd.server.stage_link_io import BatchAssembler, FrameSocket
+
+WIDTH = 8
+LIMITS = LinkLimits(max_frame_bytes=1 << 16, row_width=WIDTH, max_tokens=64)
+SECRET = b"a-test-secret-of-enough-length"
+SAMPLING = SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=2**64 - 1,
+                          logit_bias=((3, -1.5), (7, 2.0)), ignore_eos=True)
+
+
+def _entry(n: int = 3, *, sampling: SamplingConfig | None = SAMPLING, rows: bool = True,
+           session_id: int = 5) -> ChainEntry:
+    data = np.arange(n * WIDTH, dtype=np.float32).reshape(n, WIDTH) / 7 if rows else None
+    return ChainEntry(session_id=session_id, first_position=11, token_ids=list(range(1, n + 1)),
+                      rows=data, sampling=sampling, sample_last=True, decode=n == 1)
+
+
+def _valid_stream() -> bytes:
+    return b"".join([
+        encode_iteration(9, _entry(session_id=1), end_of_batch=False),
+        encode_iteration(9, _entry(1, sampling=None, session_id=2), end_of_batch=True),
+        encode_drop(4),
+        encode_text(FrameKind.ERROR, "stage-1: no KV slot", request_id=9),
+        encode_result(9, [ChainSample(0, 42, False), ChainSample(1, 2, True)]),
+    ])
+
+
+def test_frames_round_trip():
+    frames = decode_stream(_valid_stream(), LIMITS)
+    assert [f.kind for f in frames] == [FrameKind.ITERATION, FrameKind.ITERATION,
+                                        FrameKind.DROP, FrameKind.ERROR, FrameKind.RESULT]
+    entry = frames[0].payload
+    expected = _entry(session_id=1)
+    assert entry.token_ids == expected.token_ids and entry.first_position == 11
+    assert entry.sampling == SAMPLING and entry.sample_last and not entry.decode
+    np.testing.assert_array_equal(entry.rows, expected.rows)
+    assert frames[1].payload.sampling is None and frames[1].payload.decode
+    assert frames[2].header.session_id == 4
+    assert frames[3].payload == "stage-1: no KV slot" and frames[3].header.request_id == 9
+    assert frames[4].payload == (ChainSample(0, 42, False), ChainSample(1, 2, True))
+
+
+def test_batch_assembler_groups_until_end_of_batch():
+    frames = decode_stream(_valid_stream(), LIMITS)
+    assembler = BatchAssembler()
+    assert assembler.add(frames[0]) is None and assembler.open
+    request_id, entries = assembler.add(frames[1])
+    assert request_id == 9 and [e.session_id for e in entries] == [1, 2]
+    assert not assembler.open
+
+
+@pytest.mark.parametrize("frames, message", [
+    ([encode_iteration(1, _entry(session_id=1), end_of_batch=False),
+      encode_iteration(2, _entry(session_id=2), end_of_batch=True)], "inside unfinished batch"),
+    ([encode_iteration(1, _entry(session_id=1), end_of_batch=False),
+      encode_iteration(1, _entry(session_id=1), end_of_batch=True)], "repeats session"),
+])
+def test_batch_assembler_rejects_mixed_batches(frames, message):
+    assembler = BatchAssembler()
+    parsed = decode_stream(b"".join(frames), LIMITS)
+    assembler.add(parsed[0])
+    with pytest.raises(LinkProtocolError, match=message):
+        assembler.add(parsed[1])
+
+
+def _header(kind=FrameKind.ITERATION, body=0, flags=0, first=0, count=1, width=0) -> bytes:
+    return HEADER.pack(body, int(kind), flags, 1, 1, first, count, width)
+
+
+@pytest.mark.parametrize("data, message", [
+    (_header(kind=99), "unknown frame kind 99"),
+    (_header(body=(1 << 16) + 1), "exceeds the 65536-byte limit"),
+    (_header(count=0), "token_count 0 outside"),
+    (_header(count=65), "token_count 65 outside"),
+    (_header(first=-1), "first_position -1 is negative"),
+    (_header(width=WIDTH + 1), "row_width 9, expected 8"),
+    (_header(flags=1 << 9), "unknown flags"),
+    (_header(kind=FrameKind.DROP, count=3), "must be 0"),
+    (_header(body=8)[:-3], "truncated frame header"),
+    (_header(body=8) + b"\0" * 4, "truncated ITERATION frame"),
+    (_header(body=5, count=1) + b"\0" * 5, "does not match 1 tokens"),
+    (_header(kind=FrameKind.RESULT, body=12, count=2) + b"\0" * 12, "2 samples do not fit"),
+    (_header(kind=FrameKind.DROP, body=1, count=0) + b"x", "DROP frame must have no body"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_malformed_frames_are_rejected_with_a_reason(data, message):
+    with pytest.raises(LinkProtocolError, match=message):
+        decode_stream(data, LIMITS)
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (SamplingConfig(temperature=float("nan")), "finite"),
+    (SamplingConfig(top_p=1.5), "top_p"),
+    (SamplingConfig(logit_bias=((1, float("inf")),)), "finite"),
+])
+def test_invalid_sampling_values_are_protocol_errors(sampling, message):
+    data = encode_iteration(1, _entry(sampling=sampling), end_of_batch=True)
+    with pytest.raises(LinkProtocolError, match=message):
+        decode_stream(data, LIMITS)
+
+
+def test_negative_tokens_and_wrong_positions_are_rejected():
+    good = encode_iteration(1, _entry(rows=False, sampling=None), end_of_batch=True)
+    bad_token = good[:HEADER_BYTES] + struct.pack("<i", -5) + good[HEADER_BYTES + 4:]
+    with pytest.raises(LinkProtocolError, match="negative token id"):
+        decode_stream(bad_token, LIMITS)
+    at = HEADER_BYTES + 12  # first position in the position sideband
+    bad_position = good[:at] + struct.pack("<i", 99) + good[at + 4:]
+    with pytest.raises(LinkProtocolError, match="positions must count up"):
+        decode_stream(bad_position, LIMITS)
+
+
+# -- fuzzing: the decoder raises LinkProtocolError and nothing else ---------------------------
+
+def _decode_only_protocol_errors(data: bytes) -> None:
+    try:
+        decode_stream(data, LIMITS)
+    except LinkProtocolError:
+        pass
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=600))
+def test_fuzz_random_bytes(data):
+    _decode_only_protocol_errors(data)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_mutated_valid_frames(data):
+    stream = bytearray(_valid_stream())
+    for _ in range(data.draw(st.integers(1, 4))):
+        action = data.draw(st.sampled_from(["flip", "set", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(stream) - 1))
+        if action == "flip":
+            stream[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif action == "set":
+            stream[at] = data.draw(st.integers(0, 255))
+        elif action == "cut":
+            del stream[at:at + data.draw(st.integers(1, 16))]
+        else:
+            stream[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+        if not stream:
+            return
+    _decode_only_protocol_errors(bytes(stream))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_frame_socket_reader(data):
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(data)
+        right.shutdown(socket.SHUT_WR)
+        reader = FrameSocket(left, LIMITS)
+        try:
+            while reader.read() is not None:
+                pass
+        except LinkProtocolError:
+            pass
+
+
+# -- handshake over a real socket pair ----------------------------------------------------------
+
+def _handshake(dial_secret: bytes, *, refuse: str | None = None):
+    """Run both sides; returns (listener outcome, dialer outcome): a value or an error."""
+    left, right = socket.socketpair()
+    outcome: dict[str, object] = {}
+
+    def listen():
+        conn = FrameSocket(left)
+        try:
+            hello, server_nonce, client_nonce = accept_handshake(conn, SECRET)
+            if refuse is not None:
+                conn.write(encode_text(FrameKind.REFUSE, refuse))
+            else:
+                send_ack(conn, SECRET, (server_nonce, client_nonce),
+                         HelloAck(2, 4, 4096, "127.0.0.1:9", "stage-2"))
+            outcome["listener"] = hello
+        except LinkProtocolError as exc:
+            outcome["listener"] = exc
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=listen)
+    thread.start()
+    hello = Hello(Role.CHAIN, 77, 576, 0, 15, "model-x")
+    try:
+        result: object = dial_handshake(FrameSocket(right), dial_secret, hello)
+    except LinkProtocolError as exc:
+        result = exc
+    thread.join(5)
+    right.close()
+    return outcome["listener"], result
+
+
+def test_handshake_succeeds_with_the_shared_secret():
+    listener, dialer = _handshake(SECRET)
+    assert listener == Hello(Role.CHAIN, 77, 576, 0, 15, "model-x")
+    assert dialer == HelloAck(2, 4, 4096, "127.0.0.1:9", "stage-2")
+
+
+def test_handshake_rejects_a_wrong_secret():
+    listener, dialer = _handshake(b"not-the-secret-at-all-no")
+    assert isinstance(listener, LinkAuthError)
+    assert "wrong or missing link secret" in str(listener)
+    assert isinstance(dialer, LinkProtocolError) and not isinstance(dialer, LinkAuthError)
+
+
+def test_handshake_carries_a_refusal_reason():
+    _, dialer = _handshake(SECRET, refuse="upstream ends at layer 15, this stage starts at 10")
+    assert isinstance(dialer, LinkRefusedError)
+    assert "this stage starts at 10" in str(dialer)
+
+
+def test_a_hello_before_authentication_is_size_limited():
+    left, right = socket.socketpair()
+    with left, right:
+        right.sendall(encode_frame(FrameKind.HELLO, b"\0" * 5000))
+        with pytest.raises(LinkProtocolError, match="exceeds the 4096-byte limit"):
+            accept_handshake(FrameSocket(left), SECRET)
