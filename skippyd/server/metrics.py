@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -226,6 +226,7 @@ class ServingMetrics:
         stats_source: StatsSource | None = None,
         *,
         kv_cells_total: Callable[[], int] | None = None,
+        prefix_cache_stats: Callable[[], Mapping[str, Any]] | None = None,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -234,6 +235,7 @@ class ServingMetrics:
         self.started_at = clock()
         self._stats = stats_source or (lambda: None)
         self._kv_cells_total = kv_cells_total or (lambda: 0)
+        self._prefix_cache_stats = prefix_cache_stats
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=MAX_WINDOW_SAMPLES)
         self.num_prompt_tokens = self.num_generated_tokens = 0
         self.outcomes = {"finished": 0, "failed": 0, "cancelled": 0}
@@ -252,7 +254,18 @@ class ServingMetrics:
         def stats() -> SchedulerStats | None:
             scheduler = engine.scheduler
             return None if scheduler is None else scheduler.stats()
-        return cls(stats, kv_cells_total=lambda: engine.ctx_size, **kwargs)
+        return cls(stats, kv_cells_total=lambda: engine.ctx_size,
+                   prefix_cache_stats=getattr(engine, "prefix_cache_stats", None), **kwargs)
+
+    def prefix_cache(self) -> dict[str, Any]:
+        """Prefix-cache figures: the cache's own when it reports them, else event counts."""
+        if self._prefix_cache_stats is not None:
+            return dict(self._prefix_cache_stats())
+        hits, misses = self.prefix["hits"], self.prefix["misses"]
+        return {"hits": hits, "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "matched_tokens": self.prefix["matched_tokens"],
+                "bytes_resident": 0, "bytes_host": 0, "evictions": 0}
 
     def _build_windows(self) -> None:
         reg, window, clock = self.registry, self.window_s, self.clock
@@ -423,10 +436,11 @@ class _StageCollector(Collector):
             ("worker_failed", "1 once the worker has failed.", int(stats.failure is not None)),
         ):
             yield GaugeMetricFamily("skippyd_" + name, doc, value=value)
+        prefix = m.prefix_cache()
         for name, doc, value in (
-            ("prefix_cache_queries", "Prefix-cache lookups.",
-             m.prefix["hits"] + m.prefix["misses"]),
-            ("prefix_cache_hits", "Prefix-cache lookups that hit.", m.prefix["hits"]),
+            ("prefix_cache_queries", "Prefix-cache lookups.", prefix["hits"] + prefix["misses"]),
+            ("prefix_cache_hits", "Prefix-cache lookups that hit.", prefix["hits"]),
+            ("prefix_cache_evictions", "Prefix-cache entries evicted.", prefix["evictions"]),
             ("preemptions", "Sequences preempted by the scheduler.", stats.num_preempted),
             ("iterations", "Planned iterations run by the worker.", stats.num_iterations),
         ):

@@ -63,7 +63,7 @@ def build_snapshot(
                  "batch_size": stats.max_direct_batch_size,
                  "fullness": float(stats.wave_fullness), "full": stats.direct_wave_full},
         "kv": _kv(metrics),
-        "prefix_cache": _prefix_cache(metrics),
+        "prefix_cache": metrics.prefix_cache(),
         "throughput": metrics.throughput(),
         "latency_ms": metrics.latency_ms(),
         "counters": _counters(stats, metrics),
@@ -112,15 +112,6 @@ def _kv(metrics: ServingMetrics) -> dict[str, Any]:
     used, total = metrics.kv_cells()
     return {"cells_used": used, "cells_total": total,
             "usage": used / total if total else 0.0}
-
-
-def _prefix_cache(metrics: ServingMetrics) -> dict[str, Any]:
-    hits, misses = metrics.prefix["hits"], metrics.prefix["misses"]
-    # NOTE: the resident/host byte counts and evictions stay 0 until a prefix cache exists.
-    return {"hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "matched_tokens": metrics.prefix["matched_tokens"],
-            "bytes_resident": 0, "bytes_host": 0, "evictions": 0}
 
 
 def _counters(stats: SchedulerStats, metrics: ServingMetrics) -> dict[str, int]:

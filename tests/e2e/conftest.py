@@ -4,33 +4,14 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
-from serve_process import ServeProcess
-
-LANES = 8
-
-
-def stage_config(*, lanes: int = LANES, queue_capacity: int = 64, ctx_size: int = 4096,
-                 extra: str = "") -> str:
-    return f"""
-[stage]
-id = "e2e"
-
-[runtime]
-ctx_size = {ctx_size}
-lane_count = {lanes}
-threads = 2
-threads_batch = 2
-queue_capacity = {queue_capacity}
-
-[http]
-listen = "127.0.0.1:0"
-{extra}
-"""
+from serve_process import ServeProcess, stage_config
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    proc = ServeProcess(stage_config(), tmp_path_factory.mktemp("serve"))
+    workdir = tmp_path_factory.mktemp("serve")
+    proc = ServeProcess(stage_config(socket=str(workdir / "control.sock")), workdir)
+    proc.socket_path = workdir / "control.sock"
     try:
         yield proc.wait_ready()
     finally:

@@ -81,3 +81,26 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+
+
+LANES = 8
+
+
+def stage_config(*, lanes: int = LANES, queue_capacity: int = 64, ctx_size: int = 4096,
+                 socket: str | None = None, extra: str = "") -> str:
+    control = f'[control]\nsocket = "{socket}"\n' if socket else ""
+    return f"""
+[stage]
+id = "e2e"
+
+[runtime]
+ctx_size = {ctx_size}
+lane_count = {lanes}
+threads = 2
+threads_batch = 2
+queue_capacity = {queue_capacity}
+
+[http]
+listen = "127.0.0.1:0"
+{extra}
+{control}"""

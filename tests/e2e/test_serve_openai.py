@@ -8,8 +8,7 @@ import threading
 import httpx
 import openai
 import pytest
-from conftest import LANES, stage_config
-from serve_process import ServeProcess
+from serve_process import LANES, ServeProcess, stage_config
 
 pytestmark = pytest.mark.model
 

@@ -96,7 +96,7 @@ def test_ready_only_when_healthy_then_drain_on_sigterm(tmp_path, tiny_model_path
         def stream() -> None:
             text, finish = [], None
             with httpx.stream("POST", proc.url + "/completions", timeout=60, json={
-                "prompt": "the cat", "max_tokens": 300, "ignore_eos": True,
+                "prompt": "the cat", "max_tokens": 150, "ignore_eos": True,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             }) as response:
                 result["status"] = response.status_code
@@ -120,7 +120,7 @@ def test_ready_only_when_healthy_then_drain_on_sigterm(tmp_path, tiny_model_path
         client.join(60)
         assert result["status"] == 200
         assert result["finish"] == "length"
-        assert result["usage"]["completion_tokens"] == 300
+        assert result["usage"]["completion_tokens"] == 150
         assert proc.proc.wait(timeout=60) == 0
     finally:
         proc.stop(signal.SIGKILL)
