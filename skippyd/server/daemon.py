@@ -110,7 +110,8 @@ class Daemon:
         self.metrics = ServingMetrics.for_engine(self.engine)
         app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
                          default_max_tokens=config.http.default_max_tokens,
-                         extra_routes=[metrics_route(self.metrics)], metrics=self.metrics)
+                         extra_routes=[metrics_route(self.metrics)], metrics=self.metrics,
+                         max_concurrent_requests=config.http.max_connections)
         host, port = config.http.address
         if config.http.api_key is None and not _is_loopback(host):
             logger.warning(
@@ -119,7 +120,9 @@ class Daemon:
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
-            limit_concurrency=config.http.max_connections,
+            # A backstop only: the app answers over-limit requests itself, with a 429
+            # that names http.max_connections; uvicorn's own refusal is a bare 503.
+            limit_concurrency=2 * config.http.max_connections + 16,
         )
         self.notifier = SystemdNotifier()
         if self.notifier.watchdog_s is not None:

@@ -67,6 +67,7 @@ def create_app(
     default_max_tokens: int = 256,
     extra_routes: Sequence[BaseRoute] = (),
     public_paths: Collection[str] = DEFAULT_PUBLIC_PATHS,
+    max_concurrent_requests: int | None = None,
     metrics: ServingMetrics | None = None,
 ) -> Starlette:
     """Build the OpenAI-compatible Starlette app over ``backend``.
@@ -80,6 +81,7 @@ def create_app(
             room left in the context).
         extra_routes: More routes to serve (e.g. ``/metrics``), behind the same key.
         public_paths: Paths that skip the API key check.
+        max_concurrent_requests: Requests in flight beyond which new ones get 429.
         metrics: Records each generation's lifecycle and every refused request.
 
     Returns:
@@ -97,11 +99,47 @@ def create_app(
         *extra_routes,
     ]
     middleware = []
+    if max_concurrent_requests is not None:
+        middleware.append(Middleware(ConcurrencyLimitMiddleware, limit=max_concurrent_requests,
+                                     metrics=metrics))
     if api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, public_paths=public_paths,
                                      metrics=metrics))
     handlers: dict[Any, Any] = {ApiError: _api_error_handler, HTTPException: _http_error_handler}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+class ConcurrencyLimitMiddleware:
+    """Bound the HTTP requests in flight; beyond it answer 429 naming the limit.
+
+    ``/health`` is never refused, so a supervisor can still look in under load.
+    """
+
+    def __init__(self, app: ASGIApp, *, limit: int, metrics: ServingMetrics | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"limit: must be >= 1 (got {limit})")
+        self._app = app
+        self._limit = limit
+        self._in_flight = 0
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self._app(scope, receive, send)
+            return
+        if self._in_flight >= self._limit:
+            error = ApiError(429, f"too many concurrent requests: the limit max_connections="
+                             f"{self._limit} is reached; retry later", code="too_many_requests")
+            error.headers["Retry-After"] = "1"
+            if self._metrics is not None:
+                self._metrics.record_rejection("max_connections")
+            await error.to_response()(scope, receive, send)
+            return
+        self._in_flight += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._in_flight -= 1
 
 
 class ApiKeyMiddleware:

@@ -95,6 +95,7 @@ def test_ready_only_when_healthy_then_drain_on_sigterm(tmp_path, tiny_model_path
 
         def stream() -> None:
             text, finish = [], None
+            result["error"] = "stream did not finish"
             with httpx.stream("POST", proc.url + "/completions", timeout=60, json={
                 "prompt": "the cat", "max_tokens": 150, "ignore_eos": True,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
@@ -119,7 +120,7 @@ def test_ready_only_when_healthy_then_drain_on_sigterm(tmp_path, tiny_model_path
         assert notify.wait_for("STOPPING")["STOPPING"] == "1"
         client.join(60)
         assert result["status"] == 200
-        assert result["finish"] == "length"
+        assert result.get("finish") == "length", proc.log()
         assert result["usage"]["completion_tokens"] == 150
         assert proc.proc.wait(timeout=60) == 0
     finally:
@@ -179,3 +180,39 @@ def test_unit_files_verify(unit, tmp_path):
                       "ProtectHome=yes", "PrivateTmp=yes", "Restart=on-failure",
                       "RuntimeDirectory=skippyd", "WatchdogSec="):
         assert directive in text
+
+
+def test_concurrent_request_limit_names_itself(tmp_path, tiny_model_path, notify):
+    config = tiny_config(tiny_model_path).replace(
+        "drain_timeout_s = 30", "drain_timeout_s = 30\nmax_connections = 2")
+    proc = ServeProcess(config, tmp_path, env={**os.environ})
+    try:
+        proc.wait_ready()
+        streams, opened = [], threading.Barrier(3, timeout=30)
+
+        def hold_stream() -> None:
+            with httpx.stream("POST", proc.url + "/completions", timeout=60, json={
+                "prompt": "the", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            }) as response:
+                streams.append(response.status_code)
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                opened.wait()
+                opened.wait()  # hold the request open until the check below is done
+
+        holders = [threading.Thread(target=hold_stream) for _ in range(2)]
+        for t in holders:
+            t.start()
+        opened.wait()
+        refused = httpx.post(proc.url + "/completions", json={"prompt": "hi", "max_tokens": 2})
+        health = httpx.get(proc.base_url + "/health")
+        opened.wait()
+        for t in holders:
+            t.join(30)
+        assert streams == [200, 200]
+        assert refused.status_code == 429
+        assert "max_connections=2" in refused.json()["error"]["message"]
+        assert refused.headers["Retry-After"] == "1"
+        assert health.status_code == 200
+    finally:
+        proc.stop(signal.SIGKILL)
