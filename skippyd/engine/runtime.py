@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from llama_cpp import llama_cpp as L
 
+from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.gguf_tools import inspect_model
 from skippyd.engine.llama_ext import LayerOutputCapture, ensure_backend
 from skippyd.engine.runtime_api import (
@@ -41,11 +42,9 @@ from skippyd.engine.sampling import SamplerChain
 
 logger = logging.getLogger(__name__)
 
-KV_CACHE_TYPES = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-    "iq4_nl": 20, "bf16": 30,
-}
-FLASH_ATTN_TYPES = {"auto": -1, "disabled": 0, "enabled": 1}
+# The config's tables name llama.cpp's ggml_type and flash-attention values once.
+KV_CACHE_TYPES = GGML_TYPE_IDS
+FLASH_ATTN_TYPES = FLASH_ATTN_TYPE_IDS
 _GREEDY = SamplingConfig(temperature=0.0)
 
 

@@ -230,13 +230,13 @@ def _common_run_end(group: list[SequenceOf[int]], depth: int) -> int:
     reference = group[0]
     end = limit
     for prompt in group[1:]:
-        end = _first_mismatch(reference, prompt, depth, end)
+        end = first_mismatch(reference, prompt, depth, end)
         if end == depth:
             break
     return end
 
 
-def _first_mismatch(left: SequenceOf[int], right: SequenceOf[int], start: int, end: int) -> int:
+def first_mismatch(left: SequenceOf[int], right: SequenceOf[int], start: int, end: int) -> int:
     """First index in ``[start, end)`` where the two prompts differ, else ``end``."""
     position = start
     # Skip whole equal chunks with slice comparison before scanning token by token.

@@ -17,11 +17,9 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from skippyd.engine.policy.cache_order import first_mismatch
+
 logger = logging.getLogger(__name__)
-
-#: Chunk used to skip equal token runs with C-speed slice comparisons.
-_PROBE_TOKENS = 256
-
 
 def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     """Number of leading tokens ``left`` and ``right`` share.
@@ -29,16 +27,7 @@ def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     Both arguments should be tuples (or both lists): a list slice never equals a tuple
     slice, so mixed types only compare token by token.
     """
-    end = min(len(left), len(right))
-    position = 0
-    while position < end:
-        stop = min(position + _PROBE_TOKENS, end)
-        if left[position:stop] != right[position:stop]:
-            break
-        position = stop
-    while position < end and left[position] == right[position]:
-        position += 1
-    return position
+    return first_mismatch(left, right, 0, min(len(left), len(right)))
 
 
 @dataclass(eq=False)
