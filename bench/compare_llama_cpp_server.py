@@ -31,14 +31,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from skippyd.bench.loadgen import (
-    ServerProcess,
-    TargetRun,
-    make_client,
-    resolve_target,
-    run_benchmark,
-    skippyd_process,
-)
+from skippyd.bench.command import ServerProcess, sigterm_exits, skippyd_process
+from skippyd.bench.loadgen import TargetRun, make_client, resolve_target, run_benchmark
 from skippyd.bench.report import (
     LevelMetrics,
     RichProgress,
@@ -144,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                         prompt_words=IntRange(args.prompt_tokens, args.prompt_tokens),
                         output_tokens=IntRange(args.output_tokens, args.output_tokens),
                         seed=args.seed)
-    with tempfile.TemporaryDirectory() as workdir, contextlib.ExitStack() as stack:
+    with sigterm_exits(), tempfile.TemporaryDirectory() as workdir, \
+            contextlib.ExitStack() as stack:
         config = Path(workdir) / "skippyd.toml"
         config.write_text(skippyd_config(model, args.threads, args.lanes, Path(workdir)))
         console.print(f"starting skippyd and llama_cpp.server on {model.name} …")

@@ -14,18 +14,10 @@ one (``stream_options.include_usage``), else from the number of text chunks.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
-import os
-import queue
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -38,10 +30,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 300.0
 _CONNECT_TIMEOUT_S = 10.0
 _ERROR_DETAIL_CHARS = 300
-_STARTUP_TIMEOUT_S = 180.0
-_LOG_TAIL_LINES = 40
-#: The line ``skippyd serve`` prints on stderr once it accepts requests.
-SKIPPYD_READY = r"skippyd serving \S+ on (?P<url>http://\S+/v1)"
 
 
 class BenchError(RuntimeError):
@@ -81,6 +69,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     num_prompt_tokens: int | None = None
     """``usage.prompt_tokens`` when the server reported it."""
+    num_cached_tokens: int | None = None
+    """``usage.prompt_tokens_details.cached_tokens`` when the server reported it."""
     token_source: Literal["usage", "chunks"] = "chunks"
     error: str | None = None
     """``http_<status>``, ``timeout``, ``connection``, ``protocol`` or ``stream_error``."""
@@ -251,6 +241,9 @@ def _on_sse_line(line: str, record: RequestRecord, elapsed_s: float) -> bool:
         record.num_output_tokens = usage["completion_tokens"]
         record.num_prompt_tokens = usage.get("prompt_tokens")
         record.token_source = "usage"
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.num_cached_tokens = details["cached_tokens"]
     return False
 
 
@@ -327,93 +320,3 @@ async def run_benchmark(client: httpx.AsyncClient, targets: Sequence[Target],
             logger.info("%s c=%d: %.2f s", run.target.name, concurrency, level.duration_s)
             run.levels.append(level)
     return runs
-
-
-class ServerProcess:
-    """A server child process started for a run, stopped with SIGTERM afterwards.
-
-    Its output is read on a thread (so the pipe never fills); :meth:`start` returns
-    once a line matches ``ready_pattern``, whose ``url`` group becomes :attr:`url`.
-    """
-
-    def __init__(self, argv: Sequence[str], ready_pattern: str, *, name: str,
-                 env: Mapping[str, str] | None = None) -> None:
-        self.name = name
-        self.url = ""
-        self._argv = list(argv)
-        self._env = None if env is None else {**os.environ, **env}
-        self._ready = re.compile(ready_pattern)
-        self._lines: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._proc: subprocess.Popen[str] | None = None
-
-    def start(self, timeout_s: float = _STARTUP_TIMEOUT_S) -> ServerProcess:
-        """Start the process and wait for its ready line.
-
-        Raises:
-            BenchError: It exits or stays silent for ``timeout_s`` (then it is stopped).
-        """
-        self._proc = subprocess.Popen(self._argv, stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, errors="replace", env=self._env)
-        threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
-        try:
-            self._wait_ready(time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        logger.info("%s ready at %s", self.name, self.url)
-        return self
-
-    def _wait_ready(self, deadline: float) -> None:
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise BenchError(f"{self.name} did not get ready in time:\n"
-                                 + self.log_tail()) from None
-            if line is None:
-                raise BenchError(f"{self.name} exited with code {self._proc.wait()} before "
-                                 "it was ready:\n" + self.log_tail())
-            match = self._ready.search(line)
-            if match:
-                self.url = match.groupdict().get("url") or ""
-                return
-
-    def _read(self, stream: Any) -> None:
-        for line in stream:
-            self._lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)  # end of output: the process exited
-
-    def log_tail(self) -> str:
-        """The last lines the process printed."""
-        return "".join(self._lines)
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; idempotent. Returns the exit code."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                return self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s ignored SIGTERM for %g s; killing it", self.name, timeout_s)
-                self._proc.kill()
-        return self._proc.wait()
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def skippyd_process(config_path: str, *, extra_args: Sequence[str] = (),
-                    env: Mapping[str, str] | None = None) -> ServerProcess:
-    """A ``skippyd serve`` of ``config_path`` on a free loopback port (``env`` adds
-    environment variables)."""
-    argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", config_path,
-            "--listen", "127.0.0.1:0", *extra_args]
-    return ServerProcess(argv, SKIPPYD_READY, name="skippyd", env=env)

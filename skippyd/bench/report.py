@@ -63,6 +63,8 @@ class LevelMetrics:
     prompt_tokens: int
     prompt_tokens_source: Literal["usage", "words"]
     """``usage`` when the server reported every prompt's tokens, else the word counts."""
+    cached_prompt_tokens: int | None
+    """Prompt tokens served from the server's prefix cache, when it reports them."""
     output_tok_s: float
     prompt_tok_s: float
     requests_s: float
@@ -85,12 +87,14 @@ def level_metrics(level: LevelRun) -> LevelMetrics:
     else:
         prompt_tokens, source = sum(r.num_prompt_words for r in ok), "words"
     output_tokens = sum(r.num_output_tokens for r in ok)
+    cached = [r.num_cached_tokens for r in ok if r.num_cached_tokens is not None]
     duration_s = max(level.duration_s, 1e-9)
     return LevelMetrics(
         concurrency=level.concurrency, num_requests=len(level.records), num_ok=len(ok),
         errors=dict(sorted(errors.items())), error_examples=examples, duration_s=level.duration_s,
         output_tokens=output_tokens, requested_output_tokens=sum(r.max_tokens for r in ok),
         prompt_tokens=prompt_tokens, prompt_tokens_source=source,
+        cached_prompt_tokens=sum(cached) if cached else None,
         output_tok_s=output_tokens / duration_s, prompt_tok_s=prompt_tokens / duration_s,
         requests_s=len(ok) / duration_s,
         ttft_ms=Spread.from_seconds(r.ttft_s for r in ok if r.ttft_s is not None),
@@ -116,6 +120,12 @@ def _num(value: float | None) -> str:
         else f"{value:.0f}"
 
 
+def _cached_pct(m: LevelMetrics) -> str:
+    if m.cached_prompt_tokens is None or not m.prompt_tokens:
+        return "-"
+    return f"{100 * m.cached_prompt_tokens / m.prompt_tokens:.0f}"
+
+
 def _errors_text(errors: dict[str, int]) -> str:
     return ", ".join(f"{kind} {count}" for kind, count in errors.items()) or "0"
 
@@ -139,7 +149,8 @@ def target_tables(run: TargetRun, metrics: Sequence[LevelMetrics]) -> list[Table
     model = run.target.model.rsplit("/", 1)[-1]  # some servers name models by file path
     name = f"{run.target.name} ({model} at {run.target.base_url})"
     throughput = _table(f"{name}: throughput", ("streams", "ok/n", "errors", "out tok/s",
-                                                "prompt tok/s", "req/s", "duration s"))
+                                                "prompt tok/s", "req/s", "duration s",
+                                                "cached prompt %"))
     latency = _table(f"{name}: latency (ms)",
                      ("streams", "TTFT p50", "TTFT p95", "TTFT p99", "ITL p50", "ITL p95",
                       "ITL p99", "ITL max", "e2e p50", "e2e p99"),
@@ -147,7 +158,7 @@ def target_tables(run: TargetRun, metrics: Sequence[LevelMetrics]) -> list[Table
     for m in metrics:
         throughput.add_row(str(m.concurrency), f"{m.num_ok}/{m.num_requests}",
                            _errors_text(m.errors), _num(m.output_tok_s), _num(m.prompt_tok_s),
-                           _num(m.requests_s), _num(m.duration_s))
+                           _num(m.requests_s), _num(m.duration_s), _cached_pct(m))
         latency.add_row(str(m.concurrency), _num(m.ttft_ms.p50), _num(m.ttft_ms.p95),
                         _num(m.ttft_ms.p99), _num(m.itl_ms.p50), _num(m.itl_ms.p95),
                         _num(m.itl_ms.p99), _num(m.itl_ms.max), _num(m.latency_ms.p50),

@@ -6,13 +6,17 @@ The served model is the suite's tiny GGUF, so every run takes a second or two.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
-from skippyd.bench.command import EXIT_FAILED, EXIT_USAGE, app
-from skippyd.bench.loadgen import skippyd_process
+from skippyd.bench.command import EXIT_FAILED, EXIT_USAGE, app, skippyd_process
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 
 runner = CliRunner()
@@ -64,6 +68,7 @@ def test_url_report_counts_what_was_sent(server_url, tmp_path):
         assert level["num_requests"] == level["num_ok"] == len(requests)
         assert level["output_tokens"] == sum(r.max_tokens for r in requests)
         assert level["prompt_tokens_source"] == "usage" and level["prompt_tokens"] > 0
+        assert 0 <= level["cached_prompt_tokens"] <= level["prompt_tokens"]
         assert level["errors"] == {} and level["output_tok_s"] > 0
         assert level["latency_ms"]["p50"] <= level["latency_ms"]["max"]
     records = target["requests"]
@@ -158,3 +163,30 @@ def test_config_errors_are_reported(tmp_path):
     result = invoke("--config", str(missing), "-n", "1")
     assert result.exit_code == EXIT_FAILED
     assert "skippyd exited with code" in result.output and "none.gguf" in result.output
+
+
+def _serve_children(pid: int) -> list[int]:
+    """Children of ``pid`` that already run ``skippyd serve`` (past fork and exec)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    children = [int(child) for child in path.read_text().split()] if path.exists() else []
+    return [child for child in children
+            if b"serve" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")]
+
+
+def test_sigterm_stops_the_skippyd_it_started(config_path):
+    bench = subprocess.Popen(
+        [sys.executable, "-c", "from skippyd.bench.command import app; app()",
+         "--config", str(config_path), "-c", "1", "-n", "100000", "--output-tokens", "64"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "starting skippyd" in bench.stderr.readline()
+        deadline = time.monotonic() + 30
+        while not (children := _serve_children(bench.pid)):  # Popen follows the line
+            assert time.monotonic() < deadline, "bench started no skippyd"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not any(Path(f"/proc/{child}").exists() for child in children)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

@@ -62,7 +62,8 @@ async def _script(model: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
     if model == "no-done":
         return
     if body.get("stream_options", {}).get("include_usage"):
-        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": 42}
+        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": 42,
+                 "prompt_tokens_details": {"cached_tokens": 2}}
         yield _event({"choices": [], "usage": usage})
     yield b"data: [DONE]\n\n"
 
@@ -125,6 +126,7 @@ async def test_usage_chunk_gives_the_token_counts():
         record = await _send(url, "plain", max_tokens=2)
     assert record.ok, record.error_detail
     assert (record.num_output_tokens, record.num_prompt_tokens) == (42, 3)
+    assert record.num_cached_tokens == 2
     assert record.token_source == "usage"
 
 
@@ -176,5 +178,5 @@ async def test_level_runs_every_request_with_at_most_concurrency_in_flight():
     metrics = level_metrics(level)
     assert metrics.num_ok == SPEC.num_requests and metrics.errors == {}
     assert metrics.output_tokens == 3 * SPEC.num_requests
-    assert metrics.prompt_tokens_source == "words"
+    assert metrics.prompt_tokens_source == "words" and metrics.cached_prompt_tokens is None
     assert metrics.prompt_tokens == sum(r.num_prompt_words for r in requests)
