@@ -31,8 +31,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from skippyd.bench.command import ServerProcess, sigterm_exits, skippyd_process
 from skippyd.bench.loadgen import TargetRun, make_client, resolve_target, run_benchmark
+from skippyd.bench.process import ServerProcess, sigterm_exits, skippyd_process
 from skippyd.bench.report import (
     LevelMetrics,
     RichProgress,

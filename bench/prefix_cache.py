@@ -32,8 +32,8 @@ from skippyd.bench.loadgen import (
     make_client,
     resolve_target,
     run_benchmark,
-    skippyd_process,
 )
+from skippyd.bench.process import skippyd_process
 from skippyd.bench.report import (
     LevelMetrics,
     RichProgress,

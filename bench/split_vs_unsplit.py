@@ -39,14 +39,13 @@ from rich.console import Console
 from rich.table import Table
 
 from skippyd.bench.loadgen import (
-    SKIPPYD_READY,
     ProgressHook,
-    ServerProcess,
     make_client,
     resolve_target,
     run_level,
     warm_up,
 )
+from skippyd.bench.process import SKIPPYD_READY, ServerProcess
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
 from skippyd.server.stage_chain import query_status

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from skippyd.bench.command import EXIT_FAILED, EXIT_USAGE, app, skippyd_process
+from skippyd.bench.command import EXIT_FAILED, EXIT_USAGE, app
+from skippyd.bench.process import skippyd_process
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 
 runner = CliRunner()

@@ -1,0 +1,167 @@
+"""Server processes a benchmark run owns: started, waited on until ready, stopped.
+
+:class:`ServerProcess` starts ``skippyd serve`` (``skippyd bench --config``) and the
+anchors of the ``bench/`` scripts, reads their output on a thread, and stops them with
+SIGTERM afterwards; :func:`sigterm_exits` makes a SIGTERM to the benchmark stop them too.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skippyd.bench.loadgen import BenchError
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 180.0
+_LOG_TAIL_LINES = 40
+#: The line ``skippyd serve`` prints on stderr once it accepts requests.
+SKIPPYD_READY = r"skippyd serving \S+ on (?P<url>http://\S+/v1)"
+
+
+@dataclass(slots=True)
+class _TermState:
+    """SIGTERM handling of :func:`sigterm_exits`: deferred while a child is being spawned."""
+
+    deferring: bool = False
+    pending: int | None = None
+
+
+_term = _TermState()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    if _term.deferring:
+        _term.pending = signum
+        return
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit`` (main thread only), so ``with`` blocks that own
+    server processes still stop them; the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set signal handlers
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    # NOTE: a SystemExit raised inside Popen() would lose the child it just started.
+    _term.deferring, _term.pending = True, None
+    try:
+        yield
+    finally:
+        _term.deferring = False
+    if _term.pending is not None:
+        raise SystemExit(128 + _term.pending)
+
+
+class ServerProcess:
+    """A server child process started for a run, stopped with SIGTERM afterwards.
+
+    Its output is read on a thread (so the pipe never fills); :meth:`start` returns
+    once a line matches ``ready_pattern``, whose ``url`` group becomes :attr:`url`.
+    """
+
+    def __init__(self, argv: Sequence[str], ready_pattern: str, *, name: str,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.name = name
+        self.url = ""
+        self._argv = list(argv)
+        self._env = None if env is None else {**os.environ, **env}
+        self._ready = re.compile(ready_pattern)
+        self._lines: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        """Start the process and wait for its ready line.
+
+        Raises:
+            BenchError: It exits or stays silent for ``timeout_s`` (then it is stopped).
+        """
+        try:
+            with _sigterm_deferred():
+                self._proc = subprocess.Popen(
+                    self._argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, errors="replace", env=self._env)
+            threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
+            self._wait_ready(self._proc, time.monotonic() + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("%s ready at %s", self.name, self.url)
+        return self
+
+    def _wait_ready(self, proc: subprocess.Popen[str], deadline: float) -> None:
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BenchError(f"{self.name} did not get ready in time:\n"
+                                 + self.log_tail()) from None
+            if line is None:
+                raise BenchError(f"{self.name} exited with code {proc.wait()} before it was "
+                                 "ready:\n" + self.log_tail())
+            match = self._ready.search(line)
+            if match:
+                self.url = match.groupdict().get("url") or ""
+                return
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self._lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)  # end of output: the process exited
+
+    def log_tail(self) -> str:
+        """The last lines the process printed."""
+        return "".join(self._lines)
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; idempotent. Returns the exit code."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                return self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s ignored SIGTERM for %g s; killing it", self.name, timeout_s)
+                self._proc.kill()
+        return self._proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def skippyd_process(config_path: str, *, extra_args: Sequence[str] = (),
+                    env: Mapping[str, str] | None = None) -> ServerProcess:
+    """A ``skippyd serve`` of ``config_path`` on a free loopback port (``env`` adds
+    environment variables)."""
+    argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", config_path,
+            "--listen", "127.0.0.1:0", *extra_args]
+    return ServerProcess(argv, SKIPPYD_READY, name="skippyd", env=env)
