@@ -19,20 +19,19 @@ import numpy as np
 
 from skippyd.engine.runtime_api import (
     IterationRequest,
-    LanesBusyError,
     RuntimeFailure,
     SamplingConfig,
+    UnavailableError,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class ChainUnavailableError(LanesBusyError):
+class ChainUnavailableError(UnavailableError):
     """The downstream part of the pipeline is unreachable or was lost.
 
-    NOTE: a subclass of ``LanesBusyError`` on purpose: the worker maps it to a retryable
-    capacity error (HTTP 503 with ``Retry-After``), which is what a client should see
-    while stage 0 reconnects to its downstream stage.
+    The worker reports it as a retryable ``unavailable`` error (HTTP 503 with
+    ``Retry-After``): what a client should see while stage 0 reconnects downstream.
     """
 
 

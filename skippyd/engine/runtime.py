@@ -192,6 +192,11 @@ class LlamaRuntime(CacheSlotsMixin):
         return self.n_ctx
 
     @property
+    def max_batch_tokens(self) -> int:
+        """Most tokens one iteration may hold (``runtime.n_batch``)."""
+        return self.options.n_batch
+
+    @property
     def eog_tokens(self) -> tuple[int, ...]:
         return self._eog_tokens
 

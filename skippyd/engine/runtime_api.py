@@ -40,6 +40,11 @@ class InvalidIterationError(RuntimeFailure, ValueError):
     """A batch request is malformed; nothing was executed and no state changed."""
 
 
+class UnavailableError(RuntimeFailure):
+    """A part of the runtime that lives elsewhere (a downstream pipeline stage) cannot be
+    reached right now; nothing local changed and retrying later may succeed."""
+
+
 class KvSlotUnavailableError(RuntimeFailure):
     """llama_decode found no KV slot for the batch (return code 1): back-pressure.
 

@@ -23,6 +23,7 @@ from skippyd.engine.runtime_api import (
     RuntimeFailure,
     SamplingConfig,
     SessionAlignment,
+    UnavailableError,
 )
 
 if TYPE_CHECKING:
@@ -117,6 +118,16 @@ class RuntimeCapacityError(SchedulerError):
         super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
+class ServiceUnavailableError(SchedulerError):
+    """A part of the stage's runtime (the downstream pipeline) is unreachable; retry later."""
+
+    kind = "unavailable"
+    status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+
+
 def scheduler_error_from_runtime(context: str, exc: RuntimeFailure) -> SchedulerError:
     """Map a runtime failure to the typed scheduler error a caller receives.
 
@@ -127,6 +138,8 @@ def scheduler_error_from_runtime(context: str, exc: RuntimeFailure) -> Scheduler
     message = f"{context}: {exc}"
     if isinstance(exc, InvalidIterationError):
         error: SchedulerError = InvalidRequestError(message)
+    elif isinstance(exc, UnavailableError):
+        error = ServiceUnavailableError(message)
     elif isinstance(exc, LanesBusyError | KvSlotUnavailableError):
         error = RuntimeCapacityError(message)
     else:

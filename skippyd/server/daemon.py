@@ -5,6 +5,10 @@ worker thread; once the stage engine is up, ``/health`` turns 200. SIGINT/SIGTER
 uvicorn's handlers) start a bounded drain: new generations get 503, running ones may
 finish within ``http.drain_timeout_s``, then the worker is stopped, failing whatever it
 still holds with an error, and llama.cpp is freed.
+
+A later stage of a split pipeline (no ``[http]``) runs as a :class:`LinkStageDaemon`:
+the same control socket, systemd notifications and watchdog, with the stage link in
+place of the HTTP port.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from skippyd.server.openai_api import create_app
 from skippyd.server.requests import HttpLimits
 from skippyd.server.sdnotify import SystemdNotifier
 from skippyd.server.snapshot import snapshot_source
-from skippyd.server.stage_split import run_link_stage, slice_progress
+from skippyd.server.stage_split import slice_progress
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +156,9 @@ class Daemon:
         control = await self._start_control()
         if control is not None:
             await self._load()
-        housekeeping = asyncio.create_task(self._housekeeping())
+        chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
         await serving
-        housekeeping.cancel()
+        chores.cancel()
         if control is not None:
             await control.close()
         self.metrics.detach()
@@ -164,41 +168,11 @@ class Daemon:
         return self.exit_code
 
     async def _start_control(self) -> ControlServer | None:
-        """Open the control socket (``skippyd top``/``status``) before the model loads."""
-        control = ControlServer(
-            self.config.control.socket_path, stage_id=self.config.stage.id,
-            snapshot=snapshot_source(self.engine, self.metrics), telemetry=self.engine.telemetry,
-            group=self.config.control.group,
-        )
-        try:
-            await control.start()
-        except ControlSocketError as exc:
-            logger.error("startup failed: %s", exc)
-            self.engine.fail(str(exc))
+        control = await open_control(self.engine, self.metrics)
+        if control is None:
             self.exit_code = STARTUP_FAILURE
             self.server.should_exit = True
-            return None
-        logger.info("control socket at %s", self.config.control.socket_path)
         return control
-
-    async def _housekeeping(self) -> None:
-        """Watchdog pings while the worker is alive, and a STATUS line for systemctl."""
-        watchdog_s = self.notifier.watchdog_s
-        interval = watchdog_s / 4 if watchdog_s is not None else STATUS_INTERVAL_S
-        while True:
-            if watchdog_s is not None and self.engine.is_alive(self.engine.hang_threshold_s):
-                self.notifier.watchdog()
-            self.notifier.status(self.status_line())
-            await asyncio.sleep(interval)
-
-    def status_line(self) -> str:
-        state, reason = self.engine.health()
-        scheduler = self.engine.scheduler
-        if state != "ok" or scheduler is None:
-            return f"{state}: {reason}"
-        stats = scheduler.stats()
-        return (f"serving {self.engine.model_id}: {stats.num_active} active,"
-                f" {stats.num_waiting} waiting, {stats.num_finished} finished")
 
     async def _load(self) -> None:
         host, port = self.bound_address or self.config.http.address
@@ -216,8 +190,115 @@ class Daemon:
               file=sys.stderr, flush=True)
 
 
+class LinkStageDaemon:
+    """A later stage of a split pipeline: the stage link instead of HTTP.
+
+    It opens the control socket (``skippyd top``/``status`` on this stage), loads the
+    slice and starts the link listener, tells systemd it is ready once it is, pings the
+    watchdog while no runtime call is stuck, and on SIGINT/SIGTERM says STOPPING, closes
+    the link (stage 0 sees the chain go down) and frees llama.cpp.
+    """
+
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.engine = StageEngine(config, progress=slice_progress())
+        self.metrics = ServingMetrics.for_engine(self.engine)
+        self.notifier = SystemdNotifier()
+        if self.notifier.watchdog_s is not None:
+            self.engine.hang_threshold_s = min(self.engine.hang_threshold_s,
+                                               self.notifier.watchdog_s / 2)
+
+    async def serve(self) -> int:
+        """Run until SIGINT/SIGTERM; return the process exit code."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        self.metrics.attach(self.engine.telemetry)
+        control = await open_control(self.engine, self.metrics)
+        try:
+            if control is None or not await self._load():
+                return STARTUP_FAILURE
+            chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
+            await stop.wait()
+            logger.info("stage %s stopping", self.config.stage.id)
+            self.notifier.stopping("stopping: closing the stage link")
+            chores.cancel()
+            return 0
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            if control is not None:
+                await control.close()
+            self.metrics.detach()
+            await asyncio.to_thread(self.engine.close)
+            self.notifier.close()
+
+    async def _load(self) -> bool:
+        try:
+            await asyncio.to_thread(self.engine.load)
+        except (StartupError, ModelFileError, OSError, ValueError) as exc:
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            return False
+        host, port = self.engine.link_address or ("?", 0)
+        stage = self.config.stage
+        self.notifier.ready(f"serving layers {stage.layer_start}:{stage.layer_end} of "
+                            f"{self.engine.model_id} on link {host}:{port}")
+        print(f"skippyd stage {stage.id} serving layers {stage.layer_start}:"
+              f"{stage.layer_end} on link {host}:{port}", file=sys.stderr, flush=True)
+        return True
+
+
+async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlServer | None:
+    """Open the control socket (``skippyd top``/``status``) before the model loads.
+
+    Returns None (and marks the engine failed) when the socket cannot be opened.
+    """
+    config = engine.config
+    control = ControlServer(
+        config.control.socket_path, stage_id=config.stage.id,
+        snapshot=snapshot_source(engine, metrics), telemetry=engine.telemetry,
+        group=config.control.group,
+    )
+    try:
+        await control.start()
+    except ControlSocketError as exc:
+        logger.error("startup failed: %s", exc)
+        engine.fail(str(exc))
+        return None
+    logger.info("control socket at %s", config.control.socket_path)
+    return control
+
+
+async def housekeeping(engine: StageEngine, notifier: SystemdNotifier) -> None:
+    """Watchdog pings while the worker is alive, and a STATUS line for systemctl."""
+    watchdog_s = notifier.watchdog_s
+    interval = watchdog_s / 4 if watchdog_s is not None else STATUS_INTERVAL_S
+    while True:
+        if watchdog_s is not None and engine.is_alive(engine.hang_threshold_s):
+            notifier.watchdog()
+        notifier.status(status_line(engine))
+        await asyncio.sleep(interval)
+
+
+def status_line(engine: StageEngine) -> str:
+    """One line for ``systemctl status``: health, then what the stage is doing."""
+    state, reason = engine.health()
+    scheduler = engine.scheduler
+    if state != "ok" or scheduler is None:
+        return f"{state}: {reason}"
+    stats = scheduler.stats()
+    if engine.config.http is None:
+        return (f"serving layers {engine.config.stage.layer_start}:"
+                f"{engine.config.stage.layer_end}: {stats.active_runtime_sessions} sessions,"
+                f" {stats.num_iterations} iterations")
+    return (f"serving {engine.model_id}: {stats.num_active} active,"
+            f" {stats.num_waiting} waiting, {stats.num_finished} finished")
+
+
 def run_daemon(config: StageConfig) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; returns the exit code."""
     if config.http is None:  # a later stage of a split pipeline: only the stage link
-        return run_link_stage(config)
+        return asyncio.run(LinkStageDaemon(config).serve())
     return asyncio.run(Daemon(config).serve())

@@ -71,17 +71,18 @@ class ChainIdentity:
     n_embd: int
     lanes: int
     kv_pool_tokens: int
+    max_batch_tokens: int
     max_frame_bytes: int
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
-                    kv_pool_tokens: int) -> ChainIdentity:
+                    kv_pool_tokens: int, max_batch_tokens: int) -> ChainIdentity:
         downstream = config.downstream
         if downstream is None or config.link.secret is None or config.stage.layer_end is None:
             raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
-                   kv_pool_tokens, config.link.max_frame_bytes)
+                   kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes)
 
 
 def configure_socket(sock: socket.socket) -> None:
@@ -271,6 +272,11 @@ class ChainLink:
         if ack.min_ctx < ident.kv_pool_tokens:
             raise ChainSetupError(f"a later stage has a {ack.min_ctx}-token KV pool, smaller "
                                   f"than stage 0's {ident.kv_pool_tokens}")
+        if ack.min_batch < ident.max_batch_tokens:
+            raise ChainSetupError(
+                f"a later stage takes at most {ack.min_batch} tokens per batch "
+                f"(runtime.n_batch), fewer than stage 0's {ident.max_batch_tokens}: give every "
+                "stage the same runtime.n_batch")
 
     def _go_up(self, data: FrameSocket, ret: FrameSocket, ack: HelloAck) -> None:
         with self._lock:

@@ -39,9 +39,9 @@ _CHALLENGE = struct.Struct("<4sHH32s")
 # magic, version, role, mac, client nonce, chain id, n_embd, stage index, layer_end,
 # model id length; then the model id (UTF-8).
 _HELLO = struct.Struct("<4sHH32s16sQIIIH")
-# mac, stages from the listener to the end, lanes, ctx, endpoint length, stage id length;
-# then the endpoint and the final stage's id (UTF-8).
-_ACK = struct.Struct("<32sIIIHH")
+# mac, stages from the listener to the end, lanes, ctx, batch tokens, endpoint length,
+# stage id length; then the endpoint and the final stage's id (UTF-8).
+_ACK = struct.Struct("<32sIIIIHH")
 _MAX_NAME_BYTES = 255
 
 
@@ -81,6 +81,8 @@ class HelloAck:
     """Fewest lanes of those stages."""
     min_ctx: int = 0
     """Smallest KV pool of those stages, in tokens."""
+    min_batch: int = 0
+    """Fewest tokens one iteration may hold on those stages (their ``runtime.n_batch``)."""
     return_endpoint: str = ""
     """Where stage 0 dials the final stage for predictions (``host:port``)."""
     final_stage_id: str = ""
@@ -160,8 +162,8 @@ def send_ack(conn: FrameSocket, secret: bytes, nonces: tuple[bytes, bytes],
     server_nonce, client_nonce = nonces
     endpoint = _name(ack.return_endpoint, "return endpoint")
     stage_id = _name(ack.final_stage_id, "stage id")
-    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_ctx, len(endpoint),
-                       len(stage_id))[32:] + endpoint + stage_id
+    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_ctx, ack.min_batch,
+                       len(endpoint), len(stage_id))[32:] + endpoint + stage_id
     mac = _mac(secret, b"ack", client_nonce, server_nonce, fields)
     conn.write(encode_frame(FrameKind.HELLO_ACK, mac + fields))
 
@@ -209,7 +211,7 @@ def _read_ack(conn: FrameSocket, secret: bytes, server_nonce: bytes,
     body = _expect(conn.read(), FrameKind.HELLO_ACK, "HELLO_ACK")
     if len(body) < _ACK.size:
         raise LinkProtocolError("malformed HELLO_ACK")
-    mac, num_stages, lanes, ctx, endpoint_len, id_len = _ACK.unpack_from(body)
+    mac, num_stages, lanes, ctx, batch, endpoint_len, id_len = _ACK.unpack_from(body)
     if len(body) != _ACK.size + endpoint_len + id_len:
         raise LinkProtocolError("HELLO_ACK length does not match its fields")
     if not hmac.compare_digest(_mac(secret, b"ack", client_nonce, server_nonce, body[32:]),
@@ -217,4 +219,4 @@ def _read_ack(conn: FrameSocket, secret: bytes, server_nonce: bytes,
         raise LinkAuthError("the peer could not prove it knows the link secret")
     endpoint = _utf8(body[_ACK.size:_ACK.size + endpoint_len], "return endpoint")
     stage_id = _utf8(body[_ACK.size + endpoint_len:], "stage id")
-    return HelloAck(num_stages, lanes, ctx, endpoint, stage_id)
+    return HelloAck(num_stages, lanes, ctx, batch, endpoint, stage_id)

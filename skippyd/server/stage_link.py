@@ -25,7 +25,7 @@ from skippyd.engine.scheduler_config import MAX_NATIVE_ITERATION_TOKENS
 logger = logging.getLogger(__name__)
 
 #: Bumped on any incompatible change of a frame layout or of the handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"SKPL"
 #: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
 #: first_position i32, token_count u32, row_width u32.

@@ -188,7 +188,7 @@ class ChainConnection:
             if not ok:
                 raise _Refusal(problem)
         if facts.is_final:
-            return HelloAck(1, facts.lanes, facts.kv_pool_tokens,
+            return HelloAck(1, facts.lanes, facts.kv_pool_tokens, facts.max_batch_tokens,
                             self._server.return_endpoint(self._upstream), facts.stage_id)
         return self._extend_chain()
 
@@ -204,7 +204,8 @@ class ChainConnection:
             raise _Refusal(f"{facts.downstream_id} at {facts.downstream[0]}:"
                            f"{facts.downstream[1]}: {exc}") from None
         return HelloAck(ack.num_stages + 1, min(facts.lanes, ack.min_lanes),
-                        min(facts.kv_pool_tokens, ack.min_ctx), ack.return_endpoint,
+                        min(facts.kv_pool_tokens, ack.min_ctx),
+                        min(facts.max_batch_tokens, ack.min_batch), ack.return_endpoint,
                         ack.final_stage_id)
 
     def _watch_downstream(self) -> None:

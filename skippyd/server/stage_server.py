@@ -64,6 +64,7 @@ class StageFacts:
     n_embd: int
     lanes: int
     kv_pool_tokens: int
+    max_batch_tokens: int
     is_first: bool
     is_final: bool
     secret: bytes

@@ -3,16 +3,12 @@
 :func:`make_split` gives the engine the runtime its scheduler drives and the link
 machinery around it: on stage 0 a :class:`PipelineRuntime` over the local slice and a
 :class:`ChainLink` to stage 1; on a later stage the local runtime (metered) and a
-:class:`StageLinkServer` that feeds it. :func:`run_link_stage` is ``skippyd serve`` for
-a later stage: no HTTP, only the link listener.
+:class:`StageLinkServer` that feeds it.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,7 +44,8 @@ def _facts(config: StageConfig, runtime: Any) -> StageFacts:
         stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
         layer_end=stage.layer_end or stage.layer_start + runtime.info.n_layer,
         model_id=stage.model_id, n_embd=runtime.n_embd, lanes=runtime.lane_count,
-        kv_pool_tokens=runtime.kv_pool_tokens, is_first=config.is_first,
+        kv_pool_tokens=runtime.kv_pool_tokens, max_batch_tokens=runtime.max_batch_tokens,
+        is_first=config.is_first,
         is_final=config.is_final, secret=(link.secret or "").encode(),
         max_frame_bytes=link.max_frame_bytes,
         downstream_id=downstream.stage_id if downstream else None,
@@ -76,7 +73,8 @@ class SplitStage:
         self.decode_groups = _planned_decode_groups(config)
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
-                config, local.n_embd, local.lane_count, local.kv_pool_tokens))
+                config, local.n_embd, local.lane_count, local.kv_pool_tokens,
+                local.max_batch_tokens))
             self.pipeline = PipelineRuntime(local, self.link)
             self.runtime: Runtime | MeteredRuntime = self.pipeline
         else:
@@ -172,33 +170,3 @@ def slice_progress() -> Callable[[int, int], None]:
             state.pop("progress").stop()
 
     return update
-
-
-def run_link_stage(config: StageConfig) -> int:
-    """``skippyd serve`` for a stage after the first: load, listen, wait for a signal."""
-    from skippyd.engine.gguf_tools import ModelFileError
-    from skippyd.server.daemon import STARTUP_FAILURE
-    from skippyd.server.engine import StageEngine, StartupError
-
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    engine = StageEngine(config, progress=slice_progress())
-    try:
-        try:
-            engine.load()
-        except (StartupError, ModelFileError, OSError, ValueError) as exc:
-            logger.error("startup failed: %s", exc)
-            return STARTUP_FAILURE
-        host, port = engine.link_address or ("?", 0)
-        stage = config.stage
-        print(f"skippyd stage {stage.id} serving layers {stage.layer_start}:"
-              f"{stage.layer_end} on link {host}:{port}", file=sys.stderr, flush=True)
-        while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-            pass
-        logger.info("stage %s stopping", stage.id)
-        return 0
-    finally:
-        engine.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -214,5 +216,66 @@ def test_concurrent_request_limit_names_itself(tmp_path, tiny_model_path, notify
         assert "max_connections=2" in refused.json()["error"]["message"]
         assert refused.headers["Retry-After"] == "1"
         assert health.status_code == 200
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def link_stage_config(model: Path, control_socket: Path) -> str:
+    """The final stage (layers 2-4 of the tiny model) of a split pipeline: no HTTP."""
+    return f"""
+[stage]
+id = "notify-link"
+index = 1
+layer_start = 2
+layer_end = 4
+model_path = "{model}"
+
+[runtime]
+ctx_size = 1024
+lane_count = 2
+threads = 1
+threads_batch = 1
+slice_cache_dir = "{control_socket.parent / 'slices'}"
+
+[link]
+listen = "127.0.0.1:0"
+secret = "systemd-link-stage-secret-0123456789"
+
+[upstream]
+stage_id = "stage-0"
+endpoint = "127.0.0.1:9"
+
+[control]
+socket = "{control_socket}"
+"""
+
+
+def test_link_stage_notifies_systemd_and_answers_on_its_control_socket(
+        tmp_path, tiny_model_path, notify):
+    control_socket = tmp_path / "link.sock"
+    proc = ServeProcess(link_stage_config(tiny_model_path, control_socket), tmp_path,
+                        env={**os.environ, "NOTIFY_SOCKET": str(notify.path),
+                             "WATCHDOG_USEC": "2000000"})
+    try:
+        ready = notify.wait_for("READY")
+        assert ready["READY"] == "1"
+        assert "serving layers 2:4" in ready["STATUS"]
+        proc.wait_for_line(r"skippyd stage notify-link serving layers 2:4 on link")
+        notify.wait_for("WATCHDOG", timeout=5)
+
+        status = subprocess.run(
+            [sys.executable, "-m", "skippyd.cli", "status", "--socket", str(control_socket),
+             "--json"], capture_output=True, text=True, timeout=30)
+        assert status.returncode == 0, status.stderr
+        snapshot = json.loads(status.stdout)
+        assert snapshot["stage"]["id"] == "notify-link"
+        assert snapshot["stage"]["index"] == 1 and snapshot["stage"]["is_final"]
+        assert (snapshot["stage"]["layer_start"], snapshot["stage"]["layer_end"]) == (2, 4)
+        assert snapshot["health"]["status"] == "ok"
+
+        proc.proc.send_signal(signal.SIGTERM)
+        assert notify.wait_for("STOPPING")["STOPPING"] == "1"
+        assert proc.proc.wait(timeout=60) == 0
+        assert not control_socket.exists()
     finally:
         proc.stop(signal.SIGKILL)

@@ -28,13 +28,14 @@ def test_killed_downstream_fails_fast_and_the_chain_recovers(chain):
     stream = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=1500,
                                        temperature=0, stream=True)
     received, killed_at = 0, None
-    with pytest.raises(openai.APIError, match="downstream pipeline"):
+    with pytest.raises(openai.APIError, match="downstream pipeline") as lost:
         for _chunk in stream:
             received += 1
             if received == 5:
                 chain.stages[1].proc.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
     assert killed_at is not None and time.monotonic() - killed_at < 5.0
+    assert lost.value.code == "unavailable"
 
     health = httpx.get(chain.head.base_url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "degraded"
@@ -42,6 +43,7 @@ def test_killed_downstream_fails_fast_and_the_chain_recovers(chain):
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model="any", prompt="Hi", max_tokens=2)
     assert refused.value.status_code == 503
+    assert refused.value.code == "degraded"
 
     chain.stages[1].proc.wait(10)
     chain.launch(1).wait_for_line(STAGE_READY, timeout=60)

@@ -212,7 +212,7 @@ def _handshake(dial_secret: bytes, *, refuse: str | None = None):
                 conn.write(encode_text(FrameKind.REFUSE, refuse))
             else:
                 send_ack(conn, SECRET, (server_nonce, client_nonce),
-                         HelloAck(2, 4, 4096, "127.0.0.1:9", "stage-2"))
+                         HelloAck(2, 4, 4096, 512, "127.0.0.1:9", "stage-2"))
             outcome["listener"] = hello
         except LinkProtocolError as exc:
             outcome["listener"] = exc
@@ -234,7 +234,7 @@ def _handshake(dial_secret: bytes, *, refuse: str | None = None):
 def test_handshake_succeeds_with_the_shared_secret():
     listener, dialer = _handshake(SECRET)
     assert listener == Hello(Role.CHAIN, 77, 576, 0, 15, "model-x")
-    assert dialer == HelloAck(2, 4, 4096, "127.0.0.1:9", "stage-2")
+    assert dialer == HelloAck(2, 4, 4096, 512, "127.0.0.1:9", "stage-2")
 
 
 def test_handshake_rejects_a_wrong_secret():
