@@ -7,11 +7,15 @@ the control socket and from /proc: every request got a result or a clear error; 
 session is active; the lanes hold no KV cells; the daemon's thread count and open file
 descriptors are back to what they were after warm-up; resident memory grew less than
 ``--rss-bound-mib`` after warm-up, not counting what the prefix cache's host-RAM tier
-holds on purpose (within ``kv_cache.host_ram_bytes``). It prints a one-line summary and exits 0 only if every
-check passed.
+holds on purpose (within ``kv_cache.host_ram_bytes``). A split pipeline is soaked
+through stage 0 and every stage is checked. It prints a one-line summary per stage and
+exits 0 only if every check passed.
 
     python bench/soak.py --config examples/configs/single.toml            # starts skippyd
-    python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P   # a running one
+    python bench/soak.py --config examples/configs/split-2/stage0.toml \
+                         --config examples/configs/split-2/stage1.toml    # a 2-stage split
+    python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P \
+                         [--socket S1 --pid P1 ...]                        # running stages
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from skippyd.control_client import ControlClient
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jovial bard near the old stone bridge").split()
 READY = "skippyd serving"
+LINK_READY = "serving layers"
 
 
 @dataclass
@@ -186,20 +191,46 @@ def wait_back_to(pid: int, baseline: dict[str, int], timeout: float) -> dict[str
         time.sleep(0.5)
 
 
-def start_daemon(config: Path) -> tuple[subprocess.Popen, str, Path]:
+@dataclass
+class Stage:
+    """One daemon being soaked (a whole model, or one stage of a split pipeline)."""
+
+    name: str
+    pid: int
+    control: ControlClient
+
+
+def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
+    """Start ``skippyd serve`` on ``config``; the URL is None for a stage without HTTP."""
     from skippyd.config import load_config
 
-    socket_path = load_config(config).control.socket_path
-    proc = subprocess.Popen([sys.executable, "-m", "skippyd.cli", "serve", "--config",
-                             str(config), "--listen", "127.0.0.1:0"],
-                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    loaded = load_config(config)
+    argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(config)]
+    if loaded.http is not None:
+        argv += ["--listen", "127.0.0.1:0"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
-        if READY in line:
-            url = line.split(" on ", 1)[1].strip().removesuffix("/v1")
+        if READY in line or (loaded.http is None and LINK_READY in line):
+            url = (line.split(" on ", 1)[1].strip().removesuffix("/v1")
+                   if loaded.http is not None else None)
             # Keep reading stderr so the daemon never blocks on a full pipe.
             threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
-            return proc, url, socket_path
-    raise SystemExit(f"skippyd exited with {proc.wait()} before it was ready")
+            return proc, url, loaded.control.socket_path
+    raise SystemExit(f"skippyd ({config}) exited with {proc.wait()} before it was ready")
+
+
+def wait_healthy(url: str, timeout: float) -> None:
+    """A split stage 0 answers 503 until it has connected to the rest of the chain."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} did not report healthy within {timeout:g} s")
+        time.sleep(0.2)
 
 
 def _drain(stream) -> None:
@@ -210,10 +241,14 @@ def _drain(stream) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--config", type=Path, help="start skippyd with this config")
-    target.add_argument("--url", help="base URL of a running skippyd")
-    parser.add_argument("--socket", type=Path, help="control socket (with --url)")
-    parser.add_argument("--pid", type=int, help="daemon pid (with --url)")
+    target.add_argument("--config", type=Path, action="append",
+                        help="start skippyd with this config; repeat for each stage of a "
+                             "split pipeline")
+    target.add_argument("--url", help="base URL of a running skippyd (stage 0)")
+    parser.add_argument("--socket", type=Path, action="append",
+                        help="control socket of a stage (with --url; repeat per stage)")
+    parser.add_argument("--pid", type=int, action="append",
+                        help="pid of a stage, in --socket order (with --url)")
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--warmup", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=0,
@@ -224,74 +259,112 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
-    proc = None
-    if args.config is not None:
-        proc, url, socket_path = start_daemon(args.config)
-        pid = proc.pid
-    else:
-        if args.socket is None or args.pid is None:
-            parser.error("--url needs --socket and --pid")
-        url, socket_path, pid = args.url, args.socket, args.pid
+    procs: list[subprocess.Popen] = []
     try:
-        return soak(args, url, ControlClient.connect(socket_path), pid)
+        if args.config is not None:
+            url, stages = None, []
+            # Later stages first: stage 0 connects to them as soon as it starts.
+            for config in sorted(args.config, key=_serves_http):
+                proc, stage_url, socket_path = start_daemon(config)
+                procs.append(proc)
+                url = stage_url or url
+                stages.append((config.stem, proc.pid, socket_path))
+            if url is None:
+                parser.error("no --config serves HTTP (a pipeline needs its stage 0)")
+            stages.reverse()  # stage 0 first in the report
+        else:
+            if not args.socket or not args.pid or len(args.socket) != len(args.pid):
+                parser.error("--url needs one --pid per --socket")
+            url = args.url
+            stages = [(f"stage {i}", pid, path)
+                      for i, (path, pid) in enumerate(zip(args.socket, args.pid, strict=True))]
+        wait_healthy(url, 60)
+        return soak(args, url, [Stage(name, pid, ControlClient.connect(path))
+                                for name, pid, path in stages])
     finally:
-        if proc is not None:
+        for proc in procs:  # stage 0 first, then the stages behind it
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
 
 
-def soak(args, url: str, control: ControlClient, pid: int) -> int:
-    lanes = control.status()["lane_count"]
+def _serves_http(config: Path) -> bool:
+    from skippyd.config import load_config
+
+    return load_config(config).http is not None
+
+
+def soak(args, url: str, stages: list[Stage]) -> int:
+    lanes = stages[0].control.status()["lane_count"]
     concurrency = args.concurrency or 2 * lanes
     warm = Tally()
     asyncio.run(drive(url, args.warmup, concurrency, args.seed + 1, args.max_output, warm, 0))
-    baseline_host = settle(control, 60)["prefix_cache"]["bytes_host"]
-    baseline = proc_stats(pid)
+    baseline_host = [settle(stage.control, 60)["prefix_cache"]["bytes_host"] for stage in stages]
+    baseline = [proc_stats(stage.pid) for stage in stages]
     tally = Tally()
     started = time.monotonic()
     asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
                       max(args.requests // 10, 1)))
     elapsed = time.monotonic() - started
-    snapshot = settle(control, 60)
-    after = wait_back_to(pid, baseline, 30)
-    # The prefix cache's host-RAM tier holds saved KV on purpose, within its own
-    # configured budget (kv_cache.host_ram_bytes): that is not a leak.
-    cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - baseline_host) // 1024
-    return report(args, tally, snapshot, baseline, after, elapsed, cache_growth_kib)
+    figures = []
+    for stage, base, host in zip(stages, baseline, baseline_host, strict=True):
+        snapshot = settle(stage.control, 60)
+        after = wait_back_to(stage.pid, base, 30)
+        # The prefix cache's host-RAM tier holds saved KV on purpose, within its own
+        # configured budget (kv_cache.host_ram_bytes): that is not a leak.
+        cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - host) // 1024
+        figures.append(stage_checks(args, stage.name, snapshot, base, after, cache_growth_kib))
+    return report(args, tally, figures, elapsed)
 
 
-def report(args, tally: Tally, snapshot, baseline, after, elapsed, cache_growth_kib=0) -> int:
+def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: int) -> dict:
+    """The leak checks of one stage after the run."""
     active = sum(1 for lane in snapshot["lanes"] if lane["phase"] != "idle")
     rss_growth_mib = (after["rss_kib"] - baseline["rss_kib"] - cache_growth_kib) / 1024
-    accounted = sum(tally.outcomes.values()) == args.requests
     checks = {
-        "every request answered": accounted and tally.outcomes["error"] == 0,
-        "no active session": active == 0 and snapshot["queues"]["waiting"] == 0,
+        "no active session": (active == 0 and snapshot["queues"]["waiting"] == 0
+                              and snapshot["wave"]["active_sessions"] == 0),
         "lanes hold no KV": snapshot["kv"]["cells_used"] == 0,
         "threads back": after["threads"] <= baseline["threads"],
         "fds back": after["fds"] <= baseline["fds"],
         f"rss growth < {args.rss_bound_mib:g} MiB": rss_growth_mib < args.rss_bound_mib,
     }
-    passed = all(checks.values())
+    return {"stage": name, "checks": checks, "active": active,
+            "active_sessions": snapshot["wave"]["active_sessions"],
+            "kv_cells": snapshot["kv"]["cells_used"], "baseline": baseline, "after": after,
+            "rss_growth_mib": rss_growth_mib,
+            "prefix_cache_host_growth_mib": cache_growth_kib / 1024}
+
+
+def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
+    accounted = sum(tally.outcomes.values()) == args.requests
+    answered = accounted and tally.outcomes["error"] == 0
+    passed = answered and all(all(stage["checks"].values()) for stage in stages)
     outcomes = " ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items()))
-    print(f"soak: {args.requests} requests in {elapsed:.0f}s ({outcomes}); active {active}; "
-          f"kv cells {snapshot['kv']['cells_used']}; threads {baseline['threads']}->"
-          f"{after['threads']}; fds {baseline['fds']}->{after['fds']}; rss "
-          f"{rss_growth_mib:+.1f} MiB after warm-up (prefix-cache host tier "
-          f"{cache_growth_kib / 1024:+.1f} MiB not counted): {'PASS' if passed else 'FAIL'}")
-    for name, ok in checks.items():
-        if not ok:
-            print(f"  failed: {name}", file=sys.stderr)
+    print(f"soak: {args.requests} requests in {elapsed:.0f}s ({outcomes}): "
+          f"{'PASS' if passed else 'FAIL'}")
+    for stage in stages:
+        base, after = stage["baseline"], stage["after"]
+        print(f"  {stage['stage']}: active {stage['active']} sessions "
+              f"{stage['active_sessions']}; kv cells {stage['kv_cells']}; threads "
+              f"{base['threads']}->{after['threads']}; fds {base['fds']}->{after['fds']}; rss "
+              f"{stage['rss_growth_mib']:+.1f} MiB after warm-up (prefix-cache host tier "
+              f"{stage['prefix_cache_host_growth_mib']:+.1f} MiB not counted)")
+    if not answered:
+        print("  failed: every request answered", file=sys.stderr)
+    for stage in stages:
+        for name, ok in stage["checks"].items():
+            if not ok:
+                print(f"  failed on {stage['stage']}: {name}", file=sys.stderr)
     for failure in tally.failures:
         print(f"  error: {failure}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps({
             "requests": args.requests, "elapsed_s": elapsed, "outcomes": dict(tally.outcomes),
-            "checks": checks, "baseline": baseline, "after": after,
-            "rss_growth_mib": rss_growth_mib, "prefix_cache_host_growth_mib":
-            cache_growth_kib / 1024, "errors": tally.failures}, indent=2))
+            "passed": passed, "checks": {"every request answered": answered, **{
+                f"{stage['stage']}: {name}": ok for stage in stages
+                for name, ok in stage["checks"].items()}},
+            "stages": stages, "errors": tally.failures}, indent=2))
     return 0 if passed else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

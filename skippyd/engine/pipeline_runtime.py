@@ -111,6 +111,13 @@ class PipelineRuntime:
     def ensure_session_active(self, session_id: str) -> None:
         self.local.ensure_session_active(session_id)
 
+    def kv_cells_used(self) -> int:
+        """Stage 0's own KV cells (every later stage holds the same sessions)."""
+        return self.local.kv_cells_used()  # type: ignore[attr-defined]
+
+    def session_seq_id(self, session_id: str) -> int | None:
+        return self.local.session_seq_id(session_id)  # type: ignore[attr-defined]
+
     def session_token_count(self, session_id: str) -> int | None:
         """Tokens of the session as the scheduler sees them (look-ahead excluded)."""
         count = self.local.session_token_count(session_id)

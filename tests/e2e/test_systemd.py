@@ -30,12 +30,14 @@ model_path = "{model}"
 [runtime]
 ctx_size = 1024
 lane_count = 2
-threads = 2
-threads_batch = 2
+# NOTE: one llama.cpp thread: two threads spinning at barriers on a loaded two-core
+# machine stretch decode steps to ~1 s, and the stream in flight outlived the drain.
+threads = 1
+threads_batch = 1
 
 [http]
 listen = "127.0.0.1:0"
-drain_timeout_s = 30
+drain_timeout_s = 60
 """
 
 
@@ -186,7 +188,7 @@ def test_unit_files_verify(unit, tmp_path):
 
 def test_concurrent_request_limit_names_itself(tmp_path, tiny_model_path, notify):
     config = tiny_config(tiny_model_path).replace(
-        "drain_timeout_s = 30", "drain_timeout_s = 30\nmax_connections = 2")
+        "drain_timeout_s = 60", "drain_timeout_s = 60\nmax_connections = 2")
     proc = ServeProcess(config, tmp_path, env={**os.environ})
     try:
         proc.wait_ready()

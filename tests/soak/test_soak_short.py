@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,60 @@ socket = "{tmp_path / 'control.sock'}"
     assert figures["outcomes"].get("disconnected", 0) > 0  # the disconnect path ran
     assert figures["outcomes"].get("invalid->4xx", 0) > 0  # and the invalid one
     assert all(figures["checks"].values()), figures["checks"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_short_soak_of_a_split_pipeline_checks_every_stage(tmp_path, tiny_model_path):
+    ports = [_free_port(), _free_port()]
+    secret = "soak-split-shared-secret-0123456789"
+    configs = []
+    for index, (start, end) in enumerate([(0, 2), (2, 4)]):
+        text = f"""
+[stage]
+id = "soak-{index}"
+index = {index}
+model_path = "{tiny_model_path}"
+layer_start = {start}
+layer_end = {end}
+
+[runtime]
+ctx_size = 2048
+lane_count = 4
+threads = 1
+threads_batch = 1
+queue_capacity = 16
+slice_cache_dir = "{tmp_path / 'slices'}"
+
+[link]
+listen = "127.0.0.1:{ports[index]}"
+secret = "{secret}"
+
+[control]
+socket = "{tmp_path / f'stage{index}.sock'}"
+"""
+        if index == 0:
+            text += (f'[http]\nlisten = "127.0.0.1:0"\n[downstream]\nstage_id = "soak-1"\n'
+                     f'endpoint = "127.0.0.1:{ports[1]}"\n')
+        else:
+            text += f'[upstream]\nstage_id = "soak-0"\nendpoint = "127.0.0.1:{ports[0]}"\n'
+        path = tmp_path / f"stage{index}.toml"
+        path.write_text(text)
+        configs += ["--config", str(path)]
+    report = tmp_path / "soak.json"
+    result = subprocess.run(
+        [sys.executable, str(SOAK), *configs, "--requests", "120", "--warmup", "16",
+         "--max-output", "12", "--json", str(report)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(report.read_text())
+    assert [stage["stage"] for stage in figures["stages"]] == ["stage0", "stage1"]
+    assert figures["outcomes"].get("error", 0) == 0
+    assert figures["outcomes"].get("disconnected", 0) > 0
+    assert all(figures["checks"].values()), figures["checks"]
+    assert "stage1:" in result.stdout  # one summary line per stage
