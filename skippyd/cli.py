@@ -152,13 +152,34 @@ def config_init(
 
 
 @config_app.command("check")
-def config_check(path: ConfigPath) -> None:
-    """Validate a config, including its layer range against the model (exit 0 when valid)."""
-    config = load_checked_config(path)
-    stdout.print(
-        f"[green]ok[/] {path}: stage {config.stage.id} (index {config.stage.index}),"
-        f" layers {config.stage.layer_start}:{config.stage.layer_end} of {config.stage.model_id}"
-    )
+def config_check(
+    paths: Annotated[list[Path], typer.Argument(
+        help="Stage config (TOML); give every stage's config to check a split pipeline.",
+        show_default=False)],
+) -> None:
+    """Validate configs against their model; several configs must chain into one pipeline.
+
+    Exit 0 when valid. With several configs (any order), their indexes, layer ranges,
+    peers, secrets and capacities must line up into one pipeline.
+    """
+    from skippyd.config import check_pipeline
+
+    configs = [load_checked_config(path) for path in paths]
+    for path, config in zip(paths, configs, strict=True):
+        stdout.print(
+            f"[green]ok[/] {path}: stage {config.stage.id} (index {config.stage.index}),"
+            f" layers {config.stage.layer_start}:{config.stage.layer_end} of"
+            f" {config.stage.model_id}"
+        )
+    if len(configs) > 1:
+        ordered = sorted(configs, key=lambda config: config.stage.index)
+        try:
+            check_pipeline(ordered)
+        except ConfigError as exc:
+            raise fail(f"the stages do not form one pipeline\n{exc}", EXIT_CONFIG) from None
+        last = ordered[-1].stage
+        stdout.print(f"[green]ok[/] pipeline: {len(ordered)} stages, layers "
+                     f"{ordered[0].stage.layer_start}:{last.layer_end} of {last.model_id}")
 
 
 @config_app.command("show")

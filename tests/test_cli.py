@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -10,6 +11,7 @@ from skippyd.cli import EXIT_CONFIG, EXIT_MODEL, app
 from skippyd.config import load_config
 
 runner = CliRunner()
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
 
 def test_config_init_output_passes_check(tmp_path):
@@ -72,3 +74,19 @@ def test_model_slice_writes_a_stage(tmp_path, tiny_model_path):
     assert json.loads(result.output)["n_layer"] == 3
     bad = runner.invoke(app, ["model", "slice", str(tiny_model_path), "--layers", "3", "-o", str(out)])
     assert bad.exit_code != 0
+
+
+def test_config_check_of_several_stages_checks_the_pipeline(tmp_path):
+    examples = sorted((EXAMPLES / "split-2").glob("*.toml"))
+    result = runner.invoke(app, ["config", "check", *map(str, reversed(examples))])
+    assert result.exit_code == 0, result.output
+    assert "pipeline: 2 stages, layers 0:30" in result.output
+
+    smaller = tmp_path / "stage1.toml"
+    smaller.write_text(examples[1].read_text().replace(
+        "threads_batch = 1\n", "threads_batch = 1\nn_batch = 256\nn_ubatch = 256\n"))
+    result = runner.invoke(app, ["config", "check", str(examples[0]), str(smaller)])
+    assert result.exit_code == EXIT_CONFIG
+    assert "do not form one pipeline" in result.output
+    assert "stages[1].runtime.n_batch: must be at least stages[0].runtime.n_batch = 2048 " \
+           "(got 256)" in " ".join(result.output.split())

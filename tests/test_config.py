@@ -547,3 +547,16 @@ def test_default_model_path(monkeypatch: pytest.MonkeyPatch) -> None:
         _ = default_config().resolved_model_path
     assert info.value.keys == ["stage.model_path"]
     assert "pip install 'skippyd[model]'" in str(info.value)
+
+
+def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
+    configs = [load_config(path) for path in sorted((EXAMPLES / "split-2").glob("*.toml"))]
+    head = dataclasses.replace(configs[0], link=dataclasses.replace(configs[0].link,
+                                                                     listen=None))
+    check_pipeline([head, configs[1]])  # nothing dials stage 0: its [upstream] is a label
+    small = dataclasses.replace(configs[1], runtime=dataclasses.replace(
+        configs[1].runtime, lane_count=2, ctx_size=1024))
+    with pytest.raises(ConfigError) as info:
+        check_pipeline([configs[0], small])
+    assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
+    assert "must be at least stages[0].runtime.lane_count = 4 (got 2)" in str(info.value)

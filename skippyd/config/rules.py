@@ -151,7 +151,8 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
 
     Raises:
         ConfigError: Indexes, layer ranges, peers, endpoints, secrets or model ids do
-            not line up.
+            not line up, or a later stage has fewer lanes, a smaller context or a
+            smaller ``n_batch`` than stage 0 (stage 0 would refuse that chain).
         ValueError: ``configs`` is empty.
     """
     if not configs:
@@ -166,6 +167,15 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
         issues.add(f"stages[{last}].downstream", "the last stage must have no [downstream]")
     for position, (before, after) in enumerate(pairwise(configs)):
         _check_hop(position, before, after, issues)
+    head = configs[0].runtime
+    for position, config in enumerate(configs[1:], start=1):
+        for name in ("lane_count", "ctx_size", "n_batch"):
+            have, need = getattr(config.runtime, name), getattr(head, name)
+            if have < need:
+                # Every stage holds every session of stage 0, and a batch crosses the
+                # chain whole: stage 0 refuses a chain that cannot carry its own load.
+                issues.add(f"stages[{position}].runtime.{name}",
+                           f"must be at least stages[0].runtime.{name} = {need} (got {have})")
     if issues:
         raise ConfigError(issues.items, "<pipeline>")
 
@@ -181,12 +191,19 @@ def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCol
     if before.link.secret != after.link.secret:
         issues.add(f"stages[{j}].link.secret", f"must equal stages[{i}].link.secret")
     _check_peer(f"stages[{i}].downstream", before.downstream, after, f"stages[{j}]", issues)
-    _check_peer(f"stages[{j}].upstream", after.upstream, before, f"stages[{i}]", issues)
+    _check_peer(f"stages[{j}].upstream", after.upstream, before, f"stages[{i}]", issues,
+                dialled=False)
 
 
 def _check_peer(
-    key: str, peer: PeerConfig | None, target: StageConfig, label: str, issues: IssueCollector
+    key: str, peer: PeerConfig | None, target: StageConfig, label: str, issues: IssueCollector,
+    *, dialled: bool = True,
 ) -> None:
+    """``peer`` must name ``target``; a peer that is dialled must reach its link.listen.
+
+    NOTE: nothing dials an ``[upstream]`` peer (each stage dials downstream), so a
+    stage 0 without ``link.listen`` is fine; when it listens, the endpoint must match.
+    """
     if peer is None:
         issues.add(key, f"missing; {label} ({target.stage.id}) is next to it")
         return
@@ -194,7 +211,8 @@ def _check_peer(
         issues.add(f"{key}.stage_id", f'must be "{target.stage.id}" (got "{peer.stage_id}")')
     listen = target.link.listen
     if listen is None:
-        issues.add(f"{key}.endpoint", f"{label} has no link.listen for it to reach")
+        if dialled:
+            issues.add(f"{key}.endpoint", f"{label} has no link.listen for it to reach")
     elif not _reaches(peer.endpoint, listen):
         issues.add(f"{key}.endpoint", f'must reach {label}.link.listen "{listen}" '
                    f'(got "{peer.endpoint}")')
