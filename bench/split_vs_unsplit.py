@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="total llama.cpp threads (the chain gives each stage half)")
     parser.add_argument("--unsplit-threads", type=int, default=None,
                         help="threads of the unsplit server (default: --threads)")
+    parser.add_argument("--stage-threads", type=int, default=None,
+                        help="threads of each stage (default: half of --threads)")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="run every server with OMP_WAIT_POLICY=PASSIVE (idle llama.cpp "
+                             "threads sleep instead of spinning)")
     parser.add_argument("--pin", default=None, metavar="CPUS",
                         help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
                              "cost of splitting on equal CPU when the machine is shared")
@@ -98,7 +103,7 @@ def start_servers(workdir: Path, args: argparse.Namespace,
                   stack: contextlib.ExitStack) -> tuple[ServerProcess, ServerProcess, list[int]]:
     """The unsplit server and the 2-stage chain; returns (unsplit, chain head, link ports)."""
     ports = [free_port(), free_port()]
-    half = max(1, args.threads // 2)
+    half = args.stage_threads or max(1, args.threads // 2)
     link = f'[link]\nsecret = "{SECRET}"\n'
     stage1 = stage_config(workdir, "stage-1", half, args.lanes,
                           "index = 1\nlayer_start = 15\nlayer_end = 30\n"
@@ -111,9 +116,10 @@ def start_servers(workdir: Path, args: argparse.Namespace,
                           f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n')
     single = stage_config(workdir, "unsplit", args.unsplit_threads or args.threads, args.lanes,
                           '[http]\nlisten = "127.0.0.1:0"\n')
-    stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin))
-    head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin))
-    unsplit = stack.enter_context(serve(single, SKIPPYD_READY, "unsplit", args.pin))
+    env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else None
+    stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin, env))
+    head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin, env))
+    unsplit = stack.enter_context(serve(single, SKIPPYD_READY, "unsplit", args.pin, env))
     deadline = time.monotonic() + 60
     while httpx.get(head.url.removesuffix("/v1") + "/health").json()["status"] != "ok":
         if time.monotonic() > deadline:
@@ -122,10 +128,12 @@ def start_servers(workdir: Path, args: argparse.Namespace,
     return unsplit, head, ports
 
 
-def serve(config: Path, ready: str, name: str, cpus: str | None) -> ServerProcess:
+def serve(config: Path, ready: str, name: str, cpus: str | None,
+          env: dict[str, str] | None) -> ServerProcess:
     """``skippyd serve`` of ``config``, under ``taskset -c cpus`` when asked."""
     argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(config)]
-    return ServerProcess((["taskset", "-c", cpus] if cpus else []) + argv, ready, name=name)
+    return ServerProcess((["taskset", "-c", cpus] if cpus else []) + argv, ready, name=name,
+                         env=env)
 
 
 def chain_status(ports: list[int]) -> list[dict[str, Any]]:

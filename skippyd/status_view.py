@@ -18,6 +18,7 @@ from rich.text import Text
 
 from skippyd.config import ConfigError
 from skippyd.control_client import ControlClient, ControlError, resolve_socket_path
+from skippyd.tui.fmt import fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,13 @@ def run_status(socket: Path | None, config: Path | None, as_json: bool, *,
 
 
 def render_status(snapshot: dict[str, Any]) -> RenderableType:
-    """A one-screen summary of ``snapshot``."""
-    return Group(_header(snapshot), Text(""), _lanes(snapshot), Text(""), _figures(snapshot),
-                 Text(""), _latency(snapshot))
+    """A one-screen summary of ``snapshot``; the link block only on a split stage."""
+    parts = [_header(snapshot), Text(""), _lanes(snapshot), Text(""), _figures(snapshot),
+             Text("")]
+    link = snapshot.get("link")
+    if link:
+        parts += [_link(link), Text("")]
+    return Group(*parts, _latency(snapshot))
 
 
 def _header(snap: dict[str, Any]) -> Text:
@@ -124,6 +129,43 @@ def _figures(snap: dict[str, Any]) -> Table:
     grid.add_row("scheduler", f"last step {sch['last_step_ms']:.2f} ms · overhead "
                  f"{sch['last_overhead_ms']:.2f} ms · overhead ratio {sch['overhead_ratio']:.1%}")
     return grid
+
+
+def _link(link: dict[str, Any]) -> Table:
+    """Stage 0 reports its chain to the later stages; a later stage, its listener."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    chain = link.get("chain")
+    rows = _chain_rows(link, chain) if chain is not None else _listener_rows(link)
+    for label, value in rows:
+        grid.add_row(label, value)
+    busy, uptime = link["busy_s"], link["uptime_s"]
+    share = f" ({busy / uptime:.1%})" if uptime > 0 else ""
+    grid.add_row("link busy", f"{busy:.2f} s of {uptime:.1f} s in llama.cpp{share}")
+    return grid
+
+
+def _chain_rows(link: dict[str, Any], chain: dict[str, Any]) -> list[tuple[str, str]]:
+    state = Text("up", style="bold green") if chain["up"] else Text.assemble(
+        ("down", "bold red"), f" ({chain['reason']})" if chain.get("reason") else "")
+    return [
+        ("link", Text.assemble("chain ", state, f" · {chain['num_stages']} stages · epoch "
+                                                f"{chain['epoch']}")),
+        ("link traffic", f"sent {fmt_bytes(chain['bytes_out'])} · received "
+                         f"{fmt_bytes(chain['bytes_in'])} · batches {link['batches_sent']}"),
+        ("look-ahead", f"hits {link['lookahead_hits']} of {link['lookahead_steps']} steps · "
+                       f"retracted {link['lookahead_retracted']}"),
+    ]
+
+
+def _listener_rows(link: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("link", f"connections {link['connections']} ({link['chains']} open) · rejected "
+                 f"{link['rejected']} · active sessions {link['active_sessions']}"),
+        ("link traffic", f"received {fmt_bytes(link['bytes_in'])} · sent "
+                         f"{fmt_bytes(link['bytes_out'])} · batches {link['batches']}"),
+    ]
 
 
 def _latency(snap: dict[str, Any]) -> Table:

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.engine.gguf_tools import ModelInfo, cached_slice, inspect_model
@@ -164,6 +165,15 @@ class StageEngine:
     def link_address(self) -> tuple[str, int] | None:
         """The bound stage-link address of a split stage, if it listens."""
         return None if self._split is None else self._split.link_address
+
+    def link_status(self) -> dict[str, Any] | None:
+        """The link counters of a split stage (what its STATUS reply carries).
+
+        None for a stage serving the whole model, before its runtime is loaded and
+        after close. Never waits on the worker or the network (the snapshot calls it).
+        """
+        split = self._split
+        return None if split is None else split.link_status()
 
     def fail(self, reason: str) -> None:
         self._set_state("failed", reason)

@@ -4,7 +4,8 @@ It is what ``{"op": "status"}`` answers on the control socket, what subscribers 
 every ``interval_ms`` and what ``skippyd status`` renders; its schema is part of the
 control protocol (``docs/control-protocol.md``). Building one reads the worker's last
 published :class:`~skippyd.engine.worker_types.SchedulerStats` (one attribute read, no
-lock shared with the worker) and the request metrics; it never waits on the worker.
+lock shared with the worker), the request metrics and, on a split stage, the link's
+counters; it never waits on the worker or the network.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class SnapshotEngine(Protocol):
     def scheduler(self) -> Any: ...
 
     def health(self) -> tuple[str, str | None]: ...
+
+    def link_status(self) -> dict[str, Any] | None: ...
 
 
 def build_snapshot(
@@ -70,6 +73,7 @@ def build_snapshot(
         "scheduler": {"last_step_ms": stats.last_step_ms,
                       "last_overhead_ms": stats.last_overhead_ms,
                       "overhead_ratio": metrics.overhead_ratio()},
+        "link": engine.link_status(),
     }
 
 

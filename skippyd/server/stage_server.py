@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_HANDSHAKES = 16
 #: Upstream connections served at once (a reconnecting stage 0 may briefly hold two).
 MAX_CHAINS = 8
+#: The listener's own traffic counters, as STATUS reports them.
+LISTENER_COUNTERS = ("bytes_in", "bytes_out", "batches", "connections", "rejected")
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
@@ -93,8 +95,7 @@ class StageLinkServer:
         self._lock = threading.Lock()
         self._chains: dict[int, ChainConnection] = {}
         self._closed = threading.Event()
-        self._totals = {"bytes_in": 0, "bytes_out": 0, "batches": 0, "connections": 0,
-                        "rejected": 0}
+        self._totals = dict.fromkeys(LISTENER_COUNTERS, 0)
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"skippyd-link-{facts.stage_id}")
 
@@ -171,11 +172,7 @@ class StageLinkServer:
         for chain in chains:
             for key, value in chain.counters().items():
                 totals[key] += value
-        facts = self.facts
-        return {"stage_id": facts.stage_id, "stage_index": facts.stage_index,
-                "layer_start": facts.layer_start, "layer_end": facts.layer_end,
-                "is_final": facts.is_final, "chains": len(chains), **totals,
-                **self._status()}
+        return status_body(self.facts, len(chains), totals, self._status())
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -286,6 +283,23 @@ class StageLinkServer:
         if host in _WILDCARD_HOSTS:
             host = conn.sock.getsockname()[0]
         return _show((host, port))
+
+
+def status_body(facts: StageFacts, chains: int, totals: dict[str, int],
+                stage: dict[str, Any]) -> dict[str, Any]:
+    """A STATUS reply: the stage's identity, its listener's traffic, the stage's counters.
+
+    Shared with the control snapshot, so both views of a stage carry the same keys.
+
+    Args:
+        facts: The stage's identity.
+        chains: Upstream connections open right now.
+        totals: The :data:`LISTENER_COUNTERS` values.
+        stage: What the stage reports (``SplitStage.status``).
+    """
+    return {"stage_id": facts.stage_id, "stage_index": facts.stage_index,
+            "layer_start": facts.layer_start, "layer_end": facts.layer_end,
+            "is_final": facts.is_final, "chains": chains, **totals, **stage}
 
 
 def _show(address: tuple) -> str:

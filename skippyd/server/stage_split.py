@@ -17,7 +17,12 @@ from skippyd.config import StageConfig
 from skippyd.engine.pipeline_runtime import PipelineRuntime
 from skippyd.engine.runtime_api import IterationOutput, IterationRequest, Runtime
 from skippyd.server.stage_chain import ChainIdentity, ChainLink
-from skippyd.server.stage_server import StageFacts, StageLinkServer
+from skippyd.server.stage_server import (
+    LISTENER_COUNTERS,
+    StageFacts,
+    StageLinkServer,
+    status_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ class SplitStage:
         listen = self.config.link.listen_address
         if listen is not None:
             server = StageLinkServer(self._facts, None if self.config.is_first else scheduler,
-                                     self._status)
+                                     self.status)
             server.bind(listen)
             server.start()
             self._server = server
@@ -113,10 +118,16 @@ class SplitStage:
         if self._server is not None:
             self._server.close()
 
-    def _status(self) -> dict[str, Any]:
-        status: dict[str, Any] = {"uptime_s": time.monotonic() - self.started_at}
-        if self._scheduler is not None:
-            status["active_sessions"] = self._scheduler.stats().active_runtime_sessions
+    def status(self) -> dict[str, Any]:
+        """The stage's own counters, which its link listener adds to every STATUS reply.
+
+        Reads counters only (the worker's last published stats, the pipeline's and the
+        chain's totals), so the control snapshot may call it on any thread.
+        """
+        scheduler = self._scheduler
+        sessions = 0 if scheduler is None else scheduler.stats().active_runtime_sessions
+        status: dict[str, Any] = {"uptime_s": time.monotonic() - self.started_at,
+                                  "active_sessions": sessions}
         if isinstance(self.runtime, MeteredRuntime):
             status["busy_s"] = self.runtime.busy_s
         if self.pipeline is not None and self.link is not None:
@@ -127,6 +138,17 @@ class SplitStage:
                           lookahead_retracted=counters.lookahead_retracted,
                           chain=self.link.status())
         return status
+
+    def link_status(self) -> dict[str, Any]:
+        """What a STATUS reply of this stage carries, for the control snapshot.
+
+        A stage 0 without ``link.listen`` has no listener: its listener counters are
+        zero, so every split stage reports the same keys.
+        """
+        server = self._server
+        if server is not None:
+            return server.status()
+        return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
 
 
 def _planned_decode_groups(config: StageConfig) -> int | None:

@@ -32,6 +32,7 @@ from skippyd.tui.tables import EventLog, LanesTable, LatencyTable
 from skippyd.tui.widgets import (
     CacheHits,
     KvUsage,
+    LinkPanel,
     QueueDepth,
     SchedulerLine,
     StageHeader,
@@ -96,6 +97,8 @@ class TopApp(App[None]):
     """Recent prompt tok/s samples."""
     generation_history: var[Sequence[float]] = var(())
     """Recent generation tok/s samples."""
+    busy_fraction: var[float | None] = var(None)
+    """A split stage's share of time in llama.cpp between its last two snapshots."""
     event_filter = var("")
     """The event log filter (see :func:`skippyd.tui.state.event_matches`)."""
     num_dropped = var(0)
@@ -144,6 +147,8 @@ class TopApp(App[None]):
                 "throughput")
             yield _titled(LatencyTable(id="latency", classes="panel").data_bind(
                 TopApp.snapshot), "latency (60 s)")
+        yield _titled(LinkPanel(id="link", classes="panel").data_bind(
+            TopApp.snapshot, TopApp.busy_fraction), "link")
         with Horizontal(id="row-bottom"):
             yield _titled(LanesTable(id="lanes", classes="panel").data_bind(TopApp.snapshot),
                           "lanes")
@@ -177,6 +182,7 @@ class TopApp(App[None]):
         self.queue_history = tuple(state.queue_history)
         self.prompt_history = tuple(state.prompt_history)
         self.generation_history = tuple(state.generation_history)
+        self.busy_fraction = state.busy_fraction
         self.num_dropped = state.num_dropped
         events = state.take_events()
         if events:

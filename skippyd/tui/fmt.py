@@ -1,6 +1,6 @@
 """Pure helpers that read snapshot fields tolerantly and format numbers for the dashboard.
 
-Used by the panels and by ``skippyd top --once``; no Textual import.
+Used by the panels, by ``skippyd top --once`` and by ``skippyd status``; no Textual import.
 """
 
 from __future__ import annotations
@@ -70,3 +70,29 @@ def fmt_ms(value: Any) -> str:
 def fmt_percent(fraction: float) -> str:
     """A fraction in [0, 1] as ``62.5%``."""
     return f"{fraction * 100:.1f}%"
+
+
+def link_lines(link: Mapping[str, Any], busy_fraction: float | None) -> list[str]:
+    """A split stage's link in two lines that fit an 80-column panel.
+
+    Stage 0 (its link has a ``chain``) shows the chain to the later stages; a later
+    stage shows what its listener carried. ``busy_fraction`` is the stage's share of
+    time in llama.cpp between two snapshots (``-`` while unknown).
+    """
+    fraction = "-" if busy_fraction is None else fmt_percent(busy_fraction)
+    busy = f"busy {fraction} ({number(link.get('busy_s')):.2f} s)"
+    chain = link.get("chain")
+    if isinstance(chain, Mapping):
+        state = "up" if chain.get("up") else "down"
+        return [f"chain {state} · {int(number(chain.get('num_stages')))} stages"
+                f" · epoch {int(number(chain.get('epoch')))} · {busy}",
+                f"sent {fmt_bytes(number(chain.get('bytes_out')))}"
+                f" · received {fmt_bytes(number(chain.get('bytes_in')))}"
+                f" · look-ahead {fmt_count(number(link.get('lookahead_hits')))}"
+                f"/{fmt_count(number(link.get('lookahead_steps')))} hits"]
+    return [f"connections {fmt_count(number(link.get('connections')))}"
+            f" ({int(number(link.get('chains')))} open)"
+            f" · rejected {fmt_count(number(link.get('rejected')))}"
+            f" · active sessions {int(number(link.get('active_sessions')))}",
+            f"received {fmt_bytes(number(link.get('bytes_in')))}"
+            f" · sent {fmt_bytes(number(link.get('bytes_out')))} · {busy}"]

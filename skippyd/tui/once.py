@@ -23,6 +23,7 @@ from skippyd.tui.fmt import (
     fmt_duration,
     fmt_ms,
     fmt_percent,
+    link_lines,
     number,
     section,
 )
@@ -117,7 +118,16 @@ def _summary_rows(snapshot: Mapping[str, Any]) -> list[tuple[str, str]]:
                       f"  overhead {number(scheduler.get('last_overhead_ms')):.1f} ms"
                       f" ({fmt_percent(number(scheduler.get('overhead_ratio')))})"),
         ("counters", "  ".join(f"{key} {int(number(value))}" for key, value in counters.items())),
+        *_link_rows(section(snapshot, "link")),
     ]
+
+
+def _link_rows(link: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The dashboard's link lines on a split stage; one snapshot gives no busy fraction."""
+    if not link:
+        return []
+    first, *rest = link_lines(link, None)
+    return [("link", first), *(("", line) for line in rest)]
 
 
 def _latency_rows(latency: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -1,10 +1,11 @@
 """What the dashboard knows, independent of how it is drawn.
 
 :class:`DashboardState` absorbs feed items (cheaply: it is called for every line the
-daemon sends) and keeps the latest snapshot, short histories for the sparklines and the
-events not yet shown. The app copies it into widgets on its own repaint tick, so a
-burst of telemetry costs one repaint, not one per event. Formatting and filtering of
-event lines live here too, so they are testable without an app.
+daemon sends) and keeps the latest snapshot, short histories for the sparklines, a split
+stage's busy fraction (which needs two snapshots) and the events not yet shown. The app
+copies it into widgets on its own repaint tick, so a burst of telemetry costs one
+repaint, not one per event. Formatting and filtering of event lines live here too, so
+they are testable without an app.
 """
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ class DashboardState:
         self.queue_history: deque[float] = deque(maxlen=history_len)
         self.prompt_history: deque[float] = deque(maxlen=history_len)
         self.generation_history: deque[float] = deque(maxlen=history_len)
+        self.busy_fraction: float | None = None
+        """Share of time a split stage spent in llama.cpp between its last two snapshots
+        (from the link's ``busy_s`` and ``uptime_s``); None until there are two."""
+        self._busy_sample: tuple[float, float] | None = None
         self._pending: deque[EventLine] = deque()
         self._max_pending = max_pending_events
         self._wall_clock = wall_clock
@@ -170,6 +175,24 @@ class DashboardState:
         self.queue_history.append(number(queues.get("waiting")))
         self.prompt_history.append(number(throughput.get("prompt_tok_s")))
         self.generation_history.append(number(throughput.get("generation_tok_s")))
+        self._track_busy(snapshot.get("link"))
+
+    def _track_busy(self, link: Any) -> None:
+        """Update :attr:`busy_fraction` from the link counters of a new snapshot.
+
+        A repeated snapshot (same uptime) keeps the fraction; a link that restarted
+        (uptime went back) or disappeared starts over from one sample.
+        """
+        if not isinstance(link, Mapping):
+            self._busy_sample = self.busy_fraction = None
+            return
+        sample = (number(link.get("uptime_s")), number(link.get("busy_s")))
+        previous, self._busy_sample = self._busy_sample, sample
+        if previous is None or sample[0] < previous[0]:
+            self.busy_fraction = None
+        elif sample[0] > previous[0]:
+            fraction = (sample[1] - previous[1]) / (sample[0] - previous[0])
+            self.busy_fraction = min(1.0, max(0.0, fraction))
 
     def _add_event(self, line: EventLine) -> None:
         if len(self._pending) >= self._max_pending:

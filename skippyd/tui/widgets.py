@@ -1,4 +1,4 @@
-"""The dashboard's small panels: header, queue depth, gauges, prefix cache, throughput.
+"""The dashboard's small panels: header, queue depth, gauges, prefix cache, throughput, link.
 
 Each widget takes the latest snapshot through a ``snapshot`` reactive that the app binds
 with ``data_bind``, derives its numbers from it, and renders them. Layout, borders and
@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline
 
-from skippyd.tui.fmt import fmt_bytes, fmt_count, fmt_duration, number, section
+from skippyd.tui.fmt import fmt_bytes, fmt_count, fmt_duration, link_lines, number, section
 
 logger = logging.getLogger(__name__)
 
@@ -274,3 +274,29 @@ class Throughput(Vertical):
         yield Rate("generation_tok_s", "gen   ", id="generation-rate").data_bind(
             Throughput.snapshot)
         yield Sparkline(id="generation-spark").data_bind(data=Throughput.generation_history)
+
+
+class LinkPanel(Widget):
+    """A split stage's link: the chain (stage 0) or the upstream traffic (later stages).
+
+    Shown only while the snapshot has a ``link`` section: a stage serving a whole model
+    has none, and an empty panel would only take rows from the lanes and events.
+    """
+
+    snapshot: reactive[Snapshot] = reactive(None)
+    """The latest snapshot."""
+    busy_fraction: reactive[float | None] = reactive(None)
+    """The stage's share of time in llama.cpp between two snapshots (None: unknown)."""
+
+    def watch_snapshot(self, snapshot: Snapshot) -> None:
+        self.display = bool(section(snapshot, "link"))
+
+    def render(self) -> RenderResult:
+        link = section(self.snapshot, "link")
+        if not link:
+            return Text("")
+        text = Text("\n".join(link_lines(link, self.busy_fraction)), no_wrap=True,
+                    overflow="ellipsis")
+        text.highlight_regex(r"^chain up\b", "bold green")
+        text.highlight_regex(r"^chain down\b", "bold red")
+        return text

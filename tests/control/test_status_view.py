@@ -52,16 +52,38 @@ class FakeScheduler:
 
 
 class FakeEngine:
-    def __init__(self, stats: SchedulerStats, health: tuple[str, str | None]) -> None:
+    def __init__(self, stats: SchedulerStats, health: tuple[str, str | None],
+                 link: dict | None = None) -> None:
         self.config = parse_config({"stage": {"id": "beta", "layer_start": 0, "layer_end": 12},
                                     "runtime": {"lane_count": 3, "ctx_size": 1024}})
         self.model_id = "some-model"
         self.ctx_size = 1024
         self.scheduler = FakeScheduler(stats)
         self._health = health
+        self._link = link
 
     def health(self) -> tuple[str, str | None]:
         return self._health
+
+    def link_status(self) -> dict | None:
+        return self._link
+
+
+def link_counters(**stage: object) -> dict:
+    """A split stage's ``link`` section (docs/control-protocol.md) with ``stage`` merged in."""
+    return {"stage_id": "beta", "stage_index": 0, "layer_start": 0, "layer_end": 12,
+            "is_final": False, "chains": 0, "bytes_in": 0, "bytes_out": 0, "batches": 0,
+            "connections": 0, "rejected": 0, "uptime_s": 80.0, "active_sessions": 0,
+            "busy_s": 2.0, **stage}
+
+
+STAGE0_LINK = link_counters(
+    batches_sent=40, lookahead_steps=12, lookahead_hits=9, lookahead_retracted=1,
+    chain={"up": True, "reason": None, "epoch": 2, "num_stages": 3, "bytes_out": 3 * 2**20,
+           "bytes_in": 1536})
+LATER_LINK = link_counters(
+    stage_id="gamma", stage_index=1, is_final=True, chains=1, connections=2, rejected=1,
+    batches=40, bytes_in=5 * 2**20, bytes_out=2048, active_sessions=2, busy_s=20.0)
 
 
 @pytest.fixture
@@ -87,7 +109,8 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
     assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
                          "kv", "prefix_cache", "throughput", "latency_ms", "counters",
-                         "scheduler"}
+                         "scheduler", "link"}
+    assert snap["link"] is None
     assert snap["stage"] == {"id": "beta", "index": 0, "model": "some-model", "layer_start": 0,
                              "layer_end": 12, "is_first": True, "is_final": True}
     assert 5.0 <= snap["uptime_s"] < 60.0
@@ -118,6 +141,7 @@ def test_snapshot_of_a_stage_still_loading(tiny_model_path: Path) -> None:
     assert snap["health"] == {"status": "loading", "reason": "loading the model"}
     assert [lane["phase"] for lane in snap["lanes"]] == ["idle", "idle"]
     assert snap["counters"]["iterations"] == 0
+    assert snap["link"] is None
     console = Console(record=True, width=120)
     console.print(render_status(snap))
     assert "health loading" in console.export_text()
@@ -133,6 +157,48 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "failed (worker panicked)" in text and "up 1h 02m" in text
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
+
+
+def test_snapshot_carries_the_link_of_a_split_stage() -> None:
+    engine = FakeEngine(SchedulerStats(), ("ok", None), link=LATER_LINK)
+    snap = build_snapshot(engine, ServingMetrics(), time.monotonic())
+    assert snap["link"] == LATER_LINK
+    json.dumps(snap, allow_nan=False)
+
+
+def render_text(link: dict | None) -> str:
+    engine = FakeEngine(SchedulerStats(), ("ok", None), link=link)
+    console = Console(record=True, width=120)
+    console.print(render_status(build_snapshot(engine, ServingMetrics(), time.monotonic())))
+    return console.export_text()
+
+
+def test_render_shows_the_chain_of_stage_0() -> None:
+    text = render_text(STAGE0_LINK)
+    assert "link          chain up · 3 stages · epoch 2" in text
+    assert "link traffic  sent 3.0 MiB · received 1.5 KiB · batches 40" in text
+    assert "look-ahead    hits 9 of 12 steps · retracted 1" in text
+    assert "link busy     2.00 s of 80.0 s in llama.cpp (2.5%)" in text
+    assert "connections" not in text
+
+
+def test_render_names_why_the_chain_is_down() -> None:
+    down = {**STAGE0_LINK, "chain": {**STAGE0_LINK["chain"], "up": False,
+                                     "reason": "gamma at 10.0.0.2:9101: refused"}}
+    assert "chain down (gamma at 10.0.0.2:9101: refused) · 3 stages" in render_text(down)
+
+
+def test_render_shows_the_upstream_traffic_of_a_later_stage() -> None:
+    text = render_text(LATER_LINK)
+    assert "link          connections 2 (1 open) · rejected 1 · active sessions 2" in text
+    assert "link traffic  received 5.0 MiB · sent 2.0 KiB · batches 40" in text
+    assert "link busy     20.00 s of 80.0 s in llama.cpp (25.0%)" in text
+    assert "chain" not in text and "look-ahead" not in text
+
+
+def test_render_of_an_unsplit_stage_has_no_link_block() -> None:
+    text = render_text(None)
+    assert "link" not in text and "waiting 0" in text
 
 
 async def test_status_exits_1_when_the_stage_is_not_ok(short_dir: Path) -> None:

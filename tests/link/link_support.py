@@ -56,6 +56,25 @@ slice_cache_dir = "{slice_dir}"
 """
 
 
+def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: int,
+               ports: list[int]) -> str:
+    """Stage ``index`` of a 2-stage chain of the suite's tiny model.
+
+    Slices go to ``workdir/slices`` and the control socket is ``workdir/tiny<index>.sock``.
+    """
+    text = (f'[stage]\nid = "tiny-{index}"\nindex = {index}\nmodel_path = "{model}"\n'
+            f"layer_start = {layers[0]}\nlayer_end = {layers[1]}\n"
+            f"[runtime]\nctx_size = 512\nlane_count = 2\nthreads = 1\nthreads_batch = 1\n"
+            f"n_batch = {n_batch}\nn_ubatch = 32\n"
+            f'slice_cache_dir = "{workdir / "slices"}"\n'
+            f'[link]\nlisten = "127.0.0.1:{ports[index]}"\nsecret = "{SECRET}"\n'
+            f'[control]\nsocket = "{workdir / f"tiny{index}.sock"}"\n')
+    if index == 0:
+        return text + (f'[http]\nlisten = "127.0.0.1:0"\n[downstream]\nstage_id = "tiny-1"\n'
+                       f'endpoint = "127.0.0.1:{ports[1]}"\n')
+    return text + f'[upstream]\nstage_id = "tiny-0"\nendpoint = "127.0.0.1:{ports[0]}"\n'
+
+
 class Chain:
     """A split pipeline of ``len(bounds) - 1`` stage processes."""
 

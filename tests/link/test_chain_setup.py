@@ -3,23 +3,8 @@
 from __future__ import annotations
 
 import httpx
-from link_support import SECRET, STAGE_READY, free_port, wait_until
+from link_support import STAGE_READY, free_port, tiny_stage, wait_until
 from serve_process import ServeProcess
-
-
-def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: int,
-               ports: list[int]) -> str:
-    text = (f'[stage]\nid = "tiny-{index}"\nindex = {index}\nmodel_path = "{model}"\n'
-            f"layer_start = {layers[0]}\nlayer_end = {layers[1]}\n"
-            f"[runtime]\nctx_size = 512\nlane_count = 2\nthreads = 1\nthreads_batch = 1\n"
-            f"n_batch = {n_batch}\nn_ubatch = 32\n"
-            f'slice_cache_dir = "{workdir / "slices"}"\n'
-            f'[link]\nlisten = "127.0.0.1:{ports[index]}"\nsecret = "{SECRET}"\n'
-            f'[control]\nsocket = "{workdir / f"tiny{index}.sock"}"\n')
-    if index == 0:
-        return text + (f'[http]\nlisten = "127.0.0.1:0"\n[downstream]\nstage_id = "tiny-1"\n'
-                       f'endpoint = "127.0.0.1:{ports[1]}"\n')
-    return text + f'[upstream]\nstage_id = "tiny-0"\nendpoint = "127.0.0.1:{ports[0]}"\n'
 
 
 def test_a_later_stage_with_a_smaller_n_batch_keeps_the_chain_down(tmp_path, tiny_model_path):

@@ -43,6 +43,7 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
                      "preempted": 0, "iterations": 0, "prompt_tokens": 0,
                      "generation_tokens": 0},
         "scheduler": {"last_step_ms": 0.0, "last_overhead_ms": 0.0, "overhead_ratio": 0.0},
+        "link": None,
     }
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(snapshot.get(key), dict):
@@ -50,6 +51,16 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
         else:
             snapshot[key] = copy.deepcopy(value)
     return snapshot
+
+
+def make_link(**overrides: Any) -> dict[str, Any]:
+    """A split stage's ``link`` section: a later stage's unless ``chain`` is given."""
+    link: dict[str, Any] = {
+        "stage_id": "stage-1", "stage_index": 1, "layer_start": 2, "layer_end": 4,
+        "is_final": True, "chains": 1, "connections": 1, "batches": 0, "bytes_in": 0,
+        "bytes_out": 0, "rejected": 0, "uptime_s": 10.0, "active_sessions": 0, "busy_s": 0.0,
+    }
+    return {**link, **copy.deepcopy(overrides)}
 
 
 @dataclass

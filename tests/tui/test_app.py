@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 from pilot_helpers import header_text, make_app, queue_shows, rendered, screen_text, wait_for
-from scripted_server import ScriptedServer, make_snapshot
+from scripted_server import ScriptedServer, make_link, make_snapshot
 from textual.widgets import Input, Sparkline
 
 from skippyd.tui.app import TopApp
 from skippyd.tui.help import HelpScreen
 from skippyd.tui.tables import EventLog, LanesTable, LatencyTable
-from skippyd.tui.widgets import CacheHits, KvUsage, WaveFullness
+from skippyd.tui.widgets import CacheHits, KvUsage, LinkPanel, WaveFullness
 
 SNAPSHOT = make_snapshot(
     stage={"id": "stage-7", "index": 1, "model": "tiny-model", "layer_start": 2, "layer_end": 4},
@@ -79,6 +79,39 @@ async def test_panels_follow_new_snapshots(server: ScriptedServer) -> None:
         assert [str(cell) for cell in lanes.get_row("3")] == ["3", "prefill", "req-z", "900", "0"]
         history = app.query_one("#queue-spark", Sparkline).data
         assert 3.0 in history and history[-1] == 6.0
+
+
+LATER_LINK = make_link(connections=2, rejected=1, active_sessions=3, bytes_in=5 * 2**20,
+                       bytes_out=2048, uptime_s=10.0, busy_s=1.0)
+STAGE0_LINK = make_link(
+    stage_id="stage-0", stage_index=0, is_final=False, chains=0, connections=0, uptime_s=14.0,
+    busy_s=3.0, batches_sent=40, lookahead_steps=1200, lookahead_hits=900,
+    lookahead_retracted=3, chain={"up": True, "reason": None, "epoch": 2, "num_stages": 3,
+                                  "bytes_out": 3 * 2**20, "bytes_in": 1536})
+
+
+async def test_link_panel_follows_a_split_stage(server: ScriptedServer) -> None:
+    server.snapshot = make_snapshot(queues={"waiting": 1}, link=LATER_LINK)
+    app = make_app(server.path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: queue_shows(app, 1), "a later stage's snapshot")
+        panel = app.query_one(LinkPanel)
+        assert panel.display and panel.border_title == "link"
+        assert rendered(panel).splitlines() == [
+            "connections 2 (1 open) · rejected 1 · active sessions 3",
+            "received 5.0 MiB · sent 2.0 KiB · busy - (1.00 s)"]
+        server.snapshot = make_snapshot(link={**LATER_LINK, "uptime_s": 12.0, "busy_s": 2.5})
+        await wait_for(pilot, lambda: "busy 75.0% (2.50 s)" in rendered(panel),
+                       "the busy fraction of two snapshots")
+        assert "busy 75.0% (2.50 s)" in screen_text(app)  # not cut at 80 columns
+        server.snapshot = make_snapshot(link=STAGE0_LINK)
+        await wait_for(pilot, lambda: rendered(panel).startswith("chain"), "stage 0's link")
+        assert rendered(panel).splitlines() == [
+            "chain up · 3 stages · epoch 2 · busy 25.0% (3.00 s)",
+            "sent 3.0 MiB · received 1.5 KiB · look-ahead 900/1.2k hits"]
+        server.snapshot = make_snapshot(queues={"waiting": 5})
+        await wait_for(pilot, lambda: queue_shows(app, 5), "a whole-model snapshot")
+        assert not panel.display and app.busy_fraction is None
 
 
 async def test_event_log_and_filter_keys(server: ScriptedServer) -> None:
@@ -192,8 +225,9 @@ async def test_dropped_counts_are_shown(server: ScriptedServer) -> None:
 
 
 @pytest.mark.parametrize("size", [(80, 24), (132, 43)])
-async def test_renders_every_panel_and_resizes(server: ScriptedServer, size) -> None:
-    server.snapshot = SNAPSHOT
+@pytest.mark.parametrize("link", [None, LATER_LINK], ids=["whole", "split"])
+async def test_renders_every_panel_and_resizes(server: ScriptedServer, size, link) -> None:
+    server.snapshot = {**SNAPSHOT, "link": link}
     app = make_app(server.path)
     async with app.run_test(size=size) as pilot:
         await wait_for(pilot, lambda: queue_shows(app, 3), "first snapshot")
@@ -204,6 +238,8 @@ async def test_renders_every_panel_and_resizes(server: ScriptedServer, size) -> 
         labels = ("queue", "wave", "kv", "prefix cache", "throughput", "latency", "lanes",
                   "events", "stage-7", "waiting 3", "hit 75.0%", "123.4", "12.5", "req-a",
                   "scheduler_iteration", "Quit", "Help")
+        if link is not None:
+            labels += ("link", "active sessions 3", "received 5.0 MiB")
         # The footer fills in after the first focus change, hence a wait, not an assert.
         await wait_for(pilot, lambda: all(label in screen_text(app) for label in labels),
                        f"labels on screen; missing: {labels}")
@@ -215,10 +251,14 @@ async def test_renders_every_panel_and_resizes(server: ScriptedServer, size) -> 
 
 
 def assert_panels_fit(app: TopApp, size: tuple[int, int]) -> None:
-    """Every panel is visible, inside the screen, and the panels do not overlap."""
+    """Every panel is visible, inside the screen, and the panels do not overlap.
+
+    The link panel is shown exactly when the snapshot has a ``link`` section.
+    """
     width, height = size
-    panels = list(app.query(".panel"))
-    assert [p.id for p in panels] == ["queue", "load", "cache", "throughput", "latency",
+    panels = [panel for panel in app.query(".panel") if panel.display]
+    link = ["link"] if app.state.snapshot.get("link") else []
+    assert [p.id for p in panels] == ["queue", "load", "cache", "throughput", "latency", *link,
                                       "lanes", "events"]
     for panel in panels:
         region = panel.region

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from scripted_server import ScriptedServer, make_snapshot
+from scripted_server import ScriptedServer, make_link, make_snapshot
 
 from skippyd.tui import EXIT_CONFIG, run_top
 from skippyd.tui.once import EXIT_UNREACHABLE, render_snapshot, run_once
@@ -61,6 +61,16 @@ async def test_once_without_a_daemon_fails_clearly(socket_path: Path) -> None:
     code, out, err = await once(socket_path, as_json=True)
     assert code == EXIT_UNREACHABLE and out == ""
     assert "error:" in err and "cannot connect" in err
+
+
+def test_render_snapshot_adds_the_link_of_a_split_stage() -> None:
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(render_snapshot(make_snapshot(link=make_link(connections=2, bytes_in=4096))))
+    assert "link          connections 2 (1 open) · rejected 0 · active sessions 0" in output(console)
+    assert "received 4.0 KiB · sent 0 B · busy - (0.00 s)" in output(console)
+    console = Console(file=io.StringIO(), width=120, color_system=None)
+    console.print(render_snapshot(SNAPSHOT))
+    assert "link" not in output(console)
 
 
 def test_render_snapshot_tolerates_missing_sections() -> None:

@@ -5,9 +5,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from scripted_server import make_snapshot
+from scripted_server import make_link, make_snapshot
 
-from skippyd.tui.fmt import fmt_bytes, fmt_count, fmt_duration, fmt_ms, number, section
+from skippyd.tui.fmt import (
+    fmt_bytes,
+    fmt_count,
+    fmt_duration,
+    fmt_ms,
+    link_lines,
+    number,
+    section,
+)
 from skippyd.tui.source import Connected, Disconnected, Dropped, EventReceived, SnapshotReceived
 from skippyd.tui.state import DashboardState, EventLine, event_matches, format_event
 
@@ -84,3 +92,33 @@ def test_tolerant_readers_and_formatters() -> None:
     assert [fmt_duration(s) for s in (42, 187, 3720, 183_600)] == ["42s", "3m07s", "1h02m",
                                                                    "2d03h"]
     assert [fmt_ms(v) for v in (None, 12.34, 2500.0)] == ["-", "12.3", "2.50s"]
+
+
+def test_busy_fraction_comes_from_two_link_samples() -> None:
+    state = DashboardState()
+
+    def busy_after(link: dict | None) -> float | None:
+        state.apply(SnapshotReceived(make_snapshot(link=link)), now=0.0)
+        return state.busy_fraction
+
+    assert busy_after(None) is None
+    assert busy_after(make_link(uptime_s=10.0, busy_s=1.0)) is None  # one sample
+    assert busy_after(make_link(uptime_s=10.0, busy_s=1.0)) is None  # the same one again
+    assert busy_after(make_link(uptime_s=12.0, busy_s=2.5)) == pytest.approx(0.75)
+    assert busy_after(make_link(uptime_s=12.0, busy_s=2.5)) == pytest.approx(0.75)  # kept
+    assert busy_after(make_link(uptime_s=16.0, busy_s=2.5)) == 0.0
+    assert busy_after(make_link(uptime_s=1.0, busy_s=0.5)) is None  # the stage restarted
+    assert busy_after(make_link(uptime_s=2.0, busy_s=1.5)) == pytest.approx(1.0)
+    assert busy_after(None) is None  # a whole-model stage now
+
+
+def test_link_lines_of_both_stage_kinds() -> None:
+    later = make_link(chains=1, connections=3, rejected=2, active_sessions=4,
+                      bytes_in=3 * 2**20, bytes_out=512, busy_s=1.25)
+    assert link_lines(later, 0.5) == ["connections 3 (1 open) · rejected 2 · active sessions 4",
+                                      "received 3.0 MiB · sent 512 B · busy 50.0% (1.25 s)"]
+    stage0 = make_link(lookahead_hits=9, lookahead_steps=12, busy_s=0.5, chain={
+        "up": False, "reason": "refused", "epoch": 4, "num_stages": 2, "bytes_out": 2048,
+        "bytes_in": 100})
+    assert link_lines(stage0, None) == ["chain down · 2 stages · epoch 4 · busy - (0.50 s)",
+                                        "sent 2.0 KiB · received 100 B · look-ahead 9/12 hits"]
