@@ -140,8 +140,11 @@ def test_prefill_chunks_do_not_wait_and_drops_reach_the_chain(chain):
     output = _run(chain, [IterationRequest("p", list(range(3, 35)), positions=range(32))]
                   ).result(TIMEOUT_S)
     assert output.samples == [] and len(chain.batches) == 1  # returned without an answer
+    assert chain.runtime.kv_cells_used() == 32  # stage 0's own cells, as the snapshot shows
+    assert chain.runtime.session_seq_id("p") is not None
     chain.worker.submit(chain.runtime.drop_session, "p").result(TIMEOUT_S)
     assert chain.drops == [1] and chain.runtime.local.session_token_count("p") is None
+    assert chain.runtime.kv_cells_used() == 0
 
 
 def test_a_lost_chain_fails_waiting_and_later_calls(chain):
