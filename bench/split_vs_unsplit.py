@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
                              "cost of splitting on equal CPU when the machine is shared")
     parser.add_argument("--lanes", type=int, default=8)
+    parser.add_argument("--split-at", type=int, default=15,
+                        help="first layer of stage 1 (SmolLM2 has 30 layers; the final stage "
+                             "also computes the output head)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args(argv)
@@ -106,11 +109,11 @@ def start_servers(workdir: Path, args: argparse.Namespace,
     half = args.stage_threads or max(1, args.threads // 2)
     link = f'[link]\nsecret = "{SECRET}"\n'
     stage1 = stage_config(workdir, "stage-1", half, args.lanes,
-                          "index = 1\nlayer_start = 15\nlayer_end = 30\n"
+                          f"index = 1\nlayer_start = {args.split_at}\nlayer_end = 30\n"
                           f'{link}listen = "127.0.0.1:{ports[1]}"\n'
                           f'[upstream]\nstage_id = "stage-0"\nendpoint = "127.0.0.1:{ports[0]}"\n')
     stage0 = stage_config(workdir, "stage-0", half, args.lanes,
-                          "index = 0\nlayer_start = 0\nlayer_end = 15\n"
+                          f"index = 0\nlayer_start = 0\nlayer_end = {args.split_at}\n"
                           f'{link}listen = "127.0.0.1:{ports[0]}"\n'
                           f'[downstream]\nstage_id = "stage-1"\n'
                           f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n')
