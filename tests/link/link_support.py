@@ -6,10 +6,11 @@ directory uses.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,29 @@ def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: 
         return text + (f'[http]\nlisten = "127.0.0.1:0"\n[downstream]\nstage_id = "tiny-1"\n'
                        f'endpoint = "127.0.0.1:{ports[1]}"\n')
     return text + f'[upstream]\nstage_id = "tiny-0"\nendpoint = "127.0.0.1:{ports[0]}"\n'
+
+
+@contextlib.contextmanager
+def tiny_chain(model, workdir: Path, *,
+               n_batch: tuple[int, int] = (128, 128)) -> Iterator[tuple[ServeProcess, ...]]:
+    """Stages 0 (layers 0-2, HTTP) and 1 (layers 2-4) of the tiny model, both started;
+    yields (head, later) once each printed its ready line, stops both afterwards."""
+    ports = [free_port(), free_port()]
+    procs = []
+    try:
+        for index, layers in reversed(list(enumerate([(0, 2), (2, 4)]))):
+            directory = workdir / f"s{index}"
+            directory.mkdir()
+            procs.append(ServeProcess(tiny_stage(model, workdir, index=index, layers=layers,
+                                                 n_batch=n_batch[index], ports=ports),
+                                      directory))
+        later, head = procs
+        later.wait_for_line(STAGE_READY, timeout=60)
+        head.wait_ready()
+        yield head, later
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 class Chain:

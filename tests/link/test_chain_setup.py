@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import httpx
-from link_support import STAGE_READY, free_port, tiny_stage, wait_until
-from serve_process import ServeProcess
+from link_support import tiny_chain, wait_until
 
 
 def test_a_later_stage_with_a_smaller_n_batch_keeps_the_chain_down(tmp_path, tiny_model_path):
-    ports = [free_port(), free_port()]
-    dirs = [tmp_path / "s0", tmp_path / "s1"]
-    for directory in dirs:
-        directory.mkdir()
-    later = ServeProcess(tiny_stage(tiny_model_path, tmp_path, index=1, layers=(2, 4),
-                                    n_batch=64, ports=ports), dirs[1])
-    head = ServeProcess(tiny_stage(tiny_model_path, tmp_path, index=0, layers=(0, 2),
-                                   n_batch=128, ports=ports), dirs[0])
-    try:
-        later.wait_for_line(STAGE_READY, timeout=60)
-        head.wait_ready()
+    with tiny_chain(tiny_model_path, tmp_path, n_batch=(128, 64)) as (head, _later):
         head.wait_for_line(r"runtime\.n_batch", timeout=30)
 
         def reason() -> str:
@@ -31,6 +20,3 @@ def test_a_later_stage_with_a_smaller_n_batch_keeps_the_chain_down(tmp_path, tin
         assert "stage 0's 128" in health.json()["reason"]
         refused = httpx.post(head.url + "/completions", json={"prompt": "a b", "max_tokens": 2})
         assert refused.status_code == 503
-    finally:
-        head.stop()
-        later.stop()

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from link_support import SECRET, STAGE_READY, free_port, tiny_stage, wait_until
-from serve_process import ServeProcess
+from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
 from skippyd.engine.worker_types import SchedulerStats
@@ -97,17 +96,7 @@ def status_json(socket: Path) -> dict:
 
 
 def test_status_shows_the_link_on_both_stages(short_dir: Path, tiny_model_path: Path) -> None:
-    ports = [free_port(), free_port()]
-    dirs = [short_dir / "s0", short_dir / "s1"]
-    for directory in dirs:
-        directory.mkdir()
-    later = ServeProcess(tiny_stage(tiny_model_path, short_dir, index=1, layers=(2, 4),
-                                    n_batch=128, ports=ports), dirs[1])
-    head = ServeProcess(tiny_stage(tiny_model_path, short_dir, index=0, layers=(0, 2),
-                                   n_batch=128, ports=ports), dirs[0])
-    try:
-        later.wait_for_line(STAGE_READY, timeout=60)
-        head.wait_ready()
+    with tiny_chain(tiny_model_path, short_dir) as (head, _later):
 
         def health() -> str:
             return httpx.get(head.base_url + "/health", timeout=5).json()["status"]
@@ -118,9 +107,6 @@ def test_status_shows_the_link_on_both_stages(short_dir: Path, tiny_model_path: 
         assert reply.status_code == 200, reply.text
         first = status_json(short_dir / "tiny0.sock")
         second = status_json(short_dir / "tiny1.sock")
-    finally:
-        head.stop()
-        later.stop()
     chain = first["link"]["chain"]
     assert chain["up"] is True and chain["num_stages"] == 2 and chain["bytes_out"] > 0
     assert first["link"]["stage_index"] == 0 and first["link"]["batches_sent"] > 0
