@@ -298,7 +298,7 @@ class KvCacheSection:
     max_bytes: int = _setting(0, lo=0)
     """Budget of resident entries; 0 means unbounded."""
     host_ram_bytes: int = _setting(256 * MIB, lo=0)
-    """Budget of the host-RAM tier of saved states; 0 disables the tier."""
+    """Budget of the host-RAM tier: saved states plus their token index; 0 disables it."""
     min_tokens: int = _setting(64, lo=1)
     """Shortest prefix worth caching."""
     shared_prefix_stride_tokens: int = _setting(128, lo=1)

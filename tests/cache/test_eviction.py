@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skippyd.engine.prefix_cache import EntryTable, PrefixCacheSettings, Tier
+from skippyd.engine.prefix_cache.entries import INDEX_BYTES_PER_TOKEN, host_cost
 from skippyd.engine.prefix_cache.eviction import (
     budget_victims,
     host_victims,
@@ -35,7 +36,8 @@ def test_match_skips_short_prefixes_and_prefers_resident_then_warm_entries():
     assert table.match([0, 1, 2, 77]).entry is None  # 3 tokens < min_tokens
     table.move_to_host(hot, b"x" * 10)
     assert table.match(list(range(8))).entry is table.entries["p1"]
-    assert table.stats().evictions == 1 and table.stats().bytes_host == 10
+    assert table.stats().evictions == 1
+    assert table.stats().bytes_host == 10 + 10 * INDEX_BYTES_PER_TOKEN  # state + token index
 
 
 def test_pressure_evicts_cheap_then_cold_entries_and_never_only_shared_cells():
@@ -73,8 +75,9 @@ def test_a_new_record_takes_the_slot_of_an_entry_whose_cells_are_all_shared():
 
 
 def test_resident_byte_budget_and_host_budget():
+    # The host budget holds both states and their token index, exactly.
     settings = PrefixCacheSettings(max_entries=4, min_tokens=4, max_bytes=100 * 10,
-                                   host_ram_bytes=100)
+                                   host_ram_bytes=host_cost(60, 60) + host_cost(30, 30))
     table = table_with([1] * 60, [2] * 30, settings=settings)
     table.kv_bytes_per_token = 10
     # 90 + 40 > 100 tokens: the shallower entry is cheaper per cell to rebuild.
@@ -89,9 +92,10 @@ def test_resident_byte_budget_and_host_budget():
     first.pins.clear()
     second.pins.clear()
     table.touch(first)
+    assert host_victims(table, 0) == []
     assert ids(host_victims(table, 20)) == ["p2"]  # the colder one
-    assert ids(host_victims(table, 50)) == ["p2", "p1"]
-    assert host_victims(table, 101) is None
+    assert ids(host_victims(table, host_cost(30, 30) + 1)) == ["p2", "p1"]
+    assert host_victims(table, settings.host_ram_bytes + 1) is None
 
 
 def test_add_resident_without_a_slot_is_an_error():

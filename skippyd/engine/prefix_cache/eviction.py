@@ -141,6 +141,8 @@ def budget_victims(table: EntryTable, new_tokens: int) -> list[CacheEntry] | Non
 def host_victims(table: EntryTable, new_bytes: int) -> list[CacheEntry] | None:
     """Unpinned host entries to drop, coldest first, so ``new_bytes`` fit the host budget.
 
+    ``new_bytes`` is the incoming entry's whole host cost (see ``host_cost``).
+
     Returns:
         The victims (maybe none), or None when the state cannot fit at all.
     """

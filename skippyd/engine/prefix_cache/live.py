@@ -22,6 +22,7 @@ from skippyd.engine.prefix_cache.entries import (
     EntryTable,
     PrefixCacheStats,
     Tier,
+    host_cost,
 )
 from skippyd.engine.prefix_cache.eviction import (
     budget_victims,
@@ -288,7 +289,7 @@ class LivePrefixCache:
         slot = _slot(entry)
         if self.settings.host_tier:
             state = self.runtime.save_slot_state(slot)
-            victims = host_victims(self.table, len(state))
+            victims = host_victims(self.table, host_cost(len(state), entry.num_tokens))
             if victims is not None:
                 for victim in victims:
                     self.table.remove(victim)
