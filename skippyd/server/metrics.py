@@ -65,11 +65,18 @@ _STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 StatsSource = Callable[[], SchedulerStats | None]
 
 
+def _drop_before(samples: deque, horizon: float) -> None:
+    """Drop samples (timestamp first) older than ``horizon`` from the left of ``samples``."""
+    while samples and samples[0][0] < horizon:
+        samples.popleft()
+
+
 class _Window:
     """Timestamped samples of the last ``window_s`` seconds (thread-safe).
 
     Each sample is also passed to ``sink`` (a Prometheus histogram or counter), which
-    keeps the all-time view.
+    keeps the all-time view. Expired samples are dropped as new ones arrive, so memory
+    follows the recent rate, not how long the daemon has run without being read.
     """
 
     def __init__(self, window_s: float, clock: Callable[[], float],
@@ -81,16 +88,17 @@ class _Window:
         self._lock = threading.Lock()
 
     def add(self, value: float) -> None:
+        now = self._clock()
         with self._lock:
-            self._samples.append((self._clock(), value))
+            self._samples.append((now, value))
+            _drop_before(self._samples, now - self._window_s)
         self._sink(value)
 
     def values(self) -> list[float]:
         """Values still inside the window, oldest first (older ones are pruned)."""
         horizon = self._clock() - self._window_s
         with self._lock:
-            while self._samples and self._samples[0][0] < horizon:
-                self._samples.popleft()
+            _drop_before(self._samples, horizon)
             return [value for _, value in self._samples]
 
     def percentiles_ms(self) -> dict[str, Any]:
@@ -358,6 +366,7 @@ class ServingMetrics:
         overhead_s = float(attrs.get(_ATTR + "overhead_ms", 0.0)) / 1000.0
         now = self.clock()
         self._steps.append((now, step_s, overhead_s))
+        _drop_before(self._steps, now - self.window_s)
         self._step.observe(step_s)
         self._overhead.observe(overhead_s)
         self.prefix["hits"] = int(attrs.get(_ATTR + "prefix_hits", self.prefix["hits"]))

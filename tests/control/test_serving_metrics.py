@@ -115,6 +115,22 @@ def test_windows_forget_old_samples_but_counters_do_not() -> None:
     assert sample(metrics, "skippyd_time_to_first_token_seconds_count") == 1
 
 
+
+def test_windows_unread_for_hours_hold_only_their_last_minute() -> None:
+    """A daemon nobody watches must not keep hours of samples (the soak found it)."""
+    clock = FakeClock()
+    metrics = ServingMetrics(clock=clock, window_s=60.0)
+    for i in range(3600):  # one short request a second for an hour, never read
+        timer = metrics.start_request(f"r{i}", 4)
+        timer.on_event(token())
+        timer.on_event(token())
+        timer.on_event(CompleteEvent("stop"))
+        clock.now += 1.0
+    windows = (metrics.ttft, metrics.itl, metrics.e2e, metrics.prompt, metrics.generated)
+    assert all(len(window._samples) <= 2 * 61 for window in windows)  # noqa: SLF001
+    assert metrics.latency_ms()["e2e"]["count"] == 60
+    assert sample(metrics, "skippyd_e2e_request_latency_seconds_count") == 3600
+
 def test_nothing_counts_after_the_end() -> None:
     metrics = ServingMetrics(clock=FakeClock())
     timer = metrics.start_request("r1", 3)
