@@ -7,14 +7,20 @@ worker thread may call them.
 
 * ``llama_memory_seq_cp`` adds a sequence id to existing cells: a copy shares cells and
   costs nothing, and a copy of the first ``n`` positions is a valid ``n``-token prefix.
-* ``llama_state_seq_get_data_ext`` / ``set_data_ext`` save a sequence to bytes and load
-  them into another sequence id; a load needs free cells for the whole saved state.
+* ``llama_state_seq_get_data_ext`` / ``set_data_ext`` save a sequence to host memory and
+  load it into another sequence id; a load needs free cells for the whole saved state.
+
+A saved state lives in an anonymous memory mapping of its own (:class:`HostState`), not on
+the malloc heap: states of every size come and go as the host tier churns, and on the
+heap they fragmented it, so a long-running daemon's memory crept up although the tier
+stayed within its budget. A mapping goes back to the system the moment it is dropped.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 from collections.abc import Sequence
 
 from llama_cpp import llama_cpp as L
@@ -25,6 +31,31 @@ logger = logging.getLogger(__name__)
 
 #: ``llama_state_seq_*_ext`` flags: 0 saves every layer's KV of the sequence.
 _STATE_FLAGS = 0
+
+
+class HostState:
+    """A saved sequence state in an anonymous mapping; ``len()`` is its size in bytes.
+
+    The mapping is unmapped when the object is collected (or :meth:`release` is called).
+    """
+
+    __slots__ = ("_map", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, max(size, 1))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def as_ctypes(self) -> ctypes.Array:
+        """The state's bytes as a ctypes array over the mapping (no copy)."""
+        return (ctypes.c_uint8 * self.size).from_buffer(self._map)
+
+    def release(self) -> None:
+        """Unmap now. Idempotent; a released state reads as empty."""
+        self.size = 0
+        self._map.close()
 
 
 class CacheSlotsMixin:
@@ -80,26 +111,29 @@ class CacheSlotsMixin:
         self._check_slot(slot)
         L.llama_memory_seq_rm(self._mem, slot, -1, -1)
 
-    def save_slot_state(self, slot: int) -> bytes:
-        """Serialize the slot's KV (``llama_state_seq_get_data_ext``).
+    def save_slot_state(self, slot: int) -> HostState:
+        """Serialize the slot's KV (``llama_state_seq_get_data_ext``) into host memory.
 
         Raises:
             DecodeFailedError: llama.cpp wrote fewer bytes than it announced.
         """
         self._check_slot(slot)
         size = int(L.llama_state_seq_get_size_ext(self._ctx, slot, _STATE_FLAGS))
-        buffer = (ctypes.c_uint8 * size)()
-        written = int(L.llama_state_seq_get_data_ext(self._ctx, buffer, size, slot, _STATE_FLAGS))
+        state = HostState(size)
+        written = int(L.llama_state_seq_get_data_ext(self._ctx, state.as_ctypes(), size, slot,
+                                                     _STATE_FLAGS))
         if written != size:
+            state.release()
             raise DecodeFailedError(f"saving slot {slot}: wrote {written} of {size} bytes")
-        return bytes(buffer)
+        return state
 
     def slot_state_bytes(self, slot: int) -> int:
         """Size of the slot's saved state, without saving it."""
         self._check_slot(slot)
         return int(L.llama_state_seq_get_size_ext(self._ctx, slot, _STATE_FLAGS))
 
-    def load_session_state(self, session_id: str, state: bytes, tokens: Sequence[int]) -> bool:
+    def load_session_state(self, session_id: str, state: HostState,
+                           tokens: Sequence[int]) -> bool:
         """Replace the session's KV with a saved state holding ``tokens``.
 
         Returns:
@@ -110,9 +144,8 @@ class CacheSlotsMixin:
         """
         session = self._require(session_id)
         L.llama_memory_seq_rm(self._mem, session.seq_id, -1, -1)
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        read = int(L.llama_state_seq_set_data_ext(self._ctx, buffer, len(state), session.seq_id,
-                                                  _STATE_FLAGS))
+        read = int(L.llama_state_seq_set_data_ext(self._ctx, state.as_ctypes(), len(state),
+                                                  session.seq_id, _STATE_FLAGS))
         if read == 0:
             L.llama_memory_seq_rm(self._mem, session.seq_id, -1, -1)
             self._set_history(session, ())

@@ -11,6 +11,7 @@ from cache_helpers import greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
 
 from skippyd.engine.runtime_api import InvalidIterationError
+from skippyd.engine.runtime_slots import HostState
 
 PREFIX = tokens(1, 96)
 SUFFIX = tokens(2, 12)
@@ -56,6 +57,7 @@ def test_a_saved_state_loads_into_another_lane_and_continues_exactly(runtime, ex
     runtime.drop_session("source")
     state = runtime.save_slot_state(6)
     assert len(state) == runtime.slot_state_bytes(6) > 0
+    assert isinstance(state, HostState)  # its own mapping, off the malloc heap
     runtime.clear_slot(6)
     mem = L.llama_get_memory(runtime.context)
     assert L.llama_memory_seq_pos_max(mem, 6) == -1  # the slot holds nothing now
@@ -74,3 +76,12 @@ def test_slot_operations_refuse_bad_ids_and_counts(runtime):
     with pytest.raises(InvalidIterationError, match="unknown session"):
         runtime.copy_slot_to_session(4, "nobody", [1])
     assert runtime.session_token_count("source") == 10  # nothing changed
+
+
+def test_a_host_state_is_its_own_mapping_and_can_be_released_early():
+    state = HostState(10)
+    state.as_ctypes()[:] = range(10)
+    assert len(state) == 10 and bytes(state.as_ctypes()) == bytes(range(10))
+    state.release()
+    state.release()  # idempotent
+    assert len(state) == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 
 from skippyd.engine.prefix_cache.radix import RadixTree
@@ -46,8 +46,8 @@ class CacheEntry:
     tier: Tier
     slot: int | None = None
     """Reserved sequence id holding the KV (resident tier)."""
-    state: bytes | None = None
-    """Saved sequence state (host tier)."""
+    state: Sized | None = None
+    """Saved sequence state (host tier), as the runtime saved it; ``len()`` is its size."""
     last_used: int = 0
     """Recency stamp; smaller is colder."""
     hits: int = 0
@@ -202,7 +202,7 @@ class EntryTable:
         self.epoch += 1
         return entry
 
-    def move_to_host(self, entry: CacheEntry, state: bytes) -> None:
+    def move_to_host(self, entry: CacheEntry, state: Sized) -> None:
         """The entry's slot was saved to ``state`` and cleared."""
         self._release_slot(entry)
         entry.tier, entry.state = Tier.HOST, state

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,11 +65,13 @@ class SlotRuntime(Protocol):
 
     def clear_slot(self, slot: int) -> None: ...
 
-    def save_slot_state(self, slot: int) -> bytes: ...
+    def save_slot_state(self, slot: int) -> Sized:
+        """The slot's saved state; ``len()`` is its host RAM in bytes."""
 
     def slot_state_bytes(self, slot: int) -> int: ...
 
-    def load_session_state(self, session_id: str, state: bytes, tokens: Sequence[int]) -> bool: ...
+    def load_session_state(self, session_id: str, state: Any,
+                           tokens: Sequence[int]) -> bool: ...
 
     def trim_session(self, session_id: str, token_count: int) -> None: ...
 
