@@ -108,6 +108,9 @@ def _wait_sessions_freed(chain) -> None:
 
 
 def test_finish_and_cancel_free_every_stage(chain3):
+    # NOTE: a stage may have refused stage 0 while the chain started (its own downstream
+    # was not listening yet): count only what this test's requests cause.
+    rejected_before = [chain3.status(i)["rejected"] for i in range(1, 3)]
     client = chain3.client()
     assert complete(client, "The capital of France is", max_tokens=8).usage.completion_tokens
     stream = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=400,
@@ -122,4 +125,4 @@ def test_finish_and_cancel_free_every_stage(chain3):
     statuses = [chain3.status(i) for i in range(3)]
     assert [s["stage_id"] for s in statuses] == ["stage-0", "stage-1", "stage-2"]
     assert statuses[0]["chain"]["num_stages"] == 3 and statuses[0]["chain"]["up"]
-    assert all(s["rejected"] == 0 for s in statuses[1:])
+    assert [s["rejected"] for s in statuses[1:]] == rejected_before
