@@ -21,20 +21,23 @@ from serve_process import ServeProcess
 UNITS = Path(__file__).resolve().parents[2] / "examples" / "systemd"
 
 
+# NOTE: one llama.cpp thread: two threads spinning at barriers on a loaded two-core
+# machine stretch decode steps to ~1 s, and the stream in flight outlived the drain.
+RUNTIME = """
+[runtime]
+ctx_size = 1024
+lane_count = 2
+threads = 1
+threads_batch = 1
+"""
+
+
 def tiny_config(model: Path) -> str:
     return f"""
 [stage]
 id = "notify"
 model_path = "{model}"
-
-[runtime]
-ctx_size = 1024
-lane_count = 2
-# NOTE: one llama.cpp thread: two threads spinning at barriers on a loaded two-core
-# machine stretch decode steps to ~1 s, and the stream in flight outlived the drain.
-threads = 1
-threads_batch = 1
-
+{RUNTIME}
 [http]
 listen = "127.0.0.1:0"
 drain_timeout_s = 60
@@ -231,13 +234,7 @@ index = 1
 layer_start = 2
 layer_end = 4
 model_path = "{model}"
-
-[runtime]
-ctx_size = 1024
-lane_count = 2
-threads = 1
-threads_batch = 1
-slice_cache_dir = "{control_socket.parent / 'slices'}"
+{RUNTIME}slice_cache_dir = "{control_socket.parent / 'slices'}"
 
 [link]
 listen = "127.0.0.1:0"
