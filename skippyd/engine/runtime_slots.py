@@ -48,6 +48,11 @@ class HostState:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def nbytes(self) -> int:
+        """Host RAM the mapping takes: the size rounded up to whole pages."""
+        return -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+
     def as_ctypes(self) -> ctypes.Array:
         """The state's bytes as a ctypes array over the mapping (no copy)."""
         return (ctypes.c_uint8 * self.size).from_buffer(self._map)

@@ -6,6 +6,8 @@ Continuations are compared bit for bit with a fresh runtime fed the same batch s
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 from cache_helpers import greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
@@ -82,6 +84,7 @@ def test_a_host_state_is_its_own_mapping_and_can_be_released_early():
     state = HostState(10)
     state.as_ctypes()[:] = range(10)
     assert len(state) == 10 and bytes(state.as_ctypes()) == bytes(range(10))
+    assert state.nbytes == mmap.PAGESIZE  # what the host budget counts: whole pages
     state.release()
     state.release()  # idempotent
     assert len(state) == 0

@@ -47,7 +47,8 @@ class CacheEntry:
     slot: int | None = None
     """Reserved sequence id holding the KV (resident tier)."""
     state: Sized | None = None
-    """Saved sequence state (host tier), as the runtime saved it; ``len()`` is its size."""
+    """Saved sequence state (host tier), as the runtime saved it: ``nbytes`` (when it has
+    one) or ``len()`` is the host RAM it takes."""
     last_used: int = 0
     """Recency stamp; smaller is colder."""
     hits: int = 0
@@ -61,12 +62,17 @@ class CacheEntry:
     @property
     def host_bytes(self) -> int:
         """Host RAM the entry holds in the host tier: its saved state and token index."""
-        return 0 if self.state is None else host_cost(len(self.state), self.num_tokens)
+        return 0 if self.state is None else host_cost(state_nbytes(self.state), self.num_tokens)
 
     def anon_repr(self) -> str:
         """Describe the entry without its tokens."""
         return (f"CacheEntry(id={self.id}, tokens={self.num_tokens}, tier={self.tier.value}, "
                 f"slot={self.slot}, pins={len(self.pins)})")
+
+
+def state_nbytes(state: Sized) -> int:
+    """Host RAM a saved state takes (a mapping counts whole pages)."""
+    return int(getattr(state, "nbytes", len(state)))
 
 
 def host_cost(state_bytes: int, num_tokens: int) -> int:

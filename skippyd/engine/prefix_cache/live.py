@@ -23,6 +23,7 @@ from skippyd.engine.prefix_cache.entries import (
     PrefixCacheStats,
     Tier,
     host_cost,
+    state_nbytes,
 )
 from skippyd.engine.prefix_cache.eviction import (
     budget_victims,
@@ -291,7 +292,8 @@ class LivePrefixCache:
         slot = _slot(entry)
         if self.settings.host_tier:
             state = self.runtime.save_slot_state(slot)
-            victims = host_victims(self.table, host_cost(len(state), entry.num_tokens))
+            victims = host_victims(self.table,
+                                   host_cost(state_nbytes(state), entry.num_tokens))
             if victims is not None:
                 for victim in victims:
                     self.table.remove(victim)
