@@ -122,8 +122,10 @@ def _figures(snap: dict[str, Any]) -> Table:
                  f"{tp['generation_tok_s']:.1f} tok/s (last {tp['window_s']:.0f} s)")
     grid.add_row("requests", f"finished {c['finished']} · failed {c['failed']} · cancelled "
                  f"{c['cancelled']} · rejected {c['rejected']} · preempted {c['preempted']}")
+    direct = c.get("direct_iterations", 0)  # absent from daemons older than this view
     grid.add_row("tokens", f"prompt {c['prompt_tokens']} · generated {c['generation_tokens']}"
-                 f" · iterations {c['iterations']}")
+                 f" · iterations {c['iterations']}"
+                 + (f" · direct iterations {direct}" if direct else ""))
     grid.add_row("prefix cache", f"hits {pc['hits']} · misses {pc['misses']} "
                  f"({pc['hit_rate']:.1%}) · matched tokens {pc['matched_tokens']}")
     grid.add_row("scheduler", f"last step {sch['last_step_ms']:.2f} ms · overhead "

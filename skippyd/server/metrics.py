@@ -452,6 +452,8 @@ class _StageCollector(Collector):
             ("prefix_cache_evictions", "Prefix-cache entries evicted.", prefix["evictions"]),
             ("preemptions", "Sequences preempted by the scheduler.", stats.num_preempted),
             ("iterations", "Planned iterations run by the worker.", stats.num_iterations),
+            ("direct_iterations", "Direct iterations run by the worker (a later split "
+             "stage's batches).", stats.num_direct_iterations),
         ):
             yield CounterMetricFamily("skippyd_" + name, doc, value=value)
 

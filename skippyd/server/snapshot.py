@@ -126,6 +126,7 @@ def _counters(stats: SchedulerStats, metrics: ServingMetrics) -> dict[str, int]:
         "rejected": sum(metrics.rejections.values()),
         "preempted": stats.num_preempted,
         "iterations": stats.num_iterations,
+        "direct_iterations": stats.num_direct_iterations,
         "prompt_tokens": metrics.num_prompt_tokens,
         "generation_tokens": metrics.num_generated_tokens,
     }

@@ -166,8 +166,8 @@ def test_snapshot_carries_the_link_of_a_split_stage() -> None:
     json.dumps(snap, allow_nan=False)
 
 
-def render_text(link: dict | None) -> str:
-    engine = FakeEngine(SchedulerStats(), ("ok", None), link=link)
+def render_text(link: dict | None, stats: SchedulerStats | None = None) -> str:
+    engine = FakeEngine(stats or SchedulerStats(), ("ok", None), link=link)
     console = Console(record=True, width=120)
     console.print(render_status(build_snapshot(engine, ServingMetrics(), time.monotonic())))
     return console.export_text()
@@ -189,7 +189,8 @@ def test_render_names_why_the_chain_is_down() -> None:
 
 
 def test_render_shows_the_upstream_traffic_of_a_later_stage() -> None:
-    text = render_text(LATER_LINK)
+    text = render_text(LATER_LINK, SchedulerStats(num_direct_iterations=40))
+    assert "iterations 0 · direct iterations 40" in text
     assert "link          connections 2 (1 open) · rejected 1 · active sessions 2" in text
     assert "link traffic  received 5.0 MiB · sent 2.0 KiB · batches 40" in text
     assert "link busy     20.00 s of 80.0 s in llama.cpp (25.0%)" in text

@@ -113,4 +113,7 @@ def test_status_shows_the_link_on_both_stages(short_dir: Path, tiny_model_path: 
     link = second["link"]
     assert second["stage"]["index"] == link["stage_index"] == 1
     assert link["bytes_in"] > 0 and link["connections"] >= 1 and link["batches"] > 0
+    # A later stage runs stage 0's batches as direct iterations, never planned ones.
+    assert second["counters"]["direct_iterations"] > 0
+    assert second["counters"]["iterations"] == 0
     assert "chain" not in link

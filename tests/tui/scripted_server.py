@@ -40,7 +40,7 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
         "throughput": {"prompt_tok_s": 0.0, "generation_tok_s": 0.0, "window_s": 10.0},
         "latency_ms": {name: dict(latency) for name in ("ttft", "itl", "e2e")},
         "counters": {"finished": 0, "failed": 0, "cancelled": 0, "rejected": 0,
-                     "preempted": 0, "iterations": 0, "prompt_tokens": 0,
+                     "preempted": 0, "iterations": 0, "direct_iterations": 0, "prompt_tokens": 0,
                      "generation_tokens": 0},
         "scheduler": {"last_step_ms": 0.0, "last_overhead_ms": 0.0, "overhead_ratio": 0.0},
         "link": None,
