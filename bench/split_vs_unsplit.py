@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
-from skippyd.bench.process import SKIPPYD_READY, ServerProcess
+from skippyd.bench.process import SKIPPYD_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
 from skippyd.server.stage_chain import query_status
@@ -84,12 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str) -> Path:

@@ -300,6 +300,14 @@ async def warm_up(client: httpx.AsyncClient, target: Target, spec: WorkloadSpec,
                      f"failed: {record.error}: {record.error_detail}")
 
 
+async def measure_urls(spec: WorkloadSpec, urls: Sequence[tuple[str, str]], *,
+                       progress: ProgressHook | None = None) -> list[TargetRun]:
+    """Run ``spec`` on each ``(name, url)`` with one shared client (the bench scripts)."""
+    async with make_client(max(spec.concurrency)) as client:
+        targets = [await resolve_target(client, name, url) for name, url in urls]
+        return await run_benchmark(client, targets, spec, progress=progress)
+
+
 async def run_benchmark(client: httpx.AsyncClient, targets: Sequence[Target],
                         spec: WorkloadSpec, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                         progress: ProgressHook | None = None) -> list[TargetRun]:

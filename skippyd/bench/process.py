@@ -14,6 +14,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,6 +75,13 @@ def _sigterm_deferred() -> Iterator[None]:
         _term.deferring = False
     if _term.pending is not None:
         raise SystemExit(128 + _term.pending)
+
+
+def free_port() -> int:
+    """A loopback port free right now, for a server that cannot report one it picked."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ServerProcess:
