@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -28,15 +27,7 @@ from rich.console import Console
 
 from skippyd.bench.loadgen import measure_urls
 from skippyd.bench.process import skippyd_process
-from skippyd.bench.report import (
-    LevelMetrics,
-    RichProgress,
-    comparison_rows,
-    comparison_table,
-    level_metrics,
-    report_to_json,
-    target_tables,
-)
+from skippyd.bench.report import LevelMetrics, RichProgress, print_report
 from skippyd.bench.workload import IntRange, WorkloadSpec
 from skippyd.config import default_model_path
 
@@ -108,20 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             urls.append((f"skippyd {name}", stack.enter_context(skippyd_process(str(config))).url))
         with RichProgress(Console(stderr=True)) as progress:
             runs = asyncio.run(measure_urls(spec, urls, progress=progress))
-    metrics = [[level_metrics(level) for level in run.levels] for run in runs]
     # NOTE: both servers share the machine with anything else running; a load average
     # well above the thread count means the figures are noisy.
     console.print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f}"
                   f" on {os.cpu_count()} CPUs")
-    for run, levels in zip(runs, metrics, strict=True):
-        for table in target_tables(run, levels):
-            console.print(table)
-    console.print(comparison_table(runs[0], runs[1], comparison_rows(*metrics)))
+    metrics = print_report(console, Console(stderr=True), spec, runs, args.json)
     for line in verdicts(metrics[0][0], metrics[1][0]):
         console.print(line)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report_to_json(spec, runs, metrics), indent=2) + "\n")
-        console.print(f"wrote {args.json}")
     return 0
 
 

@@ -31,15 +31,7 @@ from skippyd.bench.loadgen import (
     run_benchmark,
 )
 from skippyd.bench.process import sigterm_exits, skippyd_process
-from skippyd.bench.report import (
-    RichProgress,
-    comparison_rows,
-    comparison_table,
-    error_lines,
-    level_metrics,
-    report_to_json,
-    target_tables,
-)
+from skippyd.bench.report import RichProgress, print_report
 from skippyd.bench.workload import (
     WorkloadError,
     WorkloadSpec,
@@ -209,18 +201,7 @@ async def _run(spec: WorkloadSpec, names: list[str],
 
 def _report(spec: WorkloadSpec, runs: list[TargetRun], json_path: Path | None,
             per_request: bool) -> None:
-    metrics = [[level_metrics(level) for level in run.levels] for run in runs]
-    for run, levels in zip(runs, metrics, strict=True):
-        for table in target_tables(run, levels):
-            stdout.print(table)
-        for line in error_lines(run, levels):
-            stderr.print(f"[yellow]{escape(line)}[/]", highlight=False)
-    if len(runs) == 2:
-        stdout.print(comparison_table(runs[0], runs[1], comparison_rows(*metrics)))
-    if json_path is not None:
-        report = report_to_json(spec, runs, metrics, per_request=per_request)
-        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        stderr.print(f"wrote {json_path}")
+    metrics = print_report(stdout, stderr, spec, runs, json_path, per_request=per_request)
     failed = [run.target.name for run, levels in zip(runs, metrics, strict=True)
               if not any(m.num_ok for m in levels)]
     if failed:

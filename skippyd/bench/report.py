@@ -8,15 +8,18 @@ counted by error kind. Ratios are always ``first target / second target``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
@@ -240,6 +243,26 @@ def _record_json(concurrency: int, record: RequestRecord) -> dict[str, Any]:
     body = dataclasses.asdict(record)
     body["concurrency"] = concurrency
     return body
+
+
+def print_report(out: Console, err: Console, spec: WorkloadSpec, runs: Sequence[TargetRun],
+                 json_path: Path | None, *, per_request: bool = False,
+                 ) -> list[list[LevelMetrics]]:
+    """Print each target's tables (errors on ``err``), the comparison of two targets, and
+    write the JSON report when asked; returns the metrics per target and level."""
+    metrics = [[level_metrics(level) for level in run.levels] for run in runs]
+    for run, levels in zip(runs, metrics, strict=True):
+        for table in target_tables(run, levels):
+            out.print(table)
+        for line in error_lines(run, levels):
+            err.print(f"[yellow]{escape(line)}[/]", highlight=False)
+    if len(runs) == 2:
+        out.print(comparison_table(runs[0], runs[1], comparison_rows(*metrics)))
+    if json_path is not None:
+        report = report_to_json(spec, runs, metrics, per_request=per_request)
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        err.print(f"wrote {json_path}")
+    return metrics
 
 
 class RichProgress(ProgressHook):
