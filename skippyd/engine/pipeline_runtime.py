@@ -31,10 +31,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-from skippyd.engine.direct_batch import (
-    PIPELINE_DECODE_GROUPS_ENV,
-    resolve_pipeline_decode_groups,
-)
 from skippyd.engine.pipeline_types import (
     ChainBatchError,
     ChainEntry,
@@ -54,6 +50,10 @@ from skippyd.engine.runtime_api import (
     Runtime,
     RuntimeFailure,
     SessionAlignment,
+)
+from skippyd.engine.worker.direct_batch import (
+    PIPELINE_DECODE_GROUPS_ENV,
+    resolve_pipeline_decode_groups,
 )
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 The OpenAI app codes against :class:`ServingBackend` only; the daemon implements it over
 the llama.cpp runtime and the iteration-scheduler worker, tests with a scripted fake.
 Generation requests and events are the worker's own types
-(:mod:`skippyd.engine.worker_types`).
+(:mod:`skippyd.engine.worker.commands`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
-from skippyd.engine.worker_types import GenerationRequest, SchedulerEvent
+from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd import __version__
-from skippyd.engine.telemetry import Subscription, TelemetryEvent, TelemetryHub
+from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
 from skippyd.server.control_protocol import (
     MAX_LINE_BYTES,
     PROTOCOL_VERSION,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from skippyd.engine.telemetry import TelemetryEvent
+from skippyd.engine.worker.telemetry import TelemetryEvent
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from skippyd.engine.prefix_cache import (
 )
 from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime_watch import WatchedRuntime
-from skippyd.engine.telemetry import TelemetryHub
 from skippyd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from skippyd.engine.worker import IterationScheduler
-from skippyd.engine.worker_types import GenerationRequest, SchedulerEvent, SchedulerStoppedError
+from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, SchedulerStoppedError
+from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.server.backend import HealthStatus
 from skippyd.server.stage_split import SplitStage, make_split
 

@@ -33,20 +33,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from skippyd.engine.scheduler_config import KV_COMPONENT
-from skippyd.engine.telemetry import (
-    SCHEDULER_ITERATION,
-    SCHEDULER_RUNTIME_OPERATION,
-    Subscription,
-    TelemetryEvent,
-    TelemetryHub,
-)
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     SchedulerEvent,
     SchedulerStats,
     TokenEvent,
+)
+from skippyd.engine.worker.settings import KV_COMPONENT
+from skippyd.engine.worker.telemetry import (
+    SCHEDULER_ITERATION,
+    SCHEDULER_RUNTIME_OPERATION,
+    Subscription,
+    TelemetryEvent,
+    TelemetryHub,
 )
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import threading
 from skippyd.engine.prefix_cache import PrefixCacheSettings
 from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,

@@ -8,7 +8,7 @@ import pytest
 from cache_helpers import SETTINGS, greedy_continue, open_runtime, prefill, tokens
 
 from skippyd.engine.prefix_cache import PREFIX_CACHE_EVENT, LivePrefixCache, Tier
-from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker.telemetry import TelemetryHub
 
 PREFIX = tokens(1, 96)
 OTHER = tokens(5, 96)

@@ -6,7 +6,7 @@ import dataclasses
 
 from cache_helpers import SETTINGS, WAIT_S, submit_all, tokens
 
-from skippyd.engine.telemetry import SCHEDULER_ITERATION, SCHEDULER_RUNTIME_OPERATION
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, SCHEDULER_RUNTIME_OPERATION
 
 SHARED = tokens(1, 200)
 BURST = {f"r{i}": SHARED + tokens(10 + i, 6) for i in range(4)}

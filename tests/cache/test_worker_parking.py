@@ -7,17 +7,17 @@ import queue
 import pytest
 from cache_helpers import GREEDY, N_BATCH, N_UBATCH, SETTINGS, Collector, open_runtime, tokens
 
-from skippyd.engine.cache_runtime import CachePayload, CacheRuntimeContext, RuntimeOperation
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.scheduler_config import build_scheduler_config, make_worker_settings
-from skippyd.engine.telemetry import TelemetryHub
-from skippyd.engine.worker_loop import SchedulerWorker
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.cache_runtime import CachePayload, CacheRuntimeContext, RuntimeOperation
+from skippyd.engine.worker.commands import (
     CacheAwareRuntimeCommand,
     CancelCommand,
     GenerationRequest,
     SubmitCommand,
 )
+from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
+from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.thread_loop import SchedulerWorker
 
 SHARED = tokens(1, 150)
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from skippyd.control_client import AsyncControlClient, ControlClient, ControlRequestError
-from skippyd.engine.telemetry import SCHEDULER_ITERATION, TelemetryHub
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryHub
 from skippyd.server.control import (
     SUBSCRIBER_BUFFER,
     ControlServer,

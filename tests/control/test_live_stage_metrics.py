@@ -27,7 +27,7 @@ from rich.console import Console
 
 from skippyd.config import parse_config
 from skippyd.control_client import AsyncControlClient
-from skippyd.engine.worker_types import QueueFullError
+from skippyd.engine.worker.commands import QueueFullError
 from skippyd.server.control import ControlServer
 from skippyd.server.engine import StageEngine
 from skippyd.server.metrics import ServingMetrics, metrics_route

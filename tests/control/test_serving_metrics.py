@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from skippyd.engine.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     QueueFullError,
@@ -18,6 +17,7 @@ from skippyd.engine.worker_types import (
     TokenAck,
     TokenEvent,
 )
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
 from skippyd.server.metrics import ServingMetrics
 
 WAIT_S = 10.0

@@ -18,8 +18,8 @@ from rich.console import Console
 
 from skippyd.config import parse_config
 from skippyd.control_client import ControlConnectError, resolve_socket_path
-from skippyd.engine.telemetry import TelemetryHub
-from skippyd.engine.worker_types import SchedulerStats
+from skippyd.engine.worker.commands import SchedulerStats
+from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.server.control import ControlServer
 from skippyd.server.metrics import ServingMetrics
 from skippyd.server.snapshot import build_snapshot

@@ -13,7 +13,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.server.control import ControlServer
 from skippyd.server.control_protocol import ERROR_CODES, ProtocolError, parse_request
 

@@ -16,7 +16,7 @@ import pytest
 from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
-from skippyd.engine.worker_types import SchedulerStats
+from skippyd.engine.worker.commands import SchedulerStats
 from skippyd.server.stage_chain import query_status
 from skippyd.server.stage_server import LISTENER_COUNTERS
 from skippyd.server.stage_split import make_split

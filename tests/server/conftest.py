@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from skippyd.engine.worker_types import TokenControl
+from skippyd.engine.worker.commands import TokenControl
 from skippyd.server.openai_api import create_app
 from skippyd.server.requests import HttpLimits
 

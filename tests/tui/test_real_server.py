@@ -14,7 +14,7 @@ from pilot_helpers import header_text, make_app, queue_shows, wait_for
 from rich.console import Console
 from scripted_server import make_snapshot
 
-from skippyd.engine.telemetry import TelemetryHub
+from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.server.control import ControlServer
 from skippyd.tui.once import run_once
 from skippyd.tui.tables import EventLog, LatencyTable

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from fake_runtime import FakeRuntime
 
-from skippyd.engine.scheduler_config import build_scheduler_config, make_worker_settings
-from skippyd.engine.telemetry import TelemetryHub
-from skippyd.engine.worker import IterationScheduler
-from skippyd.engine.worker_loop import SchedulerWorker
+from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
+from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.thread_loop import SchedulerWorker
 
 WAIT_S = 5.0
 

@@ -24,7 +24,7 @@ from skippyd.engine.runtime_api import (
     LanesBusyError,
     SessionAlignment,
 )
-from skippyd.engine.worker_types import SchedulerEvent
+from skippyd.engine.worker.commands import SchedulerEvent
 
 GATE_TIMEOUT_S = 10.0
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skippyd.engine.cache_runtime import (
+from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
+from skippyd.engine.worker.cache_runtime import (
     CachePayload,
     CacheRuntimeQueue,
     cache_runtime_wave_enabled,
@@ -13,7 +14,6 @@ from skippyd.engine.cache_runtime import (
     should_serve_cache_runtime,
     should_suppress_cache_runtime,
 )
-from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
 
 
 def affinity(matched: int, cost_per_token: int = 1, epoch: int = 0) -> CacheAffinity:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_runtime import FakeRuntime
 
-from skippyd.engine.direct_batch import (
+from skippyd.engine.worker.direct_batch import (
     PIPELINE_DECODE_GROUPS_ENV,
     direct_coalesce_target,
     pipeline_decode_groups_from_value,

@@ -11,7 +11,7 @@ from skippyd.engine.runtime_api import (
     LanesBusyError,
     RuntimeFailure,
 )
-from skippyd.engine.worker_types import scheduler_error_from_runtime
+from skippyd.engine.worker.commands import scheduler_error_from_runtime
 
 
 @pytest.mark.parametrize(("failure", "kind", "status", "retry"), [

@@ -6,14 +6,14 @@ import pytest
 from fake_runtime import EventRecorder
 
 from skippyd.engine.policy import UNLIMITED
-from skippyd.engine.scheduler_config import (
+from skippyd.engine.worker.commands import CompleteEvent, GenerationRequest, TokenEvent
+from skippyd.engine.worker.settings import (
     DECODE_BATCH_HEADROOM_TOKENS,
     admission_tokens,
     build_scheduler_config,
     iteration_token_budget,
     kv_capacity_tokens,
 )
-from skippyd.engine.worker_types import CompleteEvent, GenerationRequest, TokenEvent
 
 
 def test_activation_export_stages_cap_iteration_tokens_at_the_native_microbatch():

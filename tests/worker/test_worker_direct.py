@@ -11,27 +11,27 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from skippyd.engine.direct_batch import (
-    DirectIteration,
-    direct_coalesce_target,
-    effective_scheduler_lane_count,
-    should_serve_direct,
-    take_direct_iteration_batch,
-    validate_direct_iteration,
-)
 from skippyd.engine.runtime_api import (
     InvalidIterationError,
     IterationOutput,
     IterationPhase,
     IterationSample,
 )
-from skippyd.engine.worker_client import wait_for_reply
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.caller import wait_for_reply
+from skippyd.engine.worker.commands import (
     CancellationToken,
     DeadlineExceededError,
     InvalidRequestError,
     RequestCancelledError,
     SchedulerBackendError,
+)
+from skippyd.engine.worker.direct_batch import (
+    DirectIteration,
+    direct_coalesce_target,
+    effective_scheduler_lane_count,
+    should_serve_direct,
+    take_direct_iteration_batch,
+    validate_direct_iteration,
 )
 
 WAIT_S = 5.0

@@ -6,8 +6,7 @@ import pytest
 from fake_runtime import EventRecorder
 
 from skippyd.engine.runtime_api import DecodeFailedError
-from skippyd.engine.telemetry import SCHEDULER_ITERATION
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CancelCommand,
     CancellationToken,
     CompleteEvent,
@@ -21,6 +20,7 @@ from skippyd.engine.worker_types import (
     TokenControl,
     TokenEvent,
 )
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
 
 WAIT_S = 5.0
 

@@ -10,10 +10,7 @@ import weakref
 import pytest
 from fake_runtime import EventRecorder, FakeRuntime, wait_until
 
-from skippyd.engine.direct_batch import SAFE_MODE_ENV, scheduler_safe_mode_from_value
-from skippyd.engine.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
-from skippyd.engine.worker import IterationScheduler
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     ErrorEvent,
     GenerationRequest,
     QueueFullError,
@@ -21,6 +18,9 @@ from skippyd.engine.worker_types import (
     SchedulerStoppedError,
     ShutdownCommand,
 )
+from skippyd.engine.worker.direct_batch import SAFE_MODE_ENV, scheduler_safe_mode_from_value
+from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
 
 WAIT_S = 5.0
 

@@ -7,7 +7,12 @@ from fake_runtime import EventRecorder
 
 from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
-from skippyd.engine.worker_types import CompleteEvent, GenerationRequest, TokenControl, TokenEvent
+from skippyd.engine.worker.commands import (
+    CompleteEvent,
+    GenerationRequest,
+    TokenControl,
+    TokenEvent,
+)
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = {"a": [1, 10, 20, 30, 40], "b": [1, 50, 60], "c": [1, 70, 80, 90, 100, 110, 120]}

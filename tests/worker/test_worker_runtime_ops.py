@@ -9,15 +9,15 @@ import time
 import pytest
 from fake_runtime import wait_until
 
-from skippyd.engine.cache_runtime import CachePayload, ContextState, RuntimeOperation
 from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
-from skippyd.engine.telemetry import SCHEDULER_RUNTIME_OPERATION
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.cache_runtime import CachePayload, ContextState, RuntimeOperation
+from skippyd.engine.worker.commands import (
     CacheAwareRuntimeCommand,
     CancellationToken,
     DeadlineExceededError,
     RequestCancelledError,
 )
+from skippyd.engine.worker.telemetry import SCHEDULER_RUNTIME_OPERATION
 
 WAIT_S = 5.0
 

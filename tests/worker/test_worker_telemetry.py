@@ -7,18 +7,18 @@ import threading
 import pytest
 from fake_runtime import EventRecorder, FakeRuntime
 
-from skippyd.engine.telemetry import (
-    SCHEDULER_DIRECT_ITERATION,
-    SCHEDULER_ITERATION,
-    SCHEDULER_RUNTIME_OPERATION,
-    TelemetryHub,
-)
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     GenerationRequest,
     SchedulerStats,
     TokenControl,
     TokenEvent,
+)
+from skippyd.engine.worker.telemetry import (
+    SCHEDULER_DIRECT_ITERATION,
+    SCHEDULER_ITERATION,
+    SCHEDULER_RUNTIME_OPERATION,
+    TelemetryHub,
 )
 
 WAIT_S = 5.0

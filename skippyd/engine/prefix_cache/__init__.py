@@ -5,7 +5,7 @@
 * :mod:`.eviction` picks victims with the capacity-planning helper (reference §1.11).
 * :mod:`.live` runs it all against a runtime's reserved sequence ids.
 
-The worker drives it (``worker_cache.py``); the policy only sees the results: a
+The worker drives it (``worker/thread_cache.py``); the policy only sees the results: a
 ``PrefixRestore`` on a sequence and its ``CacheAffinity``.
 """
 

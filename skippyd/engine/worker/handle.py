@@ -23,39 +23,22 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from skippyd.engine.cache_runtime import (
+from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.prefix_cache import LivePrefixCache
+from skippyd.engine.runtime_api import IterationPhase, Runtime, SamplingConfig
+from skippyd.engine.worker.cache_runtime import (
     CacheAffinity,
     CachePayload,
     CacheRuntimeContext,
     RuntimeOperation,
 )
-from skippyd.engine.direct_batch import (
-    PIPELINE_DECODE_GROUPS_ENV,
-    SAFE_MODE_ENV,
-    DirectIteration,
-    effective_scheduler_lane_count,
-    ensure_direct_iteration_active,
-    resolve_pipeline_decode_groups,
-    scheduler_safe_mode_from_value,
-    validate_direct_iteration,
-)
-from skippyd.engine.policy import SchedulerConfig
-from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime_api import IterationPhase, Runtime, SamplingConfig
-from skippyd.engine.scheduler_config import (
-    build_scheduler_config,
-    kv_capacity_tokens,
-    make_worker_settings,
-)
-from skippyd.engine.telemetry import TelemetryHub, publish_scheduler_start
-from skippyd.engine.worker_client import (
+from skippyd.engine.worker.caller import (
     SchedulerOwnership,
     generate_blocking,
     validate_generation_request,
     wait_for_reply,
 )
-from skippyd.engine.worker_loop import Command, SchedulerWorker
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CacheAwareRuntimeCommand,
     CancelCommand,
     CancellationToken,
@@ -78,6 +61,23 @@ from skippyd.engine.worker_types import (
     TokenControl,
     TokenEvent,
 )
+from skippyd.engine.worker.direct_batch import (
+    PIPELINE_DECODE_GROUPS_ENV,
+    SAFE_MODE_ENV,
+    DirectIteration,
+    effective_scheduler_lane_count,
+    ensure_direct_iteration_active,
+    resolve_pipeline_decode_groups,
+    scheduler_safe_mode_from_value,
+    validate_direct_iteration,
+)
+from skippyd.engine.worker.settings import (
+    build_scheduler_config,
+    kv_capacity_tokens,
+    make_worker_settings,
+)
+from skippyd.engine.worker.telemetry import TelemetryHub, publish_scheduler_start
+from skippyd.engine.worker.thread_loop import Command, SchedulerWorker
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from skippyd.engine.runtime_api import SamplingConfig
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CANCELLATION_POLL_INTERVAL_S,
     CancellationToken,
     CompleteEvent,
@@ -34,8 +34,8 @@ from skippyd.engine.worker_types import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.worker import IterationScheduler
-    from skippyd.engine.worker_loop import Command, SchedulerWorker
+    from skippyd.engine.worker.handle import IterationScheduler
+    from skippyd.engine.worker.thread_loop import Command, SchedulerWorker
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from skippyd.engine.runtime_api import (
     Runtime,
 )
 from skippyd.engine.runtime_api import IterationPhase as RuntimePhase
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     InvalidRequestError,
     RuntimeCapacityError,
     SchedulerError,

@@ -37,7 +37,7 @@ from skippyd.engine.runtime_api import (
     Runtime,
     RuntimeFailure,
 )
-from skippyd.engine.worker_types import GenerationRequest
+from skippyd.engine.worker.commands import GenerationRequest
 
 logger = logging.getLogger(__name__)
 

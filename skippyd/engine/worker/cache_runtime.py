@@ -24,7 +24,7 @@ from skippyd.engine.policy.cache_order import (
     order_cache_aware_candidates,
 )
 from skippyd.engine.runtime_api import Runtime
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CancellationToken,
     DeadlineExceededError,
     RequestCancelledError,

@@ -16,7 +16,10 @@ import time
 from collections import deque
 from typing import Any
 
-from skippyd.engine.cache_runtime import (
+from skippyd.engine.policy import SchedulerConfig
+from skippyd.engine.prefix_cache import LivePrefixCache
+from skippyd.engine.runtime_api import Runtime
+from skippyd.engine.worker.cache_runtime import (
     CacheRuntimeQueue,
     CacheRuntimeTelemetry,
     RuntimeOperation,
@@ -25,26 +28,7 @@ from skippyd.engine.cache_runtime import (
     should_serve_cache_runtime,
     should_suppress_cache_runtime,
 )
-from skippyd.engine.direct_batch import (
-    DIRECT_ITERATION_COALESCE_WINDOW_S,
-    DirectIteration,
-    direct_coalesce_target,
-    resolve_future,
-    run_direct_iteration_batch,
-    should_serve_direct,
-    take_direct_iteration_batch,
-)
-from skippyd.engine.policy import SchedulerConfig
-from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime_api import Runtime
-from skippyd.engine.scheduler_config import WorkerSettings
-from skippyd.engine.telemetry import (
-    SCHEDULER_RUNTIME_OPERATION,
-    SCHEDULER_WORKER_PANIC,
-    TelemetryHub,
-)
-from skippyd.engine.worker_planned import PlannedGenerations
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CANCELLATION_POLL_INTERVAL_S,
     WORKER_PANIC_MESSAGE,
     CacheAwareRuntimeCommand,
@@ -59,6 +43,22 @@ from skippyd.engine.worker_types import (
     ShutdownCommand,
     SubmitCommand,
 )
+from skippyd.engine.worker.direct_batch import (
+    DIRECT_ITERATION_COALESCE_WINDOW_S,
+    DirectIteration,
+    direct_coalesce_target,
+    resolve_future,
+    run_direct_iteration_batch,
+    should_serve_direct,
+    take_direct_iteration_batch,
+)
+from skippyd.engine.worker.settings import WorkerSettings
+from skippyd.engine.worker.telemetry import (
+    SCHEDULER_RUNTIME_OPERATION,
+    SCHEDULER_WORKER_PANIC,
+    TelemetryHub,
+)
+from skippyd.engine.worker.thread_planned import PlannedGenerations
 
 logger = logging.getLogger(__name__)
 

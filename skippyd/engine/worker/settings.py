@@ -11,8 +11,11 @@ import logging
 import os
 from dataclasses import dataclass
 
-from skippyd.engine.direct_batch import MAX_NATIVE_ITERATION_TOKENS, pipeline_group_batch_size
 from skippyd.engine.policy.config import UNLIMITED, MemoryComponent, SchedulerConfig
+from skippyd.engine.worker.direct_batch import (
+    MAX_NATIVE_ITERATION_TOKENS,
+    pipeline_group_batch_size,
+)
 
 logger = logging.getLogger(__name__)
 

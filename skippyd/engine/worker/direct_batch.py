@@ -29,8 +29,7 @@ from skippyd.engine.runtime_api import (
     SamplingConfig,
     SessionAlignment,
 )
-from skippyd.engine.telemetry import SCHEDULER_DIRECT_ITERATION
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CancellationToken,
     DeadlineExceededError,
     InvalidRequestError,
@@ -40,6 +39,7 @@ from skippyd.engine.worker_types import (
     SchedulerError,
     scheduler_error_from_runtime,
 )
+from skippyd.engine.worker.telemetry import SCHEDULER_DIRECT_ITERATION
 
 logger = logging.getLogger(__name__)
 

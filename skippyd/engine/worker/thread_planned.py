@@ -3,7 +3,7 @@
 :class:`PlannedGenerations` owns the policy :class:`~skippyd.engine.policy.Scheduler` and
 the per-request state of every generation it admitted. Each planned turn it plans one
 iteration, prepares runtime sessions, runs the plan as exactly one batched runtime call
-(see :mod:`skippyd.engine.worker_execute`), feeds the samples back to the policy, and
+(see :mod:`skippyd.engine.worker.thread_execute`), feeds the samples back to the policy, and
 turns them into token events whose acknowledgements are polled, never awaited.
 """
 
@@ -27,11 +27,7 @@ from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
 from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime_api import Runtime, RuntimeFailure
-from skippyd.engine.scheduler_config import admission_tokens, kv_capacity_tokens
-from skippyd.engine.telemetry import SCHEDULER_ITERATION
-from skippyd.engine.worker_cache import Admission, PrefixCacheFlow
-from skippyd.engine.worker_execute import PlanExecutor, PlanResult, step_attributes
-from skippyd.engine.worker_types import (
+from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
@@ -45,6 +41,10 @@ from skippyd.engine.worker_types import (
     TokenEvent,
     scheduler_error_from_runtime,
 )
+from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
+from skippyd.engine.worker.thread_cache import Admission, PrefixCacheFlow
+from skippyd.engine.worker.thread_execute import PlanExecutor, PlanResult, step_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PlannedGenerations:
         fail_everything: Called with an error when the runtime failed in a way that
             leaves no request safe (reference §3.6 step 7: ``fail_all``).
         on_sessions_dropped: Called after runtime sessions were dropped.
-        prefix_cache: The stage's prefix cache, if it runs one (see ``worker_cache``).
+        prefix_cache: The stage's prefix cache, if it runs one (see ``thread_cache``).
     """
 
     def __init__(

@@ -27,8 +27,8 @@ from skippyd.engine.runtime_api import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.cache_runtime import CachePayload, RuntimeOperation
     from skippyd.engine.policy import CacheAffinity
+    from skippyd.engine.worker.cache_runtime import CachePayload, RuntimeOperation
 
 logger = logging.getLogger(__name__)
 
