@@ -12,9 +12,9 @@ from skippyd.engine.gguf_tools import (
     inspect_model,
     slice_model,
 )
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_api import IterationRequest
-from skippyd.engine.tokenizer import Tokenizer
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationRequest
+from skippyd.engine.runtime.tokenizer import Tokenizer
 
 
 def test_inspect_reports_the_model(tiny_model_path):

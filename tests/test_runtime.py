@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationPhase,
     IterationRequest,
@@ -18,7 +18,7 @@ from skippyd.engine.runtime_api import (
     SamplingConfig,
     SessionAlignment,
 )
-from skippyd.engine.tokenizer import Tokenizer
+from skippyd.engine.runtime.tokenizer import Tokenizer
 
 GREEDY = SamplingConfig(temperature=0.0)
 

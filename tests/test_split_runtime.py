@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from skippyd.engine.gguf_tools import cached_slice
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
-from skippyd.engine.tokenizer import Tokenizer
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 

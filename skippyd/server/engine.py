@@ -22,9 +22,9 @@ from skippyd.engine.prefix_cache import (
     PrefixCacheStats,
     settings_from_config,
 )
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_watch import WatchedRuntime
-from skippyd.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, SchedulerStoppedError
 from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from skippyd.engine.runtime_api import MAX_LOGIT_BIAS, SamplingConfig
+from skippyd.engine.runtime.protocol import MAX_LOGIT_BIAS, SamplingConfig
 from skippyd.server.errors import ApiError, invalid_field
 from skippyd.server.prompts import parse_messages, parse_prompt
 from skippyd.server.unsupported import is_int, reject_unsupported

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from skippyd.config import StageConfig
 from skippyd.config.schema import parse_host_port
-from skippyd.engine.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
+from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
 from skippyd.server.stage_handshake import Hello, HelloAck, Role, dial_handshake
 from skippyd.server.stage_link import (
     Frame,
@@ -137,7 +137,7 @@ def query_status(address: tuple[str, int], secret: bytes,
 class ChainLink:
     """The downstream side of stage 0; see the module docstring.
 
-    Implements ``skippyd.engine.pipeline_runtime.Downstream``.
+    Implements ``skippyd.engine.runtime.pipeline.Downstream``.
     """
 
     def __init__(self, identity: ChainIdentity) -> None:

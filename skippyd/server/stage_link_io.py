@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from skippyd.engine.pipeline_types import ChainEntry
+from skippyd.engine.runtime.pipeline_types import ChainEntry
 from skippyd.server.stage_link import (
     HANDSHAKE_LIMITS,
     HEADER_BYTES,

@@ -26,8 +26,8 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from skippyd.engine.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.runtime_api import IterationPhase
+from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
+from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import QueueFullError, SchedulerError
 from skippyd.engine.worker.direct_batch import DirectIteration
 from skippyd.server.stage_chain import dial

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from skippyd.config import StageConfig
-from skippyd.engine.pipeline_runtime import PipelineRuntime
-from skippyd.engine.runtime_api import IterationOutput, IterationRequest, Runtime
+from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.protocol import IterationOutput, IterationRequest, Runtime
 from skippyd.server.stage_chain import ChainIdentity, ChainLink
 from skippyd.server.stage_server import (
     LISTENER_COUNTERS,

@@ -9,7 +9,7 @@ import pytest
 from cache_helpers import N_BATCH, N_UBATCH, SETTINGS, open_runtime
 
 from skippyd.engine.prefix_cache import LivePrefixCache, PrefixCacheSettings
-from skippyd.engine.runtime import LlamaRuntime
+from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub
 

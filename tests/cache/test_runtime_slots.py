@@ -12,8 +12,8 @@ import pytest
 from cache_helpers import greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime_api import InvalidIterationError
-from skippyd.engine.runtime_slots import HostState
+from skippyd.engine.runtime.cache_slots import HostState
+from skippyd.engine.runtime.protocol import InvalidIterationError
 
 PREFIX = tokens(1, 96)
 SUFFIX = tokens(2, 12)

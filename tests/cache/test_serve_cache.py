@@ -11,7 +11,7 @@ from e2e.serve_process import ServeProcess
 from openai import OpenAI
 
 from skippyd.engine.prefix_cache import common_prefix_length
-from skippyd.engine.tokenizer import Tokenizer
+from skippyd.engine.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 from link_support import SECRET
 
-from skippyd.engine.pipeline_types import ChainEntry
+from skippyd.engine.runtime.pipeline_types import ChainEntry
 from skippyd.server.stage_chain import dial
 from skippyd.server.stage_handshake import Hello, Role, dial_handshake
 from skippyd.server.stage_link import (

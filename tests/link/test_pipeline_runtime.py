@@ -12,10 +12,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from skippyd.engine.pipeline_runtime import PipelineRuntime
-from skippyd.engine.pipeline_types import ChainSample, ChainUnavailableError
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.pipeline_types import ChainSample, ChainUnavailableError
+from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
 TIMEOUT_S = 10

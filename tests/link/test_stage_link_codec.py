@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippyd.engine.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.runtime_api import SamplingConfig
+from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.server.stage_handshake import (
     Hello,
     HelloAck,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from skippyd.engine.runtime_api import SamplingConfig
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.server.errors import ApiError
 from skippyd.server.requests import (
     HttpLimits,

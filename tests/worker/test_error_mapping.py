@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skippyd.engine.pipeline_types import ChainBatchError, ChainUnavailableError
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.pipeline_types import ChainBatchError, ChainUnavailableError
+from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     KvSlotUnavailableError,
     LanesBusyError,

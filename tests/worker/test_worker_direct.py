@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationOutput,
     IterationPhase,

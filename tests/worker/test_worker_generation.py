@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_runtime import EventRecorder
 
-from skippyd.engine.runtime_api import DecodeFailedError
+from skippyd.engine.runtime.protocol import DecodeFailedError
 from skippyd.engine.worker.commands import (
     CancelCommand,
     CancellationToken,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fake_runtime import EventRecorder
 
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime_api import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     GenerationRequest,

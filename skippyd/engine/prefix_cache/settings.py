@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from skippyd.engine.runtime_api import LLAMA_MAX_SEQ
+from skippyd.engine.runtime.protocol import LLAMA_MAX_SEQ
 
 logger = logging.getLogger(__name__)
 

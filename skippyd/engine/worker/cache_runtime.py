@@ -23,7 +23,7 @@ from skippyd.engine.policy.cache_order import (
     CacheAwareCandidate,
     order_cache_aware_candidates,
 )
-from skippyd.engine.runtime_api import Runtime
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.commands import (
     CancellationToken,
     DeadlineExceededError,

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from skippyd.engine.runtime_api import SamplingConfig
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.engine.worker.commands import (
     CANCELLATION_POLL_INTERVAL_S,
     CancellationToken,

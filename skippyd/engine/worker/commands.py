@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     KvSlotUnavailableError,
     LanesBusyError,

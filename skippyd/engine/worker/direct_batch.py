@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     IterationOutput,
     IterationPhase,
     IterationRequest,

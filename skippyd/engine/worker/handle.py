@@ -25,7 +25,7 @@ import numpy as np
 
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime_api import IterationPhase, Runtime, SamplingConfig
+from skippyd.engine.runtime.protocol import IterationPhase, Runtime, SamplingConfig
 from skippyd.engine.worker.cache_runtime import (
     CacheAffinity,
     CachePayload,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore, Scheduler
 from skippyd.engine.prefix_cache import LivePrefixCache, common_prefix_length
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     IterationRequest,
     KvSlotUnavailableError,
     Runtime,

@@ -28,14 +28,14 @@ from skippyd.engine.policy import (
     Scheduler,
 )
 from skippyd.engine.policy.telemetry import IterationTelemetry
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationOutput,
     IterationRequest,
     KvSlotUnavailableError,
     Runtime,
 )
-from skippyd.engine.runtime_api import IterationPhase as RuntimePhase
+from skippyd.engine.runtime.protocol import IterationPhase as RuntimePhase
 from skippyd.engine.worker.commands import (
     InvalidRequestError,
     RuntimeCapacityError,

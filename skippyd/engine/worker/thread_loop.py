@@ -18,7 +18,7 @@ from typing import Any
 
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime_api import Runtime
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.cache_runtime import (
     CacheRuntimeQueue,
     CacheRuntimeTelemetry,

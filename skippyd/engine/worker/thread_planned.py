@@ -26,7 +26,7 @@ from skippyd.engine.policy import (
 from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
 from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime_api import Runtime, RuntimeFailure
+from skippyd.engine.runtime.protocol import Runtime, RuntimeFailure
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,

@@ -1,4 +1,4 @@
-"""Prefix-cache slots of :class:`~skippyd.engine.runtime.LlamaRuntime` (DESIGN.md item 9).
+"""Prefix-cache slots of :class:`~skippyd.engine.runtime.llama.LlamaRuntime` (DESIGN.md item 9).
 
 A slot is a sequence id reserved beyond the lanes (``RuntimeOptions.reserved_seq_ids``).
 These methods only move KV between lanes and slots, or between a slot and host memory;
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime_api import DecodeFailedError, InvalidIterationError
+from skippyd.engine.runtime.protocol import DecodeFailedError, InvalidIterationError
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Plain records of a split pipeline, shared by stage 0 and later stages.
 
-Stage 0's :class:`~skippyd.engine.pipeline_runtime.PipelineRuntime` produces entries,
+Stage 0's :class:`~skippyd.engine.runtime.pipeline.PipelineRuntime` produces entries,
 the stage link (``skippyd.server.stage_link``) puts them on the wire, and a later
 stage's link server turns them into direct iterations. The :class:`Downstream` protocol
 is what the pipeline runtime needs from the link; the in-flight records are its
@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     IterationRequest,
     RuntimeFailure,
     SamplingConfig,

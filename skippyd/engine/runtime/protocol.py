@@ -1,9 +1,9 @@
 """The contract between the iteration scheduler worker and a runtime.
 
-The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies :class:`Runtime`; the real one
-is ``runtime.LlamaRuntime`` over llama.cpp, tests may use a scripted fake. Everything that
-crosses this boundary is a plain dataclass defined here, so the worker never imports
-llama.cpp (reference §4.2, ``skippy-runtime`` types).
+The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies
+:class:`Runtime`; the real one is ``llama.LlamaRuntime`` over llama.cpp, tests may use a
+scripted fake. Everything that crosses this boundary is a plain dataclass defined here, so
+the worker never imports llama.cpp (reference §4.2, ``skippy-runtime`` types).
 """
 
 from __future__ import annotations

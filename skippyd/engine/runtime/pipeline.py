@@ -1,4 +1,4 @@
-"""Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime_api.Runtime`.
+"""Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime.protocol.Runtime`.
 
 :class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
 and the link to the rest of the chain, so stage 0's unchanged iteration scheduler and
@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from skippyd.engine.pipeline_types import (
+from skippyd.engine.runtime.pipeline_types import (
     ChainBatchError,
     ChainEntry,
     ChainSample,
@@ -42,7 +42,7 @@ from skippyd.engine.pipeline_types import (
     PipelineCounters,
     split_groups,
 )
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.protocol import (
     IterationOutput,
     IterationPhase,
     IterationRequest,

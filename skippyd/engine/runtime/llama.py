@@ -24,8 +24,9 @@ from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.gguf_tools import inspect_model
-from skippyd.engine.llama_ext import LayerOutputCapture, ensure_backend
-from skippyd.engine.runtime_api import (
+from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
+from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
+from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
     InvalidIterationError,
@@ -37,8 +38,7 @@ from skippyd.engine.runtime_api import (
     SamplingConfig,
     SessionAlignment,
 )
-from skippyd.engine.runtime_slots import CacheSlotsMixin
-from skippyd.engine.sampling import SamplerChain
+from skippyd.engine.runtime.sampling import SamplerChain
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class LlamaRuntime(CacheSlotsMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
     Prefix-cache slots (the sequence ids reserved beyond the lanes) are moved by the
-    methods of :class:`~skippyd.engine.runtime_slots.CacheSlotsMixin`.
+    methods of :class:`~skippyd.engine.runtime.cache_slots.CacheSlotsMixin`.
     Use as a context manager, or call :meth:`close`.
     """
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime_api import SamplingConfig
+from skippyd.engine.runtime.protocol import SamplingConfig
 
 
 def _has_penalties(config: SamplingConfig) -> bool:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from skippyd.engine.runtime_api import IterationOutput, IterationRequest
+from skippyd.engine.runtime.protocol import IterationOutput, IterationRequest
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.llama_ext import ensure_backend
+from skippyd.engine.runtime.llama_ext import ensure_backend
 
 
 class TokenizerError(ValueError):
