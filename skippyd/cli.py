@@ -58,7 +58,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 def load_checked_config(path: Path | None, **overrides) -> StageConfig:
     """Load (or default) a config, apply CLI overrides and check it against its model."""
     from skippyd.config import apply_overrides, default_config
-    from skippyd.engine.gguf_tools import ModelFileError, inspect_model
+    from skippyd.gguf.inspect import ModelFileError, inspect_model
 
     try:
         config = load_config(path) if path is not None else default_config()
@@ -201,7 +201,7 @@ def model_inspect(
     as_json: JsonFlag = False,
 ) -> None:
     """Print a model's architecture, size, quantization and per-layer recurrent state."""
-    from skippyd.engine.gguf_tools import ModelFileError, inspect_model
+    from skippyd.gguf.inspect import ModelFileError, inspect_model
 
     try:
         info = inspect_model(path)
@@ -243,7 +243,7 @@ def model_slice(
     """Write the stage model for a layer range: a shallower GGUF stock llama.cpp loads."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from skippyd.engine.gguf_tools import ModelFileError, slice_model
+    from skippyd.gguf.inspect import ModelFileError, slice_model
 
     start, end = parse_layers(layers)
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),

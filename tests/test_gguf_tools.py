@@ -6,15 +6,15 @@ import errno
 
 import pytest
 
-from skippyd.engine.gguf_tools import (
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationRequest
+from skippyd.engine.runtime.tokenizer import Tokenizer
+from skippyd.gguf.inspect import (
     ModelFileError,
     cached_slice,
     inspect_model,
     slice_model,
 )
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationRequest
-from skippyd.engine.runtime.tokenizer import Tokenizer
 
 
 def test_inspect_reports_the_model(tiny_model_path):

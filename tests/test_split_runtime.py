@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skippyd.engine.gguf_tools import cached_slice
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
+from skippyd.gguf.inspect import cached_slice
 
 pytestmark = pytest.mark.model
 

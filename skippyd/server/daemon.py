@@ -24,7 +24,7 @@ import threading
 import uvicorn
 
 from skippyd.config import StageConfig
-from skippyd.engine.gguf_tools import ModelFileError
+from skippyd.gguf.inspect import ModelFileError
 from skippyd.server.control import ControlServer, ControlSocketError
 from skippyd.server.engine import StageEngine, StartupError
 from skippyd.server.metrics import ServingMetrics, metrics_route

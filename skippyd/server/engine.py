@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.config import StageConfig
-from skippyd.engine.gguf_tools import ModelInfo, cached_slice, inspect_model
 from skippyd.engine.prefix_cache import (
     LivePrefixCache,
     PrefixCacheSettings,
@@ -28,6 +27,7 @@ from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, SchedulerStoppedError
 from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.gguf.inspect import ModelInfo, cached_slice, inspect_model
 from skippyd.server.backend import HealthStatus
 from skippyd.server.stage_split import SplitStage, make_split
 

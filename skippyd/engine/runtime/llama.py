@@ -23,7 +23,6 @@ import numpy as np
 from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
-from skippyd.engine.gguf_tools import inspect_model
 from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
 from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
 from skippyd.engine.runtime.protocol import (
@@ -39,6 +38,7 @@ from skippyd.engine.runtime.protocol import (
     SessionAlignment,
 )
 from skippyd.engine.runtime.sampling import SamplerChain
+from skippyd.gguf.inspect import inspect_model
 
 logger = logging.getLogger(__name__)
 

@@ -121,7 +121,7 @@ def recurrent_bytes_per_native_sequence(
     """Recurrent state one sequence keeps over ``[layer_start, layer_end)``; 0 if unknown."""
     if model_path is None:
         return 0
-    from skippyd.engine.gguf_tools import inspect_model  # deferred: reads the GGUF
+    from skippyd.gguf.inspect import inspect_model  # deferred: reads the GGUF
 
     try:
         return inspect_model(model_path).recurrent_bytes(layer_start, layer_end)

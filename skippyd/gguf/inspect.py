@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gguf
 
-from skippyd.engine import gguf_scan
+from skippyd.gguf import scan
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +67,13 @@ class ModelInfo:
         return data
 
 
-def _read(path: str | os.PathLike) -> gguf_scan.GGUFHeader:
+def _read(path: str | os.PathLike) -> scan.GGUFHeader:
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file not found: {p}")
     try:
-        return gguf_scan.read_header(p)
-    except gguf_scan.GGUFFormatError as exc:
+        return scan.read_header(p)
+    except scan.GGUFFormatError as exc:
         raise ModelFileError(f"{p}: not a readable GGUF file ({exc})") from exc
 
 
@@ -104,7 +104,7 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
     )
 
 
-def _quantization_label(header: gguf_scan.GGUFHeader) -> str:
+def _quantization_label(header: scan.GGUFHeader) -> str:
     file_type = header.get("general.file_type")
     if isinstance(file_type, int):
         try:
@@ -206,15 +206,15 @@ def _slice_metadata(src, header, info: ModelInfo, layer_start: int, layer_end: i
     pairs = []
     for item in header.kv.values():
         if item.key == block_key:
-            pairs.append(gguf_scan.encode_kv(item.key, item.type, layer_end - layer_start))
+            pairs.append(scan.encode_kv(item.key, item.type, layer_end - layer_start))
         elif _is_per_layer_array(item, info.n_layer):
-            pairs.append(gguf_scan.encode_kv(item.key, item.type, item.value[layer_start:layer_end]))
+            pairs.append(scan.encode_kv(item.key, item.type, item.value[layer_start:layer_end]))
         else:
             src.seek(item.span[0])
             pairs.append(src.read(item.span[1] - item.span[0]))
     for key, value in (("layer_start", layer_start), ("layer_end", layer_end),
                        ("source_layers", info.n_layer)):
-        pairs.append(gguf_scan.encode_kv(f"skippyd.slice.{key}", 4, value))
+        pairs.append(scan.encode_kv(f"skippyd.slice.{key}", 4, value))
     return pairs
 
 
@@ -224,12 +224,12 @@ def _write_slice(src, dst, header, info, layer_start, layer_end, progress) -> No
     align = header.alignment
     infos, offset = [], 0
     for name, tensor in kept:
-        infos.append(gguf_scan.encode_tensor_info(name, tensor.dims, tensor.type, offset))
+        infos.append(scan.encode_tensor_info(name, tensor.dims, tensor.type, offset))
         offset += tensor.nbytes + (-tensor.nbytes % align)
-    dst.write(gguf_scan.MAGIC + struct.pack("<IQQ", header.version, len(kept), len(pairs)))
+    dst.write(scan.MAGIC + struct.pack("<IQQ", header.version, len(kept), len(pairs)))
     for blob in (*pairs, *infos):
         dst.write(blob)
-    dst.write(gguf_scan.padding(dst.tell(), align))
+    dst.write(scan.padding(dst.tell(), align))
     total, done = sum(t.nbytes for _, t in kept), 0
     for _name, tensor in kept:
         src.seek(header.data_offset + tensor.offset)
@@ -240,17 +240,17 @@ def _write_slice(src, dst, header, info, layer_start, layer_end, progress) -> No
                 raise ModelFileError(f"{info.path}: tensor {tensor.name} is truncated")
             dst.write(chunk)
             remaining -= len(chunk)
-        dst.write(gguf_scan.padding(tensor.nbytes, align))
+        dst.write(scan.padding(tensor.nbytes, align))
         done += tensor.nbytes
         if progress is not None:
             progress(done, total)
 
 
-def _is_per_layer_array(item: gguf_scan.KeyValue, n_layer: int) -> bool:
+def _is_per_layer_array(item: scan.KeyValue, n_layer: int) -> bool:
     """Some architectures store per-layer hyper-parameters as arrays (head counts...)."""
     return (
-        item.type == gguf_scan.ARRAY
-        and item.item_type not in (None, gguf_scan.STRING)
+        item.type == scan.ARRAY
+        and item.item_type not in (None, scan.STRING)
         and item.value is not None
         and item.length == n_layer
         and not item.key.startswith("tokenizer.")

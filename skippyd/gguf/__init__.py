@@ -1,0 +1,5 @@
+"""GGUF files: read a model's metadata without loading it, and slice out stage models.
+
+``scan`` parses the header; ``inspect`` reports what a model is and writes stage slices.
+Pure file handling: no llama.cpp, and nothing from the rest of skippyd.
+"""
