@@ -25,11 +25,11 @@ import uvicorn
 
 from skippyd.config import StageConfig
 from skippyd.gguf.inspect import ModelFileError
+from skippyd.http.metrics import ServingMetrics, metrics_route
+from skippyd.http.requests import HttpLimits
+from skippyd.http.routes import create_app
 from skippyd.server.control import ControlServer, ControlSocketError
 from skippyd.server.engine import StageEngine, StartupError
-from skippyd.server.metrics import ServingMetrics, metrics_route
-from skippyd.server.openai_api import create_app
-from skippyd.server.requests import HttpLimits
 from skippyd.server.sdnotify import SystemdNotifier
 from skippyd.server.snapshot import snapshot_source
 from skippyd.server.stage_split import slice_progress

@@ -1,6 +1,6 @@
 """The serving backend of a stage: tokenizer, llama.cpp runtime and the scheduler worker.
 
-:class:`StageEngine` implements :class:`skippyd.server.backend.ServingBackend` for the
+:class:`StageEngine` implements :class:`skippyd.http.backend.ServingBackend` for the
 HTTP layer. It is created cheaply, then :meth:`StageEngine.load` does the slow part (slice
 the model if needed, load it, start the worker) so the HTTP port can answer ``/health``
 with 503 while the model loads.
@@ -28,7 +28,7 @@ from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, Sc
 from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, cached_slice, inspect_model
-from skippyd.server.backend import HealthStatus
+from skippyd.http.backend import HealthStatus
 from skippyd.server.stage_split import SplitStage, make_split
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from skippyd.config import StageConfig
 from skippyd.engine.worker.commands import SchedulerStats
-from skippyd.server.metrics import ServingMetrics
+from skippyd.http.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

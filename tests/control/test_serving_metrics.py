@@ -18,7 +18,7 @@ from skippyd.engine.worker.commands import (
     TokenEvent,
 )
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
-from skippyd.server.metrics import ServingMetrics
+from skippyd.http.metrics import ServingMetrics
 
 WAIT_S = 10.0
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippyd.config import ConfigError, example_config_toml, parse_config
-from skippyd.server.errors import ApiError
-from skippyd.server.requests import HttpLimits, parse_chat_request, parse_completion_request
+from skippyd.http.errors import ApiError
+from skippyd.http.requests import HttpLimits, parse_chat_request, parse_completion_request
 
 LIMITS = HttpLimits()
 FUZZ = settings(max_examples=300, deadline=None, database=None,

@@ -11,8 +11,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from skippyd.engine.worker.commands import TokenControl
-from skippyd.server.openai_api import create_app
-from skippyd.server.requests import HttpLimits
+from skippyd.http.requests import HttpLimits
+from skippyd.http.routes import create_app
 
 WAIT_S = 10.0
 LIMITS = HttpLimits(max_body_bytes=4096, max_prompt_tokens=100, max_tokens_limit=64)

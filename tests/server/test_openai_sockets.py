@@ -19,8 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from skippyd.server.openai_api import create_app
-from skippyd.server.requests import HttpLimits
+from skippyd.http.requests import HttpLimits
+from skippyd.http.routes import create_app
 
 WAIT_S = 10.0
 LIMITS = HttpLimits()

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from skippyd.engine.runtime.protocol import SamplingConfig
-from skippyd.server.errors import ApiError
-from skippyd.server.requests import (
+from skippyd.http.errors import ApiError
+from skippyd.http.requests import (
     HttpLimits,
     parse_chat_request,
     parse_completion_request,

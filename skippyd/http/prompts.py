@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from skippyd.server.errors import invalid_field, unsupported_field
-from skippyd.server.unsupported import is_int, is_set
+from skippyd.http.errors import invalid_field, unsupported_field
+from skippyd.http.unsupported import is_int, is_set
 
 logger = logging.getLogger(__name__)
 

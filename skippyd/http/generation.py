@@ -24,13 +24,13 @@ from skippyd.engine.worker.commands import (
     TokenControl,
     TokenEvent,
 )
-from skippyd.server.backend import ServingBackend
-from skippyd.server.errors import ApiError
-from skippyd.server.requests import GenerationParams
-from skippyd.server.stops import StopMatcher
+from skippyd.http.backend import ServingBackend
+from skippyd.http.errors import ApiError
+from skippyd.http.requests import GenerationParams
+from skippyd.http.stops import StopMatcher
 
 if TYPE_CHECKING:
-    from skippyd.server.metrics import ServingMetrics
+    from skippyd.http.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

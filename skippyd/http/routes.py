@@ -29,16 +29,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippyd.server.backend import ServingBackend
-from skippyd.server.errors import ApiError, invalid_field
-from skippyd.server.generation import GenerationStream
-from skippyd.server.requests import (
+from skippyd.http.backend import ServingBackend
+from skippyd.http.errors import ApiError, invalid_field
+from skippyd.http.generation import GenerationStream
+from skippyd.http.requests import (
     GenerationParams,
     HttpLimits,
     parse_chat_request,
     parse_completion_request,
 )
-from skippyd.server.sse import (
+from skippyd.http.sse import (
     SSE_DONE,
     EventStreamResponse,
     ResponseShape,
@@ -47,7 +47,7 @@ from skippyd.server.sse import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.server.metrics import ServingMetrics
+    from skippyd.http.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

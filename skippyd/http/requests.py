@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from skippyd.engine.runtime.protocol import MAX_LOGIT_BIAS, SamplingConfig
-from skippyd.server.errors import ApiError, invalid_field
-from skippyd.server.prompts import parse_messages, parse_prompt
-from skippyd.server.unsupported import is_int, reject_unsupported
+from skippyd.http.errors import ApiError, invalid_field
+from skippyd.http.prompts import parse_messages, parse_prompt
+from skippyd.http.unsupported import is_int, reject_unsupported
 
 logger = logging.getLogger(__name__)
 

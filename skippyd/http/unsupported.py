@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from skippyd.server.errors import invalid_field, unsupported_field
+from skippyd.http.errors import invalid_field, unsupported_field
 
 logger = logging.getLogger(__name__)
 
