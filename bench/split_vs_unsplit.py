@@ -47,7 +47,7 @@ from skippyd.bench.loadgen import (
 from skippyd.bench.process import SKIPPYD_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
-from skippyd.server.stage_chain import query_status
+from skippyd.link.dialer import query_status
 
 logger = logging.getLogger(__name__)
 

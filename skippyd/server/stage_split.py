@@ -16,8 +16,8 @@ from typing import Any
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.pipeline import PipelineRuntime
 from skippyd.engine.runtime.protocol import IterationOutput, IterationRequest, Runtime
-from skippyd.server.stage_chain import ChainIdentity, ChainLink
-from skippyd.server.stage_server import (
+from skippyd.link.dialer import ChainIdentity, ChainLink
+from skippyd.link.listener import (
     LISTENER_COUNTERS,
     StageFacts,
     StageLinkServer,

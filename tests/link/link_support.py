@@ -19,7 +19,7 @@ from openai import OpenAI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serve_process import ServeProcess  # noqa: E402
 
-from skippyd.server.stage_chain import query_status  # noqa: E402
+from skippyd.link.dialer import query_status  # noqa: E402
 
 SECRET = "link-tests-shared-secret-0123456789"
 N_UBATCH = 32

@@ -9,15 +9,15 @@ import pytest
 from link_support import SECRET
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry
-from skippyd.server.stage_chain import dial
-from skippyd.server.stage_handshake import Hello, Role, dial_handshake
-from skippyd.server.stage_link import (
+from skippyd.link.dialer import dial
+from skippyd.link.framing import FrameSocket
+from skippyd.link.handshake import Hello, Role, dial_handshake
+from skippyd.link.wire import (
     HEADER,
     FrameKind,
     LinkProtocolError,
     encode_iteration,
 )
-from skippyd.server.stage_link_io import FrameSocket
 
 pytestmark = pytest.mark.model
 

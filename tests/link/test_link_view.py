@@ -17,8 +17,8 @@ from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
 from skippyd.engine.worker.commands import SchedulerStats
-from skippyd.server.stage_chain import query_status
-from skippyd.server.stage_server import LISTENER_COUNTERS
+from skippyd.link.dialer import query_status
+from skippyd.link.listener import LISTENER_COUNTERS
 from skippyd.server.stage_split import make_split
 
 

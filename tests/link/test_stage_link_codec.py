@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import SamplingConfig
-from skippyd.server.stage_handshake import (
+from skippyd.link.framing import BatchAssembler, FrameSocket
+from skippyd.link.handshake import (
     Hello,
     HelloAck,
     Role,
@@ -22,7 +23,7 @@ from skippyd.server.stage_handshake import (
     dial_handshake,
     send_ack,
 )
-from skippyd.server.stage_link import (
+from skippyd.link.wire import (
     HEADER,
     HEADER_BYTES,
     FrameKind,
@@ -37,7 +38,6 @@ from skippyd.server.stage_link import (
     encode_result,
     encode_text,
 )
-from skippyd.server.stage_link_io import BatchAssembler, FrameSocket
 
 WIDTH = 8
 LIMITS = LinkLimits(max_frame_bytes=1 << 16, row_width=WIDTH, max_tokens=64)

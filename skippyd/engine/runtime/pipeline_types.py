@@ -1,7 +1,7 @@
 """Plain records of a split pipeline, shared by stage 0 and later stages.
 
 Stage 0's :class:`~skippyd.engine.runtime.pipeline.PipelineRuntime` produces entries,
-the stage link (``skippyd.server.stage_link``) puts them on the wire, and a later
+the stage link (``skippyd.link.wire``) puts them on the wire, and a later
 stage's link server turns them into direct iterations. The :class:`Downstream` protocol
 is what the pipeline runtime needs from the link; the in-flight records are its
 bookkeeping. They live in the engine so the engine never imports the server layer.
@@ -80,7 +80,7 @@ class ChainSample:
 
 
 class Downstream(Protocol):
-    """Stage 0's link to the rest of the pipeline (``skippyd.server.stage_chain``)."""
+    """Stage 0's link to the rest of the pipeline (``skippyd.link.dialer``)."""
 
     @property
     def epoch(self) -> int:

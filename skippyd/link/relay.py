@@ -30,9 +30,10 @@ from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import QueueFullError, SchedulerError
 from skippyd.engine.worker.direct_batch import DirectIteration
-from skippyd.server.stage_chain import dial
-from skippyd.server.stage_handshake import Hello, HelloAck, Role, send_ack
-from skippyd.server.stage_link import (
+from skippyd.link.dialer import dial
+from skippyd.link.framing import BatchAssembler, FrameSocket
+from skippyd.link.handshake import Hello, HelloAck, Role, send_ack
+from skippyd.link.wire import (
     Frame,
     FrameKind,
     LinkLimits,
@@ -42,10 +43,9 @@ from skippyd.server.stage_link import (
     encode_result,
     encode_text,
 )
-from skippyd.server.stage_link_io import BatchAssembler, FrameSocket
 
 if TYPE_CHECKING:
-    from skippyd.server.stage_server import StageLinkServer
+    from skippyd.link.listener import StageLinkServer
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from skippyd.server.stage_link import (
+from skippyd.link.framing import FrameSocket
+from skippyd.link.wire import (
     MAGIC,
     PROTOCOL_VERSION,
     FrameKind,
@@ -28,7 +29,6 @@ from skippyd.server.stage_link import (
     encode_frame,
     encode_text,
 )
-from skippyd.server.stage_link_io import FrameSocket
 
 logger = logging.getLogger(__name__)
 

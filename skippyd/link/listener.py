@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from skippyd.server.stage_chain import configure_socket
-from skippyd.server.stage_handshake import (
+from skippyd.link.dialer import configure_socket
+from skippyd.link.framing import FrameSocket
+from skippyd.link.handshake import (
     HANDSHAKE_TIMEOUT_S,
     Hello,
     HelloAck,
@@ -33,14 +34,13 @@ from skippyd.server.stage_handshake import (
     send_ack,
     send_refuse,
 )
-from skippyd.server.stage_link import (
+from skippyd.link.relay import ChainConnection
+from skippyd.link.wire import (
     FrameKind,
     LinkAuthError,
     LinkProtocolError,
     encode_frame,
 )
-from skippyd.server.stage_link_io import FrameSocket
-from skippyd.server.stage_relay import ChainConnection
 
 logger = logging.getLogger(__name__)
 

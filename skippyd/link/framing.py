@@ -1,6 +1,6 @@
 """Frames on sockets: a whole-frame reader/writer and the batch assembler.
 
-:class:`FrameSocket` validates each header (``stage_link.decode_header``) before it reads
+:class:`FrameSocket` validates each header (``wire.decode_header``) before it reads
 the body, so an oversized frame is refused without buffering it, and counts the bytes
 for the stage's STATUS. :class:`BatchAssembler` groups ITERATION frames into batches.
 """
@@ -11,7 +11,7 @@ import logging
 import socket
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry
-from skippyd.server.stage_link import (
+from skippyd.link.wire import (
     HANDSHAKE_LIMITS,
     HEADER_BYTES,
     MAX_BATCH_ENTRIES,

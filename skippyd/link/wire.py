@@ -5,8 +5,8 @@ followed by ``body_bytes`` of body (layouts in ``docs/stage-protocol.md``). The 
 validates the header before it reads a body, so an oversized or malformed frame is
 refused without buffering it; anything wrong raises :class:`LinkProtocolError`, and
 the connection that sent it is closed (reference §5.3: explicit limits, typed errors).
-The handshake that authenticates a connection lives in ``stage_handshake``, reading and
-writing frames on sockets in ``stage_link_io``.
+The handshake that authenticates a connection lives in ``handshake``, reading and
+writing frames on sockets in ``framing``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ from typing import Any, Protocol
 from skippyd.config import StageConfig
 from skippyd.config.schema import parse_host_port
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
-from skippyd.server.stage_handshake import Hello, HelloAck, Role, dial_handshake
-from skippyd.server.stage_link import (
+from skippyd.link.framing import FrameSocket
+from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
+from skippyd.link.wire import (
     Frame,
     FrameKind,
     LinkLimits,
@@ -32,7 +33,6 @@ from skippyd.server.stage_link import (
     encode_drop,
     encode_iteration,
 )
-from skippyd.server.stage_link_io import FrameSocket
 
 logger = logging.getLogger(__name__)
 
