@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from skippyd.control_client import ControlClient
+from skippyd.control.client import ControlClient
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jovial bard near the old stone bridge").split()

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from skippyd.config import ConfigError
-from skippyd.control_client import ControlClient, ControlError, resolve_socket_path
+from skippyd.control.client import ControlClient, ControlError, resolve_socket_path
 from skippyd.tui.fmt import fmt_bytes
 
 logger = logging.getLogger(__name__)

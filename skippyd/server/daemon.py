@@ -24,11 +24,11 @@ import threading
 import uvicorn
 
 from skippyd.config import StageConfig
+from skippyd.control.server import ControlServer, ControlSocketError
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
-from skippyd.server.control import ControlServer, ControlSocketError
 from skippyd.server.engine import StageEngine, StartupError
 from skippyd.server.sdnotify import SystemdNotifier
 from skippyd.server.snapshot import snapshot_source

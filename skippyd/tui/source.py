@@ -1,7 +1,7 @@
 """The dashboard's connection to a daemon's control socket (protocol v1).
 
 :class:`ControlFeed` follows one socket for as long as it is iterated: it connects with
-:class:`~skippyd.control_client.AsyncControlClient`, subscribes to periodic snapshots
+:class:`~skippyd.control.client.AsyncControlClient`, subscribes to periodic snapshots
 and telemetry events, and turns every pushed message into a typed item
 (:class:`Connected`, :class:`SnapshotReceived`, :class:`EventReceived`,
 :class:`Dropped`, :class:`ServerError`). When the daemon goes away it yields
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skippyd.control_client import AsyncControlClient, ControlConnectError, ControlError
-from skippyd.control_client import resolve_socket_path as find_lone_socket
-from skippyd.server.control_protocol import MAX_INTERVAL_MS, MIN_INTERVAL_MS
+from skippyd.control.client import AsyncControlClient, ControlConnectError, ControlError
+from skippyd.control.client import resolve_socket_path as find_lone_socket
+from skippyd.control.protocol import MAX_INTERVAL_MS, MIN_INTERVAL_MS
 
 logger = logging.getLogger(__name__)
 

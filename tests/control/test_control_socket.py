@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from skippyd.control_client import AsyncControlClient, ControlClient, ControlRequestError
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryHub
-from skippyd.server.control import (
+from skippyd.control.client import AsyncControlClient, ControlClient, ControlRequestError
+from skippyd.control.protocol import MAX_LINE_BYTES
+from skippyd.control.server import (
     SUBSCRIBER_BUFFER,
     ControlServer,
     ControlSocketError,
     ControlSocketInUse,
 )
-from skippyd.server.control_protocol import MAX_LINE_BYTES
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryHub
 
 WAIT_S = 10.0
 

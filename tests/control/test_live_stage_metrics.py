@@ -26,11 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from skippyd.config import parse_config
-from skippyd.control_client import AsyncControlClient
+from skippyd.control.client import AsyncControlClient
+from skippyd.control.server import ControlServer
 from skippyd.engine.worker.commands import QueueFullError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.routes import create_app
-from skippyd.server.control import ControlServer
 from skippyd.server.engine import StageEngine
 from skippyd.server.snapshot import snapshot_source
 from skippyd.status_view import EXIT_OK, EXIT_UNREACHABLE, run_status

@@ -17,11 +17,11 @@ import pytest
 from rich.console import Console
 
 from skippyd.config import parse_config
-from skippyd.control_client import ControlConnectError, resolve_socket_path
+from skippyd.control.client import ControlConnectError, resolve_socket_path
+from skippyd.control.server import ControlServer
 from skippyd.engine.worker.commands import SchedulerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.http.metrics import ServingMetrics
-from skippyd.server.control import ControlServer
 from skippyd.server.snapshot import build_snapshot
 from skippyd.status_view import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
 

@@ -13,9 +13,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skippyd.control.protocol import ERROR_CODES, ProtocolError, parse_request
+from skippyd.control.server import ControlServer
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.server.control import ControlServer
-from skippyd.server.control_protocol import ERROR_CODES, ProtocolError, parse_request
 
 FUZZ = settings(max_examples=400, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -14,8 +14,8 @@ from pilot_helpers import header_text, make_app, queue_shows, wait_for
 from rich.console import Console
 from scripted_server import make_snapshot
 
+from skippyd.control.server import ControlServer
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.server.control import ControlServer
 from skippyd.tui.once import run_once
 from skippyd.tui.tables import EventLog, LatencyTable
 

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd import __version__
-from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
-from skippyd.server.control_protocol import (
+from skippyd.control.protocol import (
     MAX_LINE_BYTES,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -42,6 +41,7 @@ from skippyd.server.control_protocol import (
     parse_request,
     read_lines,
 )
+from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from skippyd.server.control_protocol import DEFAULT_INTERVAL_MS, PROTOCOL_VERSION, encode
+from skippyd.control.protocol import DEFAULT_INTERVAL_MS, PROTOCOL_VERSION, encode
 
 logger = logging.getLogger(__name__)
 
