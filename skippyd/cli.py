@@ -97,8 +97,8 @@ def serve(
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.")] = None,
 ) -> None:
     """Serve a model (or a layer range of one) behind an OpenAI-compatible API."""
+    from skippyd.daemon.lifecycle import run_daemon
     from skippyd.logs import configure_logging
-    from skippyd.server.daemon import run_daemon
 
     stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
                                 ctx_size=ctx_size, lane_count=lanes, threads=threads,

@@ -258,7 +258,7 @@ class ServingMetrics:
 
     @classmethod
     def for_engine(cls, engine: Any, **kwargs: Any) -> ServingMetrics:
-        """Metrics reading a :class:`~skippyd.server.engine.StageEngine`'s worker."""
+        """Metrics reading a :class:`~skippyd.daemon.assembly.StageEngine`'s worker."""
         def stats() -> SchedulerStats | None:
             scheduler = engine.scheduler
             return None if scheduler is None else scheduler.stats()

@@ -28,11 +28,11 @@ from rich.console import Console
 from skippyd.config import parse_config
 from skippyd.control.client import AsyncControlClient
 from skippyd.control.server import ControlServer
+from skippyd.daemon.assembly import StageEngine
+from skippyd.daemon.snapshot import snapshot_source
 from skippyd.engine.worker.commands import QueueFullError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.routes import create_app
-from skippyd.server.engine import StageEngine
-from skippyd.server.snapshot import snapshot_source
 from skippyd.status_view import EXIT_OK, EXIT_UNREACHABLE, run_status
 
 WAIT_S = 30.0

@@ -19,10 +19,10 @@ from rich.console import Console
 from skippyd.config import parse_config
 from skippyd.control.client import ControlConnectError, resolve_socket_path
 from skippyd.control.server import ControlServer
+from skippyd.daemon.snapshot import build_snapshot
 from skippyd.engine.worker.commands import SchedulerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.http.metrics import ServingMetrics
-from skippyd.server.snapshot import build_snapshot
 from skippyd.status_view import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
 
 
@@ -133,7 +133,7 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
 
 
 def test_snapshot_of_a_stage_still_loading(tiny_model_path: Path) -> None:
-    from skippyd.server.engine import StageEngine
+    from skippyd.daemon.assembly import StageEngine
 
     engine = StageEngine(parse_config({"stage": {"model_path": str(tiny_model_path)},
                                        "runtime": {"lane_count": 2}}))

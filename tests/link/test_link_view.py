@@ -16,10 +16,10 @@ import pytest
 from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
+from skippyd.daemon.split import make_split
 from skippyd.engine.worker.commands import SchedulerStats
 from skippyd.link.dialer import query_status
 from skippyd.link.listener import LISTENER_COUNTERS
-from skippyd.server.stage_split import make_split
 
 
 class FakeLocalRuntime:

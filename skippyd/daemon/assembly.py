@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.config import StageConfig
+from skippyd.daemon.split import SplitStage, make_split
 from skippyd.engine.prefix_cache import (
     LivePrefixCache,
     PrefixCacheSettings,
@@ -29,7 +30,6 @@ from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, cached_slice, inspect_model
 from skippyd.http.backend import HealthStatus
-from skippyd.server.stage_split import SplitStage, make_split
 
 logger = logging.getLogger(__name__)
 

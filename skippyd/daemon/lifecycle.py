@@ -25,14 +25,14 @@ import uvicorn
 
 from skippyd.config import StageConfig
 from skippyd.control.server import ControlServer, ControlSocketError
+from skippyd.daemon.assembly import StageEngine, StartupError
+from skippyd.daemon.sdnotify import SystemdNotifier
+from skippyd.daemon.snapshot import snapshot_source
+from skippyd.daemon.split import slice_progress
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
-from skippyd.server.engine import StageEngine, StartupError
-from skippyd.server.sdnotify import SystemdNotifier
-from skippyd.server.snapshot import snapshot_source
-from skippyd.server.stage_split import slice_progress
 
 logger = logging.getLogger(__name__)
 
