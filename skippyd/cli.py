@@ -129,7 +129,7 @@ def top(
 @app.command()
 def status(socket: SocketOption = None, config: ConfigOption = None, as_json: JsonFlag = False) -> None:
     """Print a one-screen summary of a running daemon (exit 0 when it is healthy)."""
-    from skippyd.status_view import run_status
+    from skippyd.tui.status import run_status
 
     raise typer.Exit(run_status(socket, config, as_json))
 

@@ -1,9 +1,10 @@
-"""``skippyd top``: the live dashboard of a daemon's control socket.
+"""``skippyd top`` and ``skippyd status``: views of a daemon's control socket.
 
 :func:`run_top` is the entry point the CLI calls; the Textual app lives in
 :mod:`skippyd.tui.app`, the socket client in :mod:`skippyd.tui.source` and the
-``--once`` printer in :mod:`skippyd.tui.once`. Textual is imported only when the
-dashboard actually runs.
+``--once`` printer in :mod:`skippyd.tui.once`; ``skippyd status`` is
+:mod:`skippyd.tui.status`. Textual is imported only when the dashboard actually runs.
+It sees a daemon only through the control socket and never imports llama_cpp.
 """
 
 from __future__ import annotations

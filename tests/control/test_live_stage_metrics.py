@@ -33,7 +33,7 @@ from skippyd.daemon.snapshot import snapshot_source
 from skippyd.engine.worker.commands import QueueFullError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.routes import create_app
-from skippyd.status_view import EXIT_OK, EXIT_UNREACHABLE, run_status
+from skippyd.tui.status import EXIT_OK, EXIT_UNREACHABLE, run_status
 
 WAIT_S = 30.0
 LANES = 4

@@ -23,7 +23,7 @@ from skippyd.daemon.snapshot import build_snapshot
 from skippyd.engine.worker.commands import SchedulerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.http.metrics import ServingMetrics
-from skippyd.status_view import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
+from skippyd.tui.status import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
 
 
 @dataclass(frozen=True)
