@@ -15,7 +15,7 @@ concrete values and :func:`config_to_toml` writes it back as an equal config. On
 
 Modules: ``schema`` (the tree and per-key rules), ``loader`` (parsing, overrides),
 ``rules`` (cross-key and pipeline rules), ``dump`` (writing), ``defaults`` (machine
-defaults), ``errors``.
+defaults), ``errors``. Imports nothing from the rest of skippyd: every room may use it.
 """
 
 from skippyd.config.defaults import (

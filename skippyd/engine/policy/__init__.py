@@ -1,8 +1,8 @@
 """Pure scheduling policy: admission, iteration planning, preemption (reference §1, §2).
 
-No threads, no I/O and no runtime here: a driver (the worker thread, or the scheduler lab
-on a virtual clock) calls ``Scheduler.plan_iteration``, executes the plan, and reports the
-sampled tokens with ``Scheduler.complete_iteration``.
+Nothing but the standard library: no threads, no I/O and no runtime here. A driver (the
+worker thread, or the scheduler lab on a virtual clock) calls ``Scheduler.plan_iteration``,
+executes the plan, and reports the sampled tokens with ``Scheduler.complete_iteration``.
 """
 
 from skippyd.engine.policy.cache_order import (

@@ -6,7 +6,8 @@
 * :mod:`.live` runs it all against a runtime's reserved sequence ids.
 
 The worker drives it (``worker/thread_cache.py``); the policy only sees the results: a
-``PrefixRestore`` on a sequence and its ``CacheAffinity``.
+``PrefixRestore`` on a sequence and its ``CacheAffinity``. It never calls llama.cpp
+itself, only the slot operations of the runtime it is given.
 """
 
 from skippyd.engine.prefix_cache.entries import (
