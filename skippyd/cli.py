@@ -243,7 +243,8 @@ def model_slice(
     """Write the stage model for a layer range: a shallower GGUF stock llama.cpp loads."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from skippyd.gguf.inspect import ModelFileError, slice_model
+    from skippyd.gguf.inspect import ModelFileError
+    from skippyd.gguf.slice import slice_model
 
     start, end = parse_layers(layers)
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),

@@ -9,12 +9,8 @@ import pytest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.inspect import (
-    ModelFileError,
-    cached_slice,
-    inspect_model,
-    slice_model,
-)
+from skippyd.gguf.inspect import ModelFileError, inspect_model
+from skippyd.gguf.slice import cached_slice, slice_model
 
 
 def test_inspect_reports_the_model(tiny_model_path):

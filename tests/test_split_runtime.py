@@ -14,7 +14,7 @@ import pytest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.inspect import cached_slice
+from skippyd.gguf.slice import cached_slice
 
 pytestmark = pytest.mark.model
 

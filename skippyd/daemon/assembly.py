@@ -28,7 +28,8 @@ from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, SchedulerStoppedError
 from skippyd.engine.worker.handle import IterationScheduler
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.gguf.inspect import ModelInfo, cached_slice, inspect_model
+from skippyd.gguf.inspect import ModelInfo, inspect_model
+from skippyd.gguf.slice import cached_slice
 from skippyd.http.backend import HealthStatus
 
 logger = logging.getLogger(__name__)
