@@ -1,4 +1,4 @@
-"""The serving backend of a stage: tokenizer, llama.cpp runtime and the scheduler worker.
+"""The serving backend of a stage: tokenizer, llama.cpp runtime and the worker.
 
 :class:`StageEngine` implements :class:`skippyd.http.backend.ServingBackend` for the
 HTTP layer. It is created cheaply, then :meth:`StageEngine.load` does the slow part (slice
@@ -25,8 +25,8 @@ from skippyd.engine.prefix_cache import (
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from skippyd.engine.runtime.watch import WatchedRuntime
-from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent, SchedulerStoppedError
-from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
+from skippyd.engine.worker.handle import WorkerHandle
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, inspect_model
 from skippyd.gguf.slice import cached_slice
@@ -84,7 +84,7 @@ class StageEngine:
         self._progress = progress
         self._tokenizer: Tokenizer | None = None
         self._runtime: WatchedRuntime | None = None
-        self._scheduler: IterationScheduler | None = None
+        self._worker: WorkerHandle | None = None
         self._split: SplitStage | None = None
         self._prefix_cache: LivePrefixCache | None = None
         self.hang_threshold_s = HANG_THRESHOLD_S
@@ -115,7 +115,7 @@ class StageEngine:
         self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime)
         self._prefix_cache = self._make_prefix_cache(cache_settings)
         rt = self.config.runtime
-        self._scheduler = IterationScheduler(
+        self._worker = WorkerHandle(
             self._runtime,
             queue_capacity=rt.queue_capacity,
             continuous_batching=rt.continuous_batching,
@@ -157,7 +157,7 @@ class StageEngine:
         if self._split is None:
             return
         try:
-            self._split.start(self._scheduler)
+            self._split.start(self._worker)
         except OSError as exc:
             raise StartupError(f"link.listen: cannot listen on {self.config.link.listen}: "
                                f"{exc}") from exc
@@ -187,13 +187,13 @@ class StageEngine:
     def close(self) -> None:
         """Stop the worker (failing what it still holds) and free llama.cpp. Idempotent."""
         with self._lock:
-            scheduler, runtime, tokenizer = self._scheduler, self._runtime, self._tokenizer
-            self._scheduler = self._runtime = self._tokenizer = None
+            worker, runtime, tokenizer = self._worker, self._runtime, self._tokenizer
+            self._worker = self._runtime = self._tokenizer = None
             split, self._split = self._split, None
         if split is not None:  # first: requests waiting on the pipeline fail promptly
             split.close()
-        if scheduler is not None:
-            scheduler.close()
+        if worker is not None:
+            worker.close()
         if runtime is not None:
             runtime.close()
         if tokenizer is not None:
@@ -204,8 +204,8 @@ class StageEngine:
             self._state, self._reason = state, reason
 
     @property
-    def scheduler(self) -> IterationScheduler | None:
-        return self._scheduler
+    def worker(self) -> WorkerHandle | None:
+        return self._worker
 
     # -- ServingBackend --------------------------------------------------------------
     def runtime_busy_for(self) -> float:
@@ -215,15 +215,15 @@ class StageEngine:
 
     def is_alive(self, hang_threshold_s: float) -> bool:
         """The worker thread runs and no runtime call is stuck (the watchdog's question)."""
-        scheduler = self._scheduler
-        if scheduler is None or scheduler.failure is not None:
+        worker = self._worker
+        if worker is None or worker.failure is not None:
             return False
-        return scheduler.thread.is_alive() and self.runtime_busy_for() < hang_threshold_s
+        return worker.thread.is_alive() and self.runtime_busy_for() < hang_threshold_s
 
     def health(self) -> tuple[HealthStatus, str | None]:
-        scheduler = self._scheduler
-        if self._state == "ok" and scheduler is not None and scheduler.failure is not None:
-            return "failed", scheduler.failure
+        worker = self._worker
+        if self._state == "ok" and worker is not None and worker.failure is not None:
+            return "failed", worker.failure
         busy = self.runtime_busy_for()
         if self._state == "ok" and busy >= self.hang_threshold_s:
             return "failed", f"runtime call running for {busy:.0f} s (hung?)"
@@ -250,16 +250,16 @@ class StageEngine:
     def detokenizer(self) -> IncrementalDetokenizer:
         return self._require_tokenizer().detokenizer()
 
-    def submit(self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]) -> None:
-        scheduler = self._scheduler
-        if scheduler is None or self._state != "ok":
-            raise SchedulerStoppedError(f"stage is {self._state}: {self._reason}")
-        scheduler.submit_generation(request, on_event)
+    def submit(self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]) -> None:
+        worker = self._worker
+        if worker is None or self._state != "ok":
+            raise WorkerStoppedError(f"stage is {self._state}: {self._reason}")
+        worker.submit_generation(request, on_event)
 
     def cancel(self, request_id: str) -> None:
-        scheduler = self._scheduler
-        if scheduler is not None:
-            scheduler.cancel(request_id)
+        worker = self._worker
+        if worker is not None:
+            worker.cancel(request_id)
 
     def cached_prompt_tokens(self, request_id: str) -> int:
         """Prompt tokens of the request restored from the prefix cache (0 without one)."""
@@ -274,5 +274,5 @@ class StageEngine:
     def _require_tokenizer(self) -> Tokenizer:
         tokenizer = self._tokenizer
         if tokenizer is None:
-            raise SchedulerStoppedError("the model is not loaded")
+            raise WorkerStoppedError("the model is not loaded")
         return tokenizer

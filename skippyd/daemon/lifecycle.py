@@ -285,10 +285,10 @@ async def housekeeping(engine: StageEngine, notifier: SystemdNotifier) -> None:
 def status_line(engine: StageEngine) -> str:
     """One line for ``systemctl status``: health, then what the stage is doing."""
     state, reason = engine.health()
-    scheduler = engine.scheduler
-    if state != "ok" or scheduler is None:
+    worker = engine.worker
+    if state != "ok" or worker is None:
         return f"{state}: {reason}"
-    stats = scheduler.stats()
+    stats = worker.stats()
     if engine.config.http is None:
         return (f"serving layers {engine.config.stage.layer_start}:"
                 f"{engine.config.stage.layer_end}: {stats.active_runtime_sessions} sessions,"

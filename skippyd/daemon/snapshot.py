@@ -3,7 +3,7 @@
 It is what ``{"op": "status"}`` answers on the control socket, what subscribers receive
 every ``interval_ms`` and what ``skippyd status`` renders; its schema is part of the
 control protocol (``docs/control-protocol.md``). Building one reads the worker's last
-published :class:`~skippyd.engine.worker.commands.SchedulerStats` (one attribute read, no
+published :class:`~skippyd.engine.worker.commands.WorkerStats` (one attribute read, no
 lock shared with the worker), the request metrics and, on a split stage, the link's
 counters; it never waits on the worker or the network.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from skippyd.config import StageConfig
-from skippyd.engine.worker.commands import SchedulerStats
+from skippyd.engine.worker.commands import WorkerStats
 from skippyd.http.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class SnapshotEngine(Protocol):
     ctx_size: int
 
     @property
-    def scheduler(self) -> Any: ...
+    def worker(self) -> Any: ...
 
     def health(self) -> tuple[str, str | None]: ...
 
@@ -49,8 +49,8 @@ def build_snapshot(
     Returns:
         A dict of JSON types only.
     """
-    scheduler = engine.scheduler
-    stats: SchedulerStats = scheduler.stats() if scheduler is not None else SchedulerStats()
+    worker = engine.worker
+    stats: WorkerStats = worker.stats() if worker is not None else WorkerStats()
     status, reason = engine.health()
     lane_count = engine.config.runtime.lane_count
     return {
@@ -85,7 +85,7 @@ def snapshot_source(
     return lambda: build_snapshot(engine, metrics, since)
 
 
-def lane_rows(stats: SchedulerStats, lane_count: int) -> list[dict[str, Any]]:
+def lane_rows(stats: WorkerStats, lane_count: int) -> list[dict[str, Any]]:
     """One row per lane, busy ones from the worker and the rest ``idle``."""
     busy = {info.lane: info for info in getattr(stats, "lanes", ())}
     rows = []
@@ -118,7 +118,7 @@ def _kv(metrics: ServingMetrics) -> dict[str, Any]:
             "usage": used / total if total else 0.0}
 
 
-def _counters(stats: SchedulerStats, metrics: ServingMetrics) -> dict[str, int]:
+def _counters(stats: WorkerStats, metrics: ServingMetrics) -> dict[str, int]:
     return {
         "finished": metrics.outcomes["finished"],
         "failed": metrics.outcomes["failed"],

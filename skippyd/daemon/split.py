@@ -1,6 +1,6 @@
 """What a stage of a split pipeline adds to the engine and the daemon.
 
-:func:`make_split` gives the engine the runtime its scheduler drives and the link
+:func:`make_split` gives the engine the runtime its worker drives and the link
 machinery around it: on stage 0 a :class:`PipelineRuntime` over the local slice and a
 :class:`ChainLink` to stage 1; on a later stage the local runtime (metered) and a
 :class:`StageLinkServer` that feeds it.
@@ -62,7 +62,7 @@ class SplitStage:
     """The split-pipeline part of one stage; created by :func:`make_split`.
 
     Attributes:
-        runtime: What the stage's iteration scheduler drives.
+        runtime: What the stage's worker drives.
     """
 
     def __init__(self, config: StageConfig, local: Any) -> None:
@@ -71,7 +71,7 @@ class SplitStage:
         self.config = config
         self.started_at = time.monotonic()
         self._facts = _facts(config, local)
-        self._scheduler: Any = None
+        self._worker: Any = None
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
         self.pipeline: PipelineRuntime | None = None
@@ -85,16 +85,16 @@ class SplitStage:
         else:
             self.runtime = MeteredRuntime(local)
 
-    def start(self, scheduler: Any) -> None:
+    def start(self, worker: Any) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
 
         Raises:
             OSError: ``link.listen`` cannot be bound.
         """
-        self._scheduler = scheduler
+        self._worker = worker
         listen = self.config.link.listen_address
         if listen is not None:
-            server = StageLinkServer(self._facts, None if self.config.is_first else scheduler,
+            server = StageLinkServer(self._facts, None if self.config.is_first else worker,
                                      self.status)
             server.bind(listen)
             server.start()
@@ -124,8 +124,8 @@ class SplitStage:
         Reads counters only (the worker's last published stats, the pipeline's and the
         chain's totals), so the control snapshot may call it on any thread.
         """
-        scheduler = self._scheduler
-        sessions = 0 if scheduler is None else scheduler.stats().active_runtime_sessions
+        worker = self._worker
+        sessions = 0 if worker is None else worker.stats().active_runtime_sessions
         status: dict[str, Any] = {"uptime_s": time.monotonic() - self.started_at,
                                   "active_sessions": sessions}
         if isinstance(self.runtime, MeteredRuntime):

@@ -1,7 +1,7 @@
 """The boundary between the HTTP layer and whatever serves generations.
 
 The OpenAI app codes against :class:`ServingBackend` only; the daemon implements it over
-the llama.cpp runtime and the iteration-scheduler worker, tests with a scripted fake.
+the llama.cpp runtime and the worker, tests with a scripted fake.
 Generation requests and events are the worker's own types
 (:mod:`skippyd.engine.worker.commands`).
 """
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Literal, Protocol, runtime_checkable
 
-from skippyd.engine.worker.commands import GenerationRequest, SchedulerEvent
+from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,13 @@ class ServingBackend(Protocol):
         ...
 
     def submit(
-        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+        self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
     ) -> None:
         """Queue a generation; events arrive through ``on_event`` on the worker thread.
 
         Raises:
             QueueFullError: The generation queue is full (HTTP 429).
-            SchedulerStoppedError: The worker is gone or draining (HTTP 503).
+            WorkerStoppedError: The worker is gone or draining (HTTP 503).
         """
         ...
 

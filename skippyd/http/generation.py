@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
+    GenerationEvent,
     GenerationRequest,
     QueueFullError,
-    SchedulerError,
-    SchedulerEvent,
     TokenControl,
     TokenEvent,
+    WorkerError,
 )
 from skippyd.http.backend import ServingBackend
 from skippyd.http.errors import ApiError
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def api_error_from(error: SchedulerError) -> ApiError:
-    """Map a scheduler error to the HTTP error it suggests (429 gets ``Retry-After``)."""
+def api_error_from(error: WorkerError) -> ApiError:
+    """Map a worker error to the HTTP error it suggests (429 gets ``Retry-After``)."""
     headers = {}
     if error.retry_after_s is not None or isinstance(error, QueueFullError):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s or 1)))
@@ -81,7 +81,7 @@ class GenerationStream:
         self._detokenizer = backend.detokenizer()
         # NOTE: unbounded, but the worker sends at most max_tokens tokens plus one
         # terminal event per request, so its length is bounded by the request.
-        self._queue: asyncio.Queue[SchedulerEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._submitted = False
         self._settled = False
@@ -94,12 +94,12 @@ class GenerationStream:
 
         Raises:
             ApiError: 429 with ``Retry-After`` when the queue is full, 503 when the
-                worker is stopped, or the status the scheduler suggests.
+                worker is stopped, or the status the worker suggests.
         """
         self._loop = asyncio.get_running_loop()
         try:
             self._backend.submit(self._request, self._on_event)
-        except SchedulerError as exc:
+        except WorkerError as exc:
             logger.info("submit of %s refused: %s", self.request_id, exc.kind)
             if self._timer is not None:
                 self._timer.on_refused(exc)
@@ -147,7 +147,7 @@ class GenerationStream:
 
     # -- worker thread -----------------------------------------------------------------
 
-    def _on_event(self, event: SchedulerEvent) -> None:
+    def _on_event(self, event: GenerationEvent) -> None:
         assert self._loop is not None, "events before start()"
         try:
             self._loop.call_soon_threadsafe(self._deliver, event)
@@ -157,7 +157,7 @@ class GenerationStream:
 
     # -- event loop thread -------------------------------------------------------------
 
-    def _deliver(self, event: SchedulerEvent) -> None:
+    def _deliver(self, event: GenerationEvent) -> None:
         if self._closed:
             self._stop_if_token(event)
         else:
@@ -166,11 +166,11 @@ class GenerationStream:
             self._queue.put_nowait(event)
 
     @staticmethod
-    def _stop_if_token(event: SchedulerEvent) -> None:
+    def _stop_if_token(event: GenerationEvent) -> None:
         if isinstance(event, TokenEvent):
             event.ack.send(TokenControl.STOP)
 
-    def _handle(self, event: SchedulerEvent) -> str:
+    def _handle(self, event: GenerationEvent) -> str:
         if isinstance(event, TokenEvent):
             return self._handle_token(event)
         self._settled = True

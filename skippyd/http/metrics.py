@@ -36,9 +36,9 @@ from starlette.routing import Route
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
-    SchedulerEvent,
-    SchedulerStats,
+    GenerationEvent,
     TokenEvent,
+    WorkerStats,
 )
 from skippyd.engine.worker.settings import KV_COMPONENT
 from skippyd.engine.worker.telemetry import (
@@ -62,7 +62,7 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 
                       1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-StatsSource = Callable[[], SchedulerStats | None]
+StatsSource = Callable[[], WorkerStats | None]
 
 
 def _drop_before(samples: deque, horizon: float) -> None:
@@ -138,7 +138,7 @@ class RequestTimer:
         """The backend accepted the request: it now waits for a lane."""
         self._metrics.track_admission(self)
 
-    def on_event(self, event: SchedulerEvent) -> None:
+    def on_event(self, event: GenerationEvent) -> None:
         """Record a worker event as it reaches the event loop."""
         if isinstance(event, TokenEvent):
             self.on_token()
@@ -208,7 +208,7 @@ class RequestTimer:
 
 
 def rejection_reason(error: Exception) -> str | None:
-    """The rejection label of a scheduler error, or None when it is a real failure."""
+    """The rejection label of a worker error, or None when it is a real failure."""
     kind = getattr(error, "kind", None)
     if getattr(error, "status", None) == 429:
         return "queue_full"
@@ -259,9 +259,9 @@ class ServingMetrics:
     @classmethod
     def for_engine(cls, engine: Any, **kwargs: Any) -> ServingMetrics:
         """Metrics reading a :class:`~skippyd.daemon.assembly.StageEngine`'s worker."""
-        def stats() -> SchedulerStats | None:
-            scheduler = engine.scheduler
-            return None if scheduler is None else scheduler.stats()
+        def stats() -> WorkerStats | None:
+            worker = engine.worker
+            return None if worker is None else worker.stats()
         return cls(stats, kv_cells_total=lambda: engine.ctx_size,
                    prefix_cache_stats=getattr(engine, "prefix_cache_stats", None), **kwargs)
 
@@ -434,7 +434,7 @@ class _StageCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         m = self._metrics
-        stats = m._stats() or SchedulerStats()
+        stats = m._stats() or WorkerStats()
         used, total = m.kv_cells()
         for name, doc, value in (
             ("requests_running", "Generations holding a lane.", stats.num_active),

@@ -1,7 +1,7 @@
 """The link listener of a stage: authenticate peers, then serve them by role.
 
 On a later stage, a CHAIN connection from the upstream stage carries batches. Each
-batch's entries enter this stage's iteration scheduler as direct iterations (reference
+batch's entries enter this stage's worker as direct iterations (reference
 §3.5, §3.8): the worker keeps per-session order, coalesces the steps of concurrent
 sessions into one native batch and trims a session that is ahead of the entry's first
 position. Results are handled strictly in arrival order: a middle stage forwards its
@@ -80,14 +80,14 @@ class StageLinkServer:
 
     Args:
         facts: The stage's identity and limits.
-        scheduler: The stage's iteration scheduler (None on stage 0: no chain roles).
+        worker: The stage's worker handle (None on stage 0: no chain roles).
         status: Returns the stage's counters for STATUS replies.
     """
 
-    def __init__(self, facts: StageFacts, scheduler: Any,
+    def __init__(self, facts: StageFacts, worker: Any,
                  status: Callable[[], dict[str, Any]]) -> None:
         self.facts = facts
-        self.scheduler = scheduler
+        self.worker = worker
         self._status = status
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None
@@ -246,7 +246,7 @@ class StageLinkServer:
         conn.write(encode_frame(FrameKind.STATUS, body))
 
     def _serve_chain(self, conn: FrameSocket, hello: Hello, nonces: tuple, peer: str) -> None:
-        if self.facts.is_first or self.scheduler is None:
+        if self.facts.is_first or self.worker is None:
             self.refuse(conn, peer, "stage 0 accepts no chain connections")
             return
         chain = ChainConnection(self, conn, hello, nonces, peer)

@@ -1,7 +1,7 @@
 """One CHAIN connection on a later stage: batches in, direct iterations, results out.
 
 Two threads per connection. The *reader* (the connection's own thread) decodes frames
-and submits every entry of a batch to the iteration scheduler as a direct iteration
+and submits every entry of a batch to the worker as a direct iteration
 without waiting, so the worker can batch this stage's work while results of earlier
 batches are still being written. The *completer* handles batches strictly in arrival
 order: it waits for each batch's outcomes, then forwards the output rows downstream
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
-from skippyd.engine.worker.commands import QueueFullError, SchedulerError
+from skippyd.engine.worker.commands import QueueFullError, WorkerError
 from skippyd.engine.worker.direct_batch import DirectIteration
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
@@ -90,7 +90,7 @@ class ChainConnection:
         self.chain_id = hello.chain_id
         self._server = server
         self._facts = server.facts
-        self._scheduler = server.scheduler
+        self._worker = server.worker
         self._upstream = upstream
         self._hello = hello
         self._nonces = nonces
@@ -295,12 +295,12 @@ class ChainConnection:
         deadline = time.monotonic() + SUBMIT_RETRY_S
         while True:
             try:
-                return self._scheduler.submit_iteration(iteration)
+                return self._worker.submit_iteration(iteration)
             except QueueFullError as exc:
                 # Back-pressure: the worker drains its command queue every turn.
                 if time.monotonic() > deadline or self._closing.wait(0.001):
                     return _failed(exc)
-            except SchedulerError as exc:
+            except WorkerError as exc:
                 return _failed(exc)
 
     # -- completer -------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class ChainConnection:
         for future in pending.futures:
             try:
                 outcomes.append(future.result())
-            except SchedulerError as exc:
+            except WorkerError as exc:
                 error = error or f"{self._facts.stage_id}: {exc.message}"
                 outcomes.append(None)
         self._batches += 1
@@ -377,7 +377,7 @@ class ChainConnection:
         deadline = time.monotonic() + SUBMIT_RETRY_S
         while True:
             try:
-                self._scheduler.execute_runtime_detached(
+                self._worker.execute_runtime_detached(
                     "link-drop-session", lambda runtime, n=name: runtime.drop_session(n))
                 return
             except QueueFullError:
@@ -385,7 +385,7 @@ class ChainConnection:
                     logger.error("could not free session %s: the worker queue stays full", name)
                     return
                 time.sleep(0.001)
-            except SchedulerError:
+            except WorkerError:
                 return  # a stopped worker frees nothing more, and needs nothing more
 
 

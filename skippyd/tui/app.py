@@ -34,8 +34,8 @@ from skippyd.tui.widgets import (
     KvUsage,
     LinkPanel,
     QueueDepth,
-    SchedulerLine,
     StageHeader,
+    StepLine,
     Throughput,
     WaveFullness,
 )
@@ -138,7 +138,7 @@ class TopApp(App[None]):
             with _titled(Vertical(id="load", classes="panel"), "wave · kv"):
                 yield WaveFullness("wave", id="wave").data_bind(TopApp.snapshot)
                 yield KvUsage("kv  ", id="kv").data_bind(TopApp.snapshot)
-                yield SchedulerLine(id="scheduler").data_bind(TopApp.snapshot)
+                yield StepLine(id="scheduler").data_bind(TopApp.snapshot)
             yield _titled(CacheHits(id="cache", classes="panel").data_bind(TopApp.snapshot),
                           "prefix cache")
         with Horizontal(id="row-mid"):

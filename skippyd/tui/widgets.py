@@ -195,8 +195,8 @@ class KvUsage(Gauge):
                        f"/{fmt_count(number(kv.get('cells_total')))}")
 
 
-class SchedulerLine(Widget):
-    """The scheduler's last step time and its overhead."""
+class StepLine(Widget):
+    """The worker's last step time and its overhead (the snapshot's ``scheduler`` section)."""
 
     snapshot: reactive[Snapshot] = reactive(None)
     """The latest snapshot."""

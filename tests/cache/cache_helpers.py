@@ -10,11 +10,11 @@ from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, Sa
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
+    GenerationEvent,
     GenerationRequest,
-    SchedulerError,
-    SchedulerEvent,
     TokenControl,
     TokenEvent,
+    WorkerError,
 )
 
 #: Greedy, and never stopping early: every generation has its full length.
@@ -60,10 +60,10 @@ class Collector:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self.error: SchedulerError | None = None
+        self.error: WorkerError | None = None
         self.done = threading.Event()
 
-    def __call__(self, event: SchedulerEvent) -> None:
+    def __call__(self, event: GenerationEvent) -> None:
         if isinstance(event, TokenEvent):
             self.tokens.append(event.token)
             event.ack.send(TokenControl.CONTINUE)
@@ -82,11 +82,11 @@ class Collector:
         return self.tokens
 
 
-def submit_all(scheduler, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Collector]:
+def submit_all(worker, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, Collector]:
     """Queue every prompt at once (no waiting in between) and return their collectors."""
     collectors = {}
     for req_id, prompt in prompts.items():
         collectors[req_id] = Collector()
-        scheduler.submit_generation(
+        worker.submit_generation(
             GenerationRequest(req_id, list(prompt), max_tokens, GREEDY), collectors[req_id])
     return collectors

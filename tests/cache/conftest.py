@@ -1,4 +1,4 @@
-"""Fixtures for the prefix-cache tests: tiny-model runtimes with cache slots, schedulers."""
+"""Fixtures for the prefix-cache tests: tiny-model runtimes with cache slots, workers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from cache_helpers import N_BATCH, N_UBATCH, SETTINGS, open_runtime
 
 from skippyd.engine.prefix_cache import LivePrefixCache, PrefixCacheSettings
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.handle import WorkerHandle
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 
@@ -21,9 +21,9 @@ def runtime(tiny_model_path) -> Iterator[LlamaRuntime]:
 
 
 @pytest.fixture
-def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[IterationScheduler, Any]]]:
-    """Build (scheduler, cache or None) over a fresh tiny runtime; closed after the test."""
-    opened: list[tuple[IterationScheduler, LlamaRuntime]] = []
+def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[WorkerHandle, Any]]]:
+    """Build (worker, cache or None) over a fresh tiny runtime; closed after the test."""
+    opened: list[tuple[WorkerHandle, LlamaRuntime]] = []
 
     def build(*, cache: bool = True, settings: PrefixCacheSettings = SETTINGS, lanes: int = 4,
               ctx_size: int = 1024, queue_capacity: int = 8):
@@ -32,13 +32,13 @@ def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[IterationSchedul
         hub = TelemetryHub()
         live = LivePrefixCache(runtime, settings, namespace="tiny:0-4",
                                publish=hub.publish) if cache else None
-        scheduler = IterationScheduler(runtime, queue_capacity=queue_capacity, n_batch=N_BATCH,
+        worker = WorkerHandle(runtime, queue_capacity=queue_capacity, n_batch=N_BATCH,
                                        n_ubatch=N_UBATCH, telemetry=hub, prefix_cache=live)
-        opened.append((scheduler, runtime))
-        return scheduler, live
+        opened.append((worker, runtime))
+        return worker, live
 
     yield build
-    for scheduler, runtime in opened:
-        scheduler.close()
-        assert not scheduler.thread.is_alive()
+    for worker, runtime in opened:
+        worker.close()
+        assert not worker.thread.is_alive()
         runtime.close()

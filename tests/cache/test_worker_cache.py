@@ -1,4 +1,4 @@
-"""The prefix cache in the iteration scheduler worker (tiny model, real llama.cpp)."""
+"""The prefix cache in the worker (tiny model, real llama.cpp)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def prefill_tokens(events) -> int:
 def test_a_burst_sharing_a_prefix_prefills_it_once_with_the_same_output(make_stack):
     without, _ = make_stack(cache=False)
     expected = {req_id: c.result() for req_id, c in submit_all(without, BURST, 8).items()}
-    scheduler, cache = make_stack()
-    with scheduler.telemetry.subscribe(maxlen=4096) as events:
-        results = {req_id: c.result() for req_id, c in submit_all(scheduler, BURST, 8).items()}
+    worker, cache = make_stack()
+    with worker.telemetry.subscribe(maxlen=4096) as events:
+        results = {req_id: c.result() for req_id, c in submit_all(worker, BURST, 8).items()}
         computed = prefill_tokens(events.drain())
     assert results == expected
     stats = cache.stats()
@@ -31,16 +31,16 @@ def test_a_burst_sharing_a_prefix_prefills_it_once_with_the_same_output(make_sta
     assert cached == [0, len(SHARED), len(SHARED), len(SHARED)]
     # The shared prefix was computed once: one whole prompt plus three suffixes.
     assert computed == len(SHARED) + 4 * 6
-    assert scheduler.stats().num_preempted == 0
+    assert worker.stats().num_preempted == 0
 
 
 def test_the_next_turn_of_a_conversation_restores_the_whole_first_turn(make_stack):
-    scheduler, cache = make_stack()
+    worker, cache = make_stack()
     first = SHARED + tokens(20, 10)
-    [turn1] = submit_all(scheduler, {"turn-1": first}, 8).values()
+    [turn1] = submit_all(worker, {"turn-1": first}, 8).values()
     reply = turn1.result()
     second = first + reply + tokens(21, 5)
-    [turn2] = submit_all(scheduler, {"turn-2": second}, 4).values()
+    [turn2] = submit_all(worker, {"turn-2": second}, 4).values()
     turn2.result()
     # The last reply token was sampled but never decoded: the KV ends one before it.
     assert cache.cached_prompt_tokens("turn-2") == len(first) + len(reply) - 1
@@ -51,32 +51,32 @@ def test_the_next_turn_of_a_conversation_restores_the_whole_first_turn(make_stac
 
 def test_cached_prefixes_give_way_before_any_active_request_is_preempted(make_stack):
     settings = dataclasses.replace(SETTINGS, max_entries=8)
-    scheduler, cache = make_stack(settings=settings, ctx_size=1024)
+    worker, cache = make_stack(settings=settings, ctx_size=1024)
     for seed in range(4):  # four finished requests leave ~900 cells of cached prefixes
-        [done] = submit_all(scheduler, {f"fill-{seed}": tokens(30 + seed, 220)}, 4).values()
+        [done] = submit_all(worker, {f"fill-{seed}": tokens(30 + seed, 220)}, 4).values()
         done.result()
     assert cache.stats().entries_resident == 4
     long_requests = {f"long-{i}": tokens(40 + i, 100) for i in range(4)}  # 4 lanes
-    collectors = submit_all(scheduler, long_requests, 120)
+    collectors = submit_all(worker, long_requests, 120)
     assert all(len(c.result()) == 120 for c in collectors.values())
-    assert scheduler.stats().num_preempted == 0
+    assert worker.stats().num_preempted == 0
     stats = cache.stats()
     assert stats.evictions >= 2 and stats.bytes_host > 0  # moved to host RAM, not lost
 
 
 def test_cache_aware_runtime_operations_are_valued_by_a_peek(make_stack):
-    scheduler, cache = make_stack()
-    [done] = submit_all(scheduler, {"warm": SHARED + [5]}, 2).values()
+    worker, cache = make_stack()
+    [done] = submit_all(worker, {"warm": SHARED + [5]}, 2).values()
     done.result()
     entry = next(iter(cache.table.entries.values()))
     recency = entry.last_used
-    with scheduler.telemetry.subscribe() as events:
-        outcome = scheduler.execute_cache_aware_runtime(
+    with worker.telemetry.subscribe() as events:
+        outcome = worker.execute_cache_aware_runtime(
             "restore-then-prefill", "op-1", lambda runtime, context: "ran",
             prompt_tokens=SHARED + [9, 9], deadline=None)
         [event] = [e for e in events.drain() if e.name == SCHEDULER_RUNTIME_OPERATION]
     assert outcome.value == "ran"
     assert event.attributes["skippy.scheduler.cache_matched_tokens"] == len(SHARED)
     assert entry.last_used == recency  # a peek leaves recency alone
-    assert scheduler.stats().num_waiting == 0
+    assert worker.stats().num_waiting == 0
     assert WAIT_S > 0

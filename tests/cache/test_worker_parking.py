@@ -17,7 +17,7 @@ from skippyd.engine.worker.commands import (
 )
 from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.engine.worker.thread_loop import SchedulerWorker
+from skippyd.engine.worker.thread_loop import WorkerLoop
 
 SHARED = tokens(1, 150)
 
@@ -29,19 +29,19 @@ def worker(tiny_model_path):
     config = build_scheduler_config(1, runtime.kv_pool_tokens, 0, N_BATCH, N_UBATCH, 8)
     settings = make_worker_settings(1, 8, N_BATCH, 1, config)
     cache = LivePrefixCache(runtime, SETTINGS, namespace="tiny")
-    core = SchedulerWorker(runtime, config, queue.Queue(), TelemetryHub(), settings, cache)
+    core = WorkerLoop(runtime, config, queue.Queue(), TelemetryHub(), settings, cache)
     yield core
     runtime.close()
 
 
-def submit(worker: SchedulerWorker, req_id: str, prompt: list[int], max_tokens: int) -> Collector:
+def submit(worker: WorkerLoop, req_id: str, prompt: list[int], max_tokens: int) -> Collector:
     collector = Collector()
     worker.handle_command(SubmitCommand(GenerationRequest(req_id, prompt, max_tokens, GREEDY),
                                         collector))
     return collector
 
 
-def run_until(worker: SchedulerWorker, done, max_turns: int = 200) -> None:
+def run_until(worker: WorkerLoop, done, max_turns: int = 200) -> None:
     for _ in range(max_turns):
         if done():
             return

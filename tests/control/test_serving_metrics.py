@@ -12,10 +12,10 @@ from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     QueueFullError,
-    SchedulerBackendError,
-    SchedulerStoppedError,
     TokenAck,
     TokenEvent,
+    WorkerBackendError,
+    WorkerStoppedError,
 )
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
 from skippyd.http.metrics import ServingMetrics
@@ -146,8 +146,8 @@ def test_nothing_counts_after_the_end() -> None:
 def test_failures_cancellations_and_rejections_are_told_apart() -> None:
     metrics = ServingMetrics(clock=FakeClock())
     metrics.start_request("full", 3).on_event(ErrorEvent(QueueFullError()))
-    metrics.start_request("stopped", 3).on_refused(SchedulerStoppedError())
-    metrics.start_request("broken", 3).on_event(ErrorEvent(SchedulerBackendError("boom")))
+    metrics.start_request("stopped", 3).on_refused(WorkerStoppedError())
+    metrics.start_request("broken", 3).on_event(ErrorEvent(WorkerBackendError("boom")))
     metrics.start_request("gone", 3).on_cancelled()
     metrics.record_rejection("unauthorized")
     assert metrics.rejections == {"queue_full": 1, "unavailable": 1, "unauthorized": 1}

@@ -20,7 +20,7 @@ from skippyd.config import parse_config
 from skippyd.control.client import ControlConnectError, resolve_socket_path
 from skippyd.control.server import ControlServer
 from skippyd.daemon.snapshot import build_snapshot
-from skippyd.engine.worker.commands import SchedulerStats
+from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.http.metrics import ServingMetrics
 from skippyd.tui.status import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
@@ -36,7 +36,7 @@ class LaneInfo:
 
 
 @dataclass(frozen=True)
-class StatsWithLanes(SchedulerStats):
+class StatsWithLanes(WorkerStats):
     """The stats as the worker reports them once it lists its lanes."""
 
     lanes: tuple[LaneInfo, ...] = ()
@@ -44,21 +44,21 @@ class StatsWithLanes(SchedulerStats):
 
 
 @dataclass
-class FakeScheduler:
-    current: SchedulerStats = field(default_factory=SchedulerStats)
+class FakeWorker:
+    current: WorkerStats = field(default_factory=WorkerStats)
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> WorkerStats:
         return self.current
 
 
 class FakeEngine:
-    def __init__(self, stats: SchedulerStats, health: tuple[str, str | None],
+    def __init__(self, stats: WorkerStats, health: tuple[str, str | None],
                  link: dict | None = None) -> None:
         self.config = parse_config({"stage": {"id": "beta", "layer_start": 0, "layer_end": 12},
                                     "runtime": {"lane_count": 3, "ctx_size": 1024}})
         self.model_id = "some-model"
         self.ctx_size = 1024
-        self.scheduler = FakeScheduler(stats)
+        self.worker = FakeWorker(stats)
         self._health = health
         self._link = link
 
@@ -104,7 +104,7 @@ def busy_stats() -> StatsWithLanes:
 
 def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     engine = FakeEngine(busy_stats(), ("failed", "worker panicked"))
-    metrics = ServingMetrics(engine.scheduler.stats, kv_cells_total=lambda: 1024)
+    metrics = ServingMetrics(engine.worker.stats, kv_cells_total=lambda: 1024)
     metrics.record_rejection("queue_full")
     snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
     assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
@@ -160,14 +160,14 @@ def test_render_shows_busy_lanes_and_health() -> None:
 
 
 def test_snapshot_carries_the_link_of_a_split_stage() -> None:
-    engine = FakeEngine(SchedulerStats(), ("ok", None), link=LATER_LINK)
+    engine = FakeEngine(WorkerStats(), ("ok", None), link=LATER_LINK)
     snap = build_snapshot(engine, ServingMetrics(), time.monotonic())
     assert snap["link"] == LATER_LINK
     json.dumps(snap, allow_nan=False)
 
 
-def render_text(link: dict | None, stats: SchedulerStats | None = None) -> str:
-    engine = FakeEngine(stats or SchedulerStats(), ("ok", None), link=link)
+def render_text(link: dict | None, stats: WorkerStats | None = None) -> str:
+    engine = FakeEngine(stats or WorkerStats(), ("ok", None), link=link)
     console = Console(record=True, width=120)
     console.print(render_status(build_snapshot(engine, ServingMetrics(), time.monotonic())))
     return console.export_text()
@@ -189,7 +189,7 @@ def test_render_names_why_the_chain_is_down() -> None:
 
 
 def test_render_shows_the_upstream_traffic_of_a_later_stage() -> None:
-    text = render_text(LATER_LINK, SchedulerStats(num_direct_iterations=40))
+    text = render_text(LATER_LINK, WorkerStats(num_direct_iterations=40))
     assert "iterations 0 · direct iterations 40" in text
     assert "link          connections 2 (1 open) · rejected 1 · active sessions 2" in text
     assert "link traffic  received 5.0 MiB · sent 2.0 KiB · batches 40" in text
@@ -203,7 +203,7 @@ def test_render_of_an_unsplit_stage_has_no_link_block() -> None:
 
 
 async def test_status_exits_1_when_the_stage_is_not_ok(short_dir: Path) -> None:
-    engine = FakeEngine(SchedulerStats(), ("draining", "shutting down"))
+    engine = FakeEngine(WorkerStats(), ("draining", "shutting down"))
     metrics = ServingMetrics()
     control = ControlServer(short_dir / "b.sock", stage_id="beta", telemetry=TelemetryHub(),
                             snapshot=lambda: build_snapshot(engine, metrics, time.monotonic()))

@@ -17,7 +17,7 @@ from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
 from skippyd.daemon.split import make_split
-from skippyd.engine.worker.commands import SchedulerStats
+from skippyd.engine.worker.commands import WorkerStats
 from skippyd.link.dialer import query_status
 from skippyd.link.listener import LISTENER_COUNTERS
 
@@ -32,9 +32,9 @@ class FakeLocalRuntime:
     info = SimpleNamespace(n_layer=2)
 
 
-class FakeScheduler:
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(active_runtime_sessions=1)
+class FakeWorker:
+    def stats(self) -> WorkerStats:
+        return WorkerStats(active_runtime_sessions=1)
 
 
 def later_stage_config():
@@ -55,7 +55,7 @@ def short_dir() -> Iterator[Path]:
 
 def test_the_snapshot_link_matches_the_status_reply() -> None:
     split = make_split(later_stage_config(), FakeLocalRuntime())
-    split.start(FakeScheduler())
+    split.start(FakeWorker())
     try:
         view = split.link_status()
         reply = query_status(split.link_address, SECRET.encode())

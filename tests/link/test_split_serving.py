@@ -4,7 +4,7 @@ Greedy output must be identical bit for bit for requests sent one at a time (sam
 shapes on both sides, DESIGN item 8), including a prompt longer than ``n_ubatch``; with
 requests in flight together the batch shapes differ, so only prompts with a clear
 greedy margin are compared. Streaming, stop strings, usage, errors and cancellation go
-through stage 0's unchanged HTTP layer and scheduler.
+through stage 0's unchanged HTTP layer and worker.
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ import pytest
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
+    GenerationEvent,
     GenerationRequest,
     QueueFullError,
-    SchedulerBackendError,
-    SchedulerEvent,
-    SchedulerStoppedError,
     TokenAck,
     TokenControl,
     TokenEvent,
+    WorkerBackendError,
+    WorkerStoppedError,
 )
 
 BOS = 0
@@ -119,12 +119,12 @@ class FakeBackend:
         return ByteDetokenizer()
 
     def submit(
-        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+        self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
     ) -> None:
         if self.queue_full:
             raise QueueFullError()
         if self.stopped:
-            raise SchedulerStoppedError()
+            raise WorkerStoppedError()
         generation = Generation(request)
         self.generations[request.request_id] = generation
         thread = threading.Thread(target=self._run, args=(generation, on_event), daemon=True)
@@ -153,17 +153,17 @@ class FakeBackend:
             thread.join(WAIT_S)
             assert not thread.is_alive(), "fake worker thread did not finish"
 
-    def _run(self, generation: Generation, on_event: Callable[[SchedulerEvent], None]) -> None:
+    def _run(self, generation: Generation, on_event: Callable[[GenerationEvent], None]) -> None:
         try:
             generation.outcome = self._drive(generation, on_event)
         finally:
             generation.done.set()
 
-    def _drive(self, generation: Generation, on_event: Callable[[SchedulerEvent], None]) -> str:
+    def _drive(self, generation: Generation, on_event: Callable[[GenerationEvent], None]) -> str:
         request = generation.request
         for index, token in enumerate(self.script):
             if index == self.error_after:
-                on_event(ErrorEvent(SchedulerBackendError("decode failed")))
+                on_event(ErrorEvent(WorkerBackendError("decode failed")))
                 return "error"
             if index == request.max_tokens:
                 on_event(CompleteEvent("length"))

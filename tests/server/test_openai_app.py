@@ -196,7 +196,7 @@ def test_full_queue_is_429_with_retry_after(client: TestClient, fake: Any) -> No
     assert int(response.headers["retry-after"]) >= 1
 
 
-def test_stopped_scheduler_is_503(client: TestClient, fake: Any) -> None:
+def test_stopped_worker_is_503(client: TestClient, fake: Any) -> None:
     fake.stopped = True
     assert_error(client.post(COMPLETIONS_URL, json={"prompt": "x"}), 503)
 

@@ -1,4 +1,4 @@
-"""Fixtures for the iteration scheduler worker tests."""
+"""Fixtures for the worker tests."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from fake_runtime import FakeRuntime
 
-from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.handle import WorkerHandle
 from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.engine.worker.thread_loop import SchedulerWorker
+from skippyd.engine.worker.thread_loop import WorkerLoop
 
 WAIT_S = 5.0
 
@@ -27,27 +27,27 @@ def runtime_factory(request: pytest.FixtureRequest) -> Callable[..., Any]:
 
 
 @pytest.fixture
-def make_scheduler() -> Iterator[Callable[..., IterationScheduler]]:
-    """Build schedulers that are closed (and their workers joined) after the test."""
-    created: list[IterationScheduler] = []
+def make_handle() -> Iterator[Callable[..., WorkerHandle]]:
+    """Build worker handles that are closed (and their threads joined) after the test."""
+    created: list[WorkerHandle] = []
 
-    def build(runtime: Any, **kwargs: Any) -> IterationScheduler:
+    def build(runtime: Any, **kwargs: Any) -> WorkerHandle:
         kwargs.setdefault("queue_capacity", 8)
-        scheduler = IterationScheduler(runtime, **kwargs)
-        created.append(scheduler)
-        return scheduler
+        worker = WorkerHandle(runtime, **kwargs)
+        created.append(worker)
+        return worker
 
     yield build
-    for scheduler in created:
-        scheduler.close()
-        assert not scheduler.thread.is_alive()
+    for worker in created:
+        worker.close()
+        assert not worker.thread.is_alive()
 
 
 @pytest.fixture
-def make_worker() -> Callable[..., SchedulerWorker]:
+def make_worker() -> Callable[..., WorkerLoop]:
     """Build a worker core without its thread, to drive turn by turn (like the original)."""
 
-    def build(runtime: Any, queue_capacity: int = 8, **config: Any) -> SchedulerWorker:
+    def build(runtime: Any, queue_capacity: int = 8, **config: Any) -> WorkerLoop:
         lanes = runtime.lane_count
         scheduler_config = build_scheduler_config(
             lanes, runtime.kv_pool_tokens, config.pop("recurrent_bytes_per_seq", 0),
@@ -55,26 +55,26 @@ def make_worker() -> Callable[..., SchedulerWorker]:
         )
         settings = make_worker_settings(lanes, queue_capacity, None, 1, scheduler_config)
         commands: queue.Queue[Any] = queue.Queue(maxsize=settings.command_queue_capacity)
-        return SchedulerWorker(runtime, scheduler_config, commands, TelemetryHub(), settings)
+        return WorkerLoop(runtime, scheduler_config, commands, TelemetryHub(), settings)
 
     return build
 
 
 @pytest.fixture
-def blocked_worker() -> Callable[[IterationScheduler], tuple[threading.Event, threading.Event]]:
-    """Park a scheduler's worker inside a runtime operation until released.
+def blocked_worker() -> Callable[[WorkerHandle], tuple[threading.Event, threading.Event]]:
+    """Park a handle's worker inside a runtime operation until released.
 
     Returns ``(entered, release)``; the test must set ``release``.
     """
 
-    def park(scheduler: IterationScheduler) -> tuple[threading.Event, threading.Event]:
+    def park(worker: WorkerHandle) -> tuple[threading.Event, threading.Event]:
         entered, release = threading.Event(), threading.Event()
 
         def hold(_runtime: Any) -> None:
             entered.set()
             assert release.wait(WAIT_S)
 
-        scheduler.execute_runtime_detached("test-block", hold)
+        worker.execute_runtime_detached("test-block", hold)
         assert entered.wait(WAIT_S)
         return entered, release
 

@@ -24,7 +24,7 @@ from skippyd.engine.runtime.protocol import (
     LanesBusyError,
     SessionAlignment,
 )
-from skippyd.engine.worker.commands import SchedulerEvent
+from skippyd.engine.worker.commands import GenerationEvent
 
 GATE_TIMEOUT_S = 10.0
 
@@ -169,16 +169,16 @@ class EventRecorder:
     """An ``on_event`` callback that collects a generation's events for a test."""
 
     def __init__(self) -> None:
-        self.events: queue.SimpleQueue[SchedulerEvent] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
 
-    def __call__(self, event: SchedulerEvent) -> None:
+    def __call__(self, event: GenerationEvent) -> None:
         self.events.put(event)
 
-    def next(self, timeout_s: float = GATE_TIMEOUT_S) -> SchedulerEvent:
+    def next(self, timeout_s: float = GATE_TIMEOUT_S) -> GenerationEvent:
         """The next event, waiting up to ``timeout_s`` (raises ``queue.Empty``)."""
         return self.events.get(timeout=timeout_s)
 
-    def pending(self) -> list[SchedulerEvent]:
+    def pending(self) -> list[GenerationEvent]:
         """Events already delivered, without waiting."""
         events = []
         while not self.events.empty():

@@ -63,13 +63,13 @@ def test_grouping_divides_the_lane_count_and_never_reaches_zero(lanes, groups):
     assert size <= max(lanes, 1)
 
 
-def test_scheduler_uses_the_group_size_for_direct_batches(make_scheduler, monkeypatch):
+def test_worker_uses_the_group_size_for_direct_batches(make_handle, monkeypatch):
     monkeypatch.delenv(PIPELINE_DECODE_GROUPS_ENV, raising=False)
-    scheduler = make_scheduler(FakeRuntime(lane_count=4), pipeline_decode_groups=2)
-    settings = scheduler._shared.worker.settings
+    worker = make_handle(FakeRuntime(lane_count=4), pipeline_decode_groups=2)
+    settings = worker._shared.worker.settings
     assert settings.max_direct_batch_size == 4
     assert settings.direct_group_batch_size == 2
 
     monkeypatch.setenv(PIPELINE_DECODE_GROUPS_ENV, "4")
-    overridden = make_scheduler(FakeRuntime(lane_count=4), pipeline_decode_groups=2)
+    overridden = make_handle(FakeRuntime(lane_count=4), pipeline_decode_groups=2)
     assert overridden._shared.worker.settings.direct_group_batch_size == 1

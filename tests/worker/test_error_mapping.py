@@ -1,4 +1,4 @@
-"""Runtime failures reach clients as typed scheduler errors with the right HTTP status."""
+"""Runtime failures reach clients as typed worker errors with the right HTTP status."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from skippyd.engine.runtime.protocol import (
     LanesBusyError,
     RuntimeFailure,
 )
-from skippyd.engine.worker.commands import scheduler_error_from_runtime
+from skippyd.engine.worker.commands import worker_error_from_runtime
 
 
 @pytest.mark.parametrize(("failure", "kind", "status", "retry"), [
@@ -23,7 +23,7 @@ from skippyd.engine.worker.commands import scheduler_error_from_runtime
     (RuntimeFailure("llama_decode returned -3"), "backend", 500, False),
 ])
 def test_runtime_failure_maps_to_a_typed_error(failure, kind, status, retry):
-    error = scheduler_error_from_runtime("decode", failure)
+    error = worker_error_from_runtime("decode", failure)
     assert (error.kind, error.status) == (kind, status)
     assert (error.retry_after_s is not None) is retry
     assert error.message == f"decode: {failure}"

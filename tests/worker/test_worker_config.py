@@ -25,17 +25,17 @@ def test_activation_export_stages_cap_iteration_tokens_at_the_native_microbatch(
 
 @pytest.mark.parametrize(("exports", "tokens", "works"), [(True, 512, 2), (False, 1024, 4)])
 def test_planned_prefills_share_the_export_microbatch_budget(
-    runtime_factory, make_scheduler, blocked_worker, exports, tokens, works
+    runtime_factory, make_handle, blocked_worker, exports, tokens, works
 ):
     runtime = runtime_factory(lane_count=4, kv_pool_tokens=4096)
-    scheduler = make_scheduler(runtime, queue_capacity=8, n_batch=2048, n_ubatch=512,
+    worker = make_handle(runtime, queue_capacity=8, n_batch=2048, n_ubatch=512,
                                exports=exports)
-    _, release = blocked_worker(scheduler)
+    _, release = blocked_worker(worker)
     recorders = []
     for index in range(4):
         recorder = EventRecorder()
         request = GenerationRequest(f"r{index}", [index + 1] * 256, max_tokens=1)
-        scheduler.submit_generation(request, recorder)
+        worker.submit_generation(request, recorder)
         recorders.append(recorder)
     release.set()
     for recorder in recorders:

@@ -23,12 +23,12 @@ from skippyd.engine.worker.commands import (
     DeadlineExceededError,
     InvalidRequestError,
     RequestCancelledError,
-    SchedulerBackendError,
+    WorkerBackendError,
 )
 from skippyd.engine.worker.direct_batch import (
     DirectIteration,
     direct_coalesce_target,
-    effective_scheduler_lane_count,
+    effective_lane_count,
     should_serve_direct,
     take_direct_iteration_batch,
     validate_direct_iteration,
@@ -49,16 +49,16 @@ def names(items) -> list[str]:
 
 
 def test_expired_direct_iteration_behind_blocked_worker_never_reaches_native_runtime(
-    runtime_factory, make_scheduler, blocked_worker
+    runtime_factory, make_handle, blocked_worker
 ):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime)
+    _, release = blocked_worker(worker)
     deadline = time.monotonic() + 0.050
     iteration = DirectIteration("s", [1, 2], sample_last=True, deadline=deadline)
-    reply = scheduler.submit_iteration(iteration)
+    reply = worker.submit_iteration(iteration)
     with pytest.raises(DeadlineExceededError, match="deadline exceeded"):
-        scheduler.execute_iteration("s2", [3], deadline=deadline)
+        worker.execute_iteration("s2", [3], deadline=deadline)
     release.set()
     error = reply.exception(timeout=WAIT_S)
     assert isinstance(error, DeadlineExceededError)
@@ -70,7 +70,7 @@ def test_expired_direct_iteration_behind_blocked_worker_never_reaches_native_run
 def test_direct_iteration_rechecks_deadline_after_worker_reply():
     worker_thread = threading.current_thread()
     reply: Future = Future()
-    reply.set_exception(SchedulerBackendError("worker said no"))
+    reply.set_exception(WorkerBackendError("worker said no"))
     deadline = time.monotonic() - 0.001
     check_calls = []
 
@@ -86,44 +86,44 @@ def test_direct_iteration_rechecks_deadline_after_worker_reply():
 
 
 def test_direct_iteration_deadline_wins_over_a_late_worker_reply(
-    runtime_factory, make_scheduler
+    runtime_factory, make_handle
 ):
     runtime = runtime_factory()
     runtime.gate = threading.Event()
     runtime.failures.append(InvalidIterationError("late failure"))
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     with pytest.raises(DeadlineExceededError):
-        scheduler.execute_iteration("s", [1], deadline=time.monotonic() + 0.05)
+        worker.execute_iteration("s", [1], deadline=time.monotonic() + 0.05)
     assert runtime.entered.wait(WAIT_S)  # the worker started it; its reply comes too late
     runtime.gate.set()
 
 
-def test_queued_direct_iteration_carries_cancellation_state(runtime_factory, make_scheduler):
+def test_queued_direct_iteration_carries_cancellation_state(runtime_factory, make_handle):
     token = CancellationToken()
     iteration = DirectIteration("s", [1], cancellation=token)
     iteration.ensure_active()
     token.cancel()
     with pytest.raises(RequestCancelledError, match="request cancelled"):
         iteration.ensure_active()
-    scheduler = make_scheduler(runtime_factory())
+    worker = make_handle(runtime_factory())
     with pytest.raises(RequestCancelledError):
-        scheduler.execute_iteration("s", [1], cancellation=token)
-    assert scheduler.stats().command_queue_depth == 0
+        worker.execute_iteration("s", [1], cancellation=token)
+    assert worker.stats().command_queue_depth == 0
 
 
 @pytest.mark.parametrize(("continuous_batching", "batch_size"), [(True, 2), (False, 1)])
 def test_continuous_batching_controls_multi_request_direct_iterations(
-    runtime_factory, make_scheduler, blocked_worker, continuous_batching, batch_size
+    runtime_factory, make_handle, blocked_worker, continuous_batching, batch_size
 ):
-    lanes = effective_scheduler_lane_count(2, False, continuous_batching)
+    lanes = effective_lane_count(2, False, continuous_batching)
     queue = deque([Item("a", "a", 1), Item("b", "b", 1)])
     assert names(take_direct_iteration_batch(queue, lanes, 2048)) == ["a", "b"][:batch_size]
     assert len(queue) == 2 - batch_size
 
     runtime = runtime_factory(lane_count=2)
-    scheduler = make_scheduler(runtime, continuous_batching=continuous_batching)
-    _, release = blocked_worker(scheduler)
-    replies = [scheduler.submit_iteration(DirectIteration(s, [1, 2], sample_last=True))
+    worker = make_handle(runtime, continuous_batching=continuous_batching)
+    _, release = blocked_worker(worker)
+    replies = [worker.submit_iteration(DirectIteration(s, [1, 2], sample_last=True))
                for s in ("a", "b")]
     release.set()
     outcomes = [reply.result(timeout=WAIT_S) for reply in replies]
@@ -212,17 +212,17 @@ def test_direct_and_planned_work_alternate_without_starvation(
     assert should_serve_direct(has_direct, has_planned, last_direct) is expected
 
 
-def test_frame_iteration_aligns_a_session_that_is_ahead(runtime_factory, make_scheduler):
+def test_frame_iteration_aligns_a_session_that_is_ahead(runtime_factory, make_handle):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
-    first = scheduler.execute_iteration("s", [1, 2, 3, 4], sample_last=True)
+    worker = make_handle(runtime)
+    first = worker.execute_iteration("s", [1, 2, 3, 4], sample_last=True)
     assert first.predicted == 104 and first.batch_size == 1 and first.session_alignment is None
-    outcome = scheduler.execute_frame_iteration("s", 2, [7], [2], None, None, True)
+    outcome = worker.execute_frame_iteration("s", 2, [7], [2], None, None, True)
     assert outcome.session_alignment.before_token_count == 4
     assert outcome.session_alignment.after_token_count == 2
     assert outcome.predicted == 103  # the session is 3 tokens long after the trim + row
     assert runtime.calls[-1][0].phase is IterationPhase.DECODE
-    unsampled = scheduler.execute_iteration("s", [8])
+    unsampled = worker.execute_iteration("s", [8])
     assert unsampled.predicted == -1
 
 
@@ -248,15 +248,15 @@ class _MalformedRuntime:
     (lambda out: IterationOutput(out.output_rows, [*out.samples, out.samples[0]]),
      "duplicate sample for request 0"),
 ])
-def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_scheduler,
+def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_handle,
                                                     blocked_worker, corrupt, message):
     fake = runtime_factory()
-    scheduler = make_scheduler(_MalformedRuntime(fake, corrupt))
-    _, release = blocked_worker(scheduler)
-    replies = [scheduler.submit_iteration(DirectIteration(s, [1], sample_last=True))
+    worker = make_handle(_MalformedRuntime(fake, corrupt))
+    _, release = blocked_worker(worker)
+    replies = [worker.submit_iteration(DirectIteration(s, [1], sample_last=True))
                for s in ("a", "b")]
     release.set()
     for reply in replies:
         error = reply.exception(timeout=WAIT_S)
-        assert isinstance(error, SchedulerBackendError)
+        assert isinstance(error, WorkerBackendError)
         assert message in error.message

@@ -15,19 +15,19 @@ from skippyd.engine.worker.commands import (
     InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
-    SchedulerBackendError,
     SubmitCommand,
     TokenControl,
     TokenEvent,
+    WorkerBackendError,
 )
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
 
 WAIT_S = 5.0
 
 
-def barrier(scheduler) -> None:
+def barrier(worker) -> None:
     """Return once the worker finished the turn it was in (runtime ops are FIFO)."""
-    scheduler.execute_runtime("barrier", lambda _runtime: None)
+    worker.execute_runtime("barrier", lambda _runtime: None)
 
 
 def drain_tokens(recorder: EventRecorder) -> tuple[list[int], object]:
@@ -41,16 +41,16 @@ def drain_tokens(recorder: EventRecorder) -> tuple[list[int], object]:
         event.ack.send(TokenControl.CONTINUE)
 
 
-def test_server_scheduler_worker_batches_and_completes_default_generations(
-    runtime_factory, make_scheduler, blocked_worker
+def test_worker_batches_and_completes_default_generations(
+    runtime_factory, make_handle, blocked_worker
 ):
     runtime = runtime_factory(lane_count=2, script={"a": [10], "b": [20]})
-    scheduler = make_scheduler(runtime)
-    subscription = scheduler.telemetry.subscribe()
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime)
+    subscription = worker.telemetry.subscribe()
+    _, release = blocked_worker(worker)
     first, second = EventRecorder(), EventRecorder()
-    scheduler.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), first)
-    scheduler.submit_generation(GenerationRequest("b", [3, 4], max_tokens=1), second)
+    worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), first)
+    worker.submit_generation(GenerationRequest("b", [3, 4], max_tokens=1), second)
     release.set()
 
     for recorder, token in ((first, 10), (second, 20)):
@@ -62,10 +62,10 @@ def test_server_scheduler_worker_batches_and_completes_default_generations(
     assert step is not None
     assert step.attributes["skippy.scheduler.admitted"] == 2
     assert step.attributes["skippy.scheduler.finished"] == 2
-    barrier(scheduler)
+    barrier(worker)
     assert runtime.sampled_sessions() == [["a", "b"]]
-    assert scheduler._shared.worker.planned.requests == {}
-    stats = scheduler.stats()
+    assert worker._shared.worker.planned.requests == {}
+    stats = worker.stats()
     assert (stats.num_finished, stats.num_active, stats.num_waiting) == (2, 0, 0)
     assert runtime.active_session_count() == 0
 
@@ -119,37 +119,37 @@ def test_resumed_request_cancellation_leaves_runtime_for_caller_cleanup(
     assert runtime.active_session_count() == 1
 
 
-def test_end_of_generation_stops_without_a_token_event(runtime_factory, make_scheduler):
+def test_end_of_generation_stops_without_a_token_event(runtime_factory, make_handle):
     runtime = runtime_factory(script={"r": [5, 6, 2]}, eog_tokens={2})
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     recorder = EventRecorder()
-    scheduler.submit_generation(GenerationRequest("r", [1], max_tokens=10), recorder)
+    worker.submit_generation(GenerationRequest("r", [1], max_tokens=10), recorder)
     tokens, terminal = drain_tokens(recorder)
     assert tokens == [5, 6]
     assert terminal == CompleteEvent("stop")
 
 
-def test_generate_helper_runs_to_max_tokens(runtime_factory, make_scheduler):
-    scheduler = make_scheduler(runtime_factory())
-    result = scheduler.generate([1, 2, 3], max_tokens=4)
+def test_generate_helper_runs_to_max_tokens(runtime_factory, make_handle):
+    worker = make_handle(runtime_factory())
+    result = worker.generate([1, 2, 3], max_tokens=4)
     # The fake samples 100 + the session's length: prompt of 3, then one per decode.
     assert result.tokens == [103, 104, 105, 106]
     assert result.finish_reason == "length"
     assert result.prompt_ms >= 0 and result.predicted_ms >= 0
 
 
-def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_scheduler):
-    scheduler = make_scheduler(runtime_factory())
-    result = scheduler.generate([1, 2], max_tokens=50, on_token=lambda _t: TokenControl.STOP)
+def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_handle):
+    worker = make_handle(runtime_factory())
+    result = worker.generate([1, 2], max_tokens=50, on_token=lambda _t: TokenControl.STOP)
     assert result.tokens == [102]
     assert result.finish_reason == "stop"
-    barrier(scheduler)
-    assert scheduler.stats().num_active == 0
+    barrier(worker)
+    assert worker.stats().num_active == 0
 
 
-def test_cancellation_token_cancels_a_running_generation(runtime_factory, make_scheduler):
+def test_cancellation_token_cancels_a_running_generation(runtime_factory, make_handle):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     token = CancellationToken()
 
     def cancel_after_first(_token: int) -> TokenControl:
@@ -157,40 +157,40 @@ def test_cancellation_token_cancels_a_running_generation(runtime_factory, make_s
         return TokenControl.CONTINUE
 
     with pytest.raises(RequestCancelledError, match="request cancelled"):
-        scheduler.generate([1, 2], max_tokens=1000, request_id="c", cancellation=token,
+        worker.generate([1, 2], max_tokens=1000, request_id="c", cancellation=token,
                            on_token=cancel_after_first)
-    barrier(scheduler)
-    barrier(scheduler)
-    assert scheduler.stats().num_cancelled == 1
+    barrier(worker)
+    barrier(worker)
+    assert worker.stats().num_cancelled == 1
     assert runtime.session_token_count("c") is None
 
 
-def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, make_scheduler):
+def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, make_handle):
     runtime = runtime_factory(lane_count=3, kv_pool_tokens=64)
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     # Another user of the context (a direct session) holds 30 cells the policy cannot see.
-    scheduler.execute_runtime("hold", lambda rt: rt.sessions.__setitem__("other", 30))
+    worker.execute_runtime("hold", lambda rt: rt.sessions.__setitem__("other", 30))
     recorders = {name: EventRecorder() for name in ("a", "b")}
     for name, recorder in recorders.items():
-        scheduler.submit_generation(GenerationRequest(name, [1, 2, 3, 4], max_tokens=20),
+        worker.submit_generation(GenerationRequest(name, [1, 2, 3, 4], max_tokens=20),
                                     recorder)
     for recorder in recorders.values():
         tokens, terminal = drain_tokens(recorder)
         assert terminal == CompleteEvent("length")
         assert tokens == list(range(104, 124))  # unchanged by the recompute
-    barrier(scheduler)
-    assert scheduler.stats().num_preempted >= 1
-    assert scheduler.stats().num_failed == 0
+    barrier(worker)
+    assert worker.stats().num_preempted >= 1
+    assert worker.stats().num_failed == 0
 
 
-def test_malformed_request_in_a_batch_fails_alone(runtime_factory, make_scheduler,
+def test_malformed_request_in_a_batch_fails_alone(runtime_factory, make_handle,
                                                   blocked_worker):
     runtime = runtime_factory(invalid_tokens={999})
-    scheduler = make_scheduler(runtime)
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime)
+    _, release = blocked_worker(worker)
     good, bad = EventRecorder(), EventRecorder()
-    scheduler.submit_generation(GenerationRequest("good", [1, 2], max_tokens=2), good)
-    scheduler.submit_generation(GenerationRequest("bad", [999, 2], max_tokens=2), bad)
+    worker.submit_generation(GenerationRequest("good", [1, 2], max_tokens=2), good)
+    worker.submit_generation(GenerationRequest("bad", [999, 2], max_tokens=2), bad)
     release.set()
     event = bad.next(WAIT_S)
     assert isinstance(event, ErrorEvent)
@@ -201,26 +201,26 @@ def test_malformed_request_in_a_batch_fails_alone(runtime_factory, make_schedule
 
 
 def test_runtime_failure_fails_held_generations_but_keeps_serving(runtime_factory,
-                                                                  make_scheduler):
+                                                                  make_handle):
     runtime = runtime_factory()
     runtime.failures.append(DecodeFailedError("llama_decode failed with code -3"))
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     recorder = EventRecorder()
-    scheduler.submit_generation(GenerationRequest("r", [1], max_tokens=3), recorder)
+    worker.submit_generation(GenerationRequest("r", [1], max_tokens=3), recorder)
     event = recorder.next(WAIT_S)
-    assert isinstance(event, ErrorEvent) and isinstance(event.error, SchedulerBackendError)
+    assert isinstance(event, ErrorEvent) and isinstance(event.error, WorkerBackendError)
     assert "code -3" in event.error.message
-    assert scheduler.failure is None
-    assert scheduler.generate([1], max_tokens=2).finish_reason == "length"
+    assert worker.failure is None
+    assert worker.generate([1], max_tokens=2).finish_reason == "length"
 
 
-def test_full_waiting_queue_answers_with_overload(runtime_factory, make_scheduler,
+def test_full_waiting_queue_answers_with_overload(runtime_factory, make_handle,
                                                   blocked_worker):
-    scheduler = make_scheduler(runtime_factory(lane_count=1), queue_capacity=1)
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime_factory(lane_count=1), queue_capacity=1)
+    _, release = blocked_worker(worker)
     recorders = [EventRecorder() for _ in range(3)]
     for index, recorder in enumerate(recorders):
-        scheduler.submit_generation(GenerationRequest(f"r{index}", [1], max_tokens=1), recorder)
+        worker.submit_generation(GenerationRequest(f"r{index}", [1], max_tokens=1), recorder)
     release.set()
     # r0 and r1 are drained in one turn: r0 waits (capacity 1), r1 overflows.
     overloaded = recorders[1].next(WAIT_S)
@@ -237,23 +237,23 @@ def test_full_waiting_queue_answers_with_overload(runtime_factory, make_schedule
     ({"priority": -1}, "priority"),
     ({"prompt_tokens": [1] * 100}, "KV cache"),
 ])
-def test_malformed_generation_is_rejected_before_queueing(runtime_factory, make_scheduler,
+def test_malformed_generation_is_rejected_before_queueing(runtime_factory, make_handle,
                                                          overrides, field):
-    scheduler = make_scheduler(runtime_factory(kv_pool_tokens=64))
+    worker = make_handle(runtime_factory(kv_pool_tokens=64))
     request = GenerationRequest(**{"request_id": "x", "prompt_tokens": [1], "max_tokens": 1,
                                    **overrides})
     with pytest.raises(InvalidRequestError, match=field):
-        scheduler.submit_generation(request, EventRecorder())
-    assert scheduler.stats().command_queue_depth == 0
+        worker.submit_generation(request, EventRecorder())
+    assert worker.stats().command_queue_depth == 0
 
 
-def test_duplicate_request_id_is_an_invalid_request_event(runtime_factory, make_scheduler,
+def test_duplicate_request_id_is_an_invalid_request_event(runtime_factory, make_handle,
                                                          blocked_worker):
-    scheduler = make_scheduler(runtime_factory())
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime_factory())
+    _, release = blocked_worker(worker)
     first, duplicate = EventRecorder(), EventRecorder()
-    scheduler.submit_generation(GenerationRequest("same", [1], max_tokens=2), first)
-    scheduler.submit_generation(GenerationRequest("same", [2], max_tokens=2), duplicate)
+    worker.submit_generation(GenerationRequest("same", [1], max_tokens=2), first)
+    worker.submit_generation(GenerationRequest("same", [2], max_tokens=2), duplicate)
     release.set()
     event = duplicate.next(WAIT_S)
     assert isinstance(event, ErrorEvent) and isinstance(event.error, InvalidRequestError)

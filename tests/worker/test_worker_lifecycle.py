@@ -14,23 +14,23 @@ from skippyd.engine.worker.commands import (
     ErrorEvent,
     GenerationRequest,
     QueueFullError,
-    SchedulerBackendError,
-    SchedulerStoppedError,
     ShutdownCommand,
+    WorkerBackendError,
+    WorkerStoppedError,
 )
-from skippyd.engine.worker.direct_batch import SAFE_MODE_ENV, scheduler_safe_mode_from_value
-from skippyd.engine.worker.handle import IterationScheduler
+from skippyd.engine.worker.direct_batch import SAFE_MODE_ENV, safe_mode_from_value
+from skippyd.engine.worker.handle import WorkerHandle
 from skippyd.engine.worker.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
 
 WAIT_S = 5.0
 
 
-def fill_command_queue(scheduler: IterationScheduler) -> int:
+def fill_command_queue(worker: WorkerHandle) -> int:
     """Queue no-op commands until the bounded queue is full; returns how many fit."""
     count = 0
     while True:
         try:
-            scheduler.execute_runtime_detached("filler", lambda _rt: None)
+            worker.execute_runtime_detached("filler", lambda _rt: None)
         except QueueFullError:
             return count
         count += 1
@@ -42,15 +42,15 @@ def fill_command_queue(scheduler: IterationScheduler) -> int:
     (None, False),
 ])
 def test_safe_mode_parser_is_explicit_and_case_insensitive(value, enabled):
-    assert scheduler_safe_mode_from_value(value) is enabled
+    assert safe_mode_from_value(value) is enabled
 
 
-def test_safe_mode_from_the_environment_forces_one_lane(make_scheduler, monkeypatch):
+def test_safe_mode_from_the_environment_forces_one_lane(make_handle, monkeypatch):
     monkeypatch.setenv(SAFE_MODE_ENV, "yes")
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    scheduler = make_scheduler(FakeRuntime(lane_count=4), telemetry=hub)
-    assert scheduler.config.max_active_sequences == 1
+    worker = make_handle(FakeRuntime(lane_count=4), telemetry=hub)
+    assert worker.config.max_active_sequences == 1
     start = subscription.get(WAIT_S)
     assert start.name == SCHEDULER_START
     assert start.attributes["skippy.scheduler.safe_mode"] is True
@@ -59,74 +59,74 @@ def test_safe_mode_from_the_environment_forces_one_lane(make_scheduler, monkeypa
         "weighted_lpm_aging_dfs_waiting_prefix")
 
 
-def test_bounded_command_queue_fails_closed_with_overload(make_scheduler, blocked_worker):
-    scheduler = make_scheduler(FakeRuntime(lane_count=1), queue_capacity=1)
-    assert scheduler.thread.name == "skippy-iteration-scheduler"
-    _, release = blocked_worker(scheduler)
-    assert fill_command_queue(scheduler) == 8  # max(1 + 1 lane, 8)
+def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_worker):
+    worker = make_handle(FakeRuntime(lane_count=1), queue_capacity=1)
+    assert worker.thread.name == "skippy-iteration-scheduler"
+    _, release = blocked_worker(worker)
+    assert fill_command_queue(worker) == 8  # max(1 + 1 lane, 8)
     recorder = EventRecorder()
     with pytest.raises(QueueFullError, match="generation queue is full") as excinfo:
-        scheduler.submit_generation(GenerationRequest("r", [1], max_tokens=1), recorder)
+        worker.submit_generation(GenerationRequest("r", [1], max_tokens=1), recorder)
     assert excinfo.value.status == 429 and excinfo.value.retry_after_s > 0
-    assert scheduler.stats().num_command_queue_full == 2  # the probe filler and this one
-    scheduler.cancel("r")  # never raises, even on a full queue
+    assert worker.stats().num_command_queue_full == 2  # the probe filler and this one
+    worker.cancel("r")  # never raises, even on a full queue
     release.set()
-    scheduler.close()  # last owner: delivers Shutdown and joins
-    assert not scheduler.thread.is_alive()
+    worker.close()  # last owner: delivers Shutdown and joins
+    assert not worker.thread.is_alive()
     assert recorder.pending() == []
-    with pytest.raises(SchedulerStoppedError, match="iteration scheduler stopped"):
-        scheduler.submit_generation(GenerationRequest("r", [1], max_tokens=1), recorder)
-    assert scheduler.health["status"] == "stopped"
+    with pytest.raises(WorkerStoppedError, match="iteration scheduler stopped"):
+        worker.submit_generation(GenerationRequest("r", [1], max_tokens=1), recorder)
+    assert worker.health["status"] == "stopped"
 
 
-def test_last_clone_owner_shuts_the_worker_down(make_scheduler):
-    scheduler = make_scheduler(FakeRuntime())
-    clone = scheduler.clone()
-    scheduler.close()
-    scheduler.close()  # idempotent: does not release the clone's ownership
+def test_last_clone_owner_shuts_the_worker_down(make_handle):
+    worker = make_handle(FakeRuntime())
+    clone = worker.clone()
+    worker.close()
+    worker.close()  # idempotent: does not release the clone's ownership
     assert clone.thread.is_alive()
     assert clone.execute_runtime("alive", lambda _rt: True) is True
-    with pytest.raises(SchedulerStoppedError):
-        scheduler.execute_runtime("closed handle", lambda _rt: True)
+    with pytest.raises(WorkerStoppedError):
+        worker.execute_runtime("closed handle", lambda _rt: True)
     with clone:
         pass
     assert not clone.thread.is_alive()
 
 
 def test_dropping_the_last_handle_stops_the_worker():
-    scheduler = IterationScheduler(FakeRuntime(), queue_capacity=4)
-    thread = scheduler.thread
-    del scheduler
+    worker = WorkerHandle(FakeRuntime(), queue_capacity=4)
+    thread = worker.thread
+    del worker
     gc.collect()
     thread.join(WAIT_S)
     assert not thread.is_alive()
 
 
-def test_worker_panic_is_contained_and_fails_active_requests(make_scheduler):
+def test_worker_panic_is_contained_and_fails_active_requests(make_handle):
     runtime = FakeRuntime()
     runtime.gate = threading.Event()
-    scheduler = make_scheduler(runtime)
-    subscription = scheduler.telemetry.subscribe()
+    worker = make_handle(runtime)
+    subscription = worker.telemetry.subscribe()
     active, queued = EventRecorder(), EventRecorder()
-    scheduler.submit_generation(GenerationRequest("active", [1, 2], max_tokens=4), active)
+    worker.submit_generation(GenerationRequest("active", [1, 2], max_tokens=4), active)
     assert runtime.entered.wait(WAIT_S)
-    scheduler.submit_generation(GenerationRequest("queued", [3], max_tokens=4), queued)
+    worker.submit_generation(GenerationRequest("queued", [3], max_tokens=4), queued)
     runtime.failures.append(ZeroDivisionError("bug in the runtime"))
     runtime.gate.set()
     for recorder in (active, queued):
         event = recorder.next(WAIT_S)
         assert isinstance(event, ErrorEvent)
-        assert isinstance(event.error, SchedulerBackendError)
+        assert isinstance(event.error, WorkerBackendError)
         assert "worker panicked" in event.error.message
-    scheduler.thread.join(WAIT_S)
-    assert not scheduler.thread.is_alive()
-    assert "worker panicked" in scheduler.failure
-    assert scheduler.health == {"status": "failed", "failure": scheduler.failure}
-    assert scheduler.stats().failure == scheduler.failure
+    worker.thread.join(WAIT_S)
+    assert not worker.thread.is_alive()
+    assert "worker panicked" in worker.failure
+    assert worker.health == {"status": "failed", "failure": worker.failure}
+    assert worker.stats().failure == worker.failure
     panic = subscription.wait_for(lambda e: e.name == SCHEDULER_WORKER_PANIC, WAIT_S)
     assert panic.attributes["skippy.scheduler.failure_contained"] is True
-    with pytest.raises(SchedulerStoppedError):
-        scheduler.submit_generation(GenerationRequest("late", [1], max_tokens=1), queued)
+    with pytest.raises(WorkerStoppedError):
+        worker.submit_generation(GenerationRequest("late", [1], max_tokens=1), queued)
 
 
 class CaptureUnit:
@@ -146,48 +146,48 @@ def capture_operation(releases: list[int]):
 
 
 def test_detached_capture_unit_releases_on_completion_rejection_and_shutdown_drop(
-    make_scheduler, blocked_worker
+    make_handle, blocked_worker
 ):
     # Executed.
-    scheduler = make_scheduler(FakeRuntime(lane_count=1), queue_capacity=1)
+    worker = make_handle(FakeRuntime(lane_count=1), queue_capacity=1)
     releases: list[int] = []
     operation, unit = capture_operation(releases)
-    scheduler.execute_runtime_detached("capture", operation)
+    worker.execute_runtime_detached("capture", operation)
     del operation
-    scheduler.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
     gc.collect()
     assert releases == [1]
 
     # Rejected on a full queue: never executed, released once.
-    _, release = blocked_worker(scheduler)
-    fill_command_queue(scheduler)
+    _, release = blocked_worker(worker)
+    fill_command_queue(worker)
     releases.clear()
     operation, unit = capture_operation(releases)
     with pytest.raises(QueueFullError):
-        scheduler.execute_runtime_detached("capture", operation)
+        worker.execute_runtime_detached("capture", operation)
     del operation
     gc.collect()
     assert releases == [1]
     release.set()
-    assert wait_until(lambda: scheduler.stats().command_queue_depth == 0)
+    assert wait_until(lambda: worker.stats().command_queue_depth == 0)
 
     # Dropped unexecuted at shutdown: queued behind a Shutdown command.
-    _, release = blocked_worker(scheduler)
+    _, release = blocked_worker(worker)
     releases.clear()
-    scheduler._shared.commands.put_nowait(ShutdownCommand())
+    worker._shared.commands.put_nowait(ShutdownCommand())
     operation, unit = capture_operation(releases)
-    scheduler.execute_runtime_detached("capture", operation)
+    worker.execute_runtime_detached("capture", operation)
     del operation
     waiting = queue.SimpleQueue()
-    threading.Thread(target=lambda: waiting.put(_catch(scheduler.execute_runtime, "late")),
+    threading.Thread(target=lambda: waiting.put(_catch(worker.execute_runtime, "late")),
                      daemon=True).start()
     release.set()
-    scheduler.thread.join(WAIT_S)
-    assert not scheduler.thread.is_alive()
+    worker.thread.join(WAIT_S)
+    assert not worker.thread.is_alive()
     gc.collect()
     assert releases == [1]
     assert unit() is None
-    assert isinstance(waiting.get(timeout=WAIT_S), SchedulerStoppedError)
+    assert isinstance(waiting.get(timeout=WAIT_S), WorkerStoppedError)
 
 
 def _catch(fn, label):

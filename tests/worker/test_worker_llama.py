@@ -47,24 +47,24 @@ def llama_runtime(tiny_model_path):
 
 
 def test_scheduled_generation_matches_the_runtime_run_alone(tiny_model_path, llama_runtime,
-                                                            make_scheduler):
+                                                            make_handle):
     with open_runtime(tiny_model_path) as reference:
         expected = solo_greedy(reference, "a", PROMPTS["a"])
-    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
-    result = scheduler.generate(PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
+    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    result = worker.generate(PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
     assert result.tokens == expected
     assert result.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
-    scheduler.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
     assert llama_runtime.active_session_count() == 0
 
 
-def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_scheduler,
+def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_handle,
                                                            blocked_worker):
-    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    _, release = blocked_worker(worker)
     recorders = {name: EventRecorder() for name in PROMPTS}
     for name, prompt in PROMPTS.items():
-        scheduler.submit_generation(GenerationRequest(name, prompt, MAX_TOKENS, GREEDY),
+        worker.submit_generation(GenerationRequest(name, prompt, MAX_TOKENS, GREEDY),
                                     recorders[name])
     calls_before = llama_runtime.decode_calls
     release.set()
@@ -77,18 +77,18 @@ def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_s
     calls = llama_runtime.decode_calls - calls_before
     # One batched call per step: far fewer calls than tokens produced by three sessions.
     assert calls < total_tokens
-    scheduler.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
     assert llama_runtime.active_session_count() == 0
 
 
-def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_scheduler):
-    scheduler = make_scheduler(llama_runtime, n_batch=128, n_ubatch=32)
-    first = scheduler.execute_iteration("s", PROMPTS["b"], sampling=GREEDY, sample_last=True)
+def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_handle):
+    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    first = worker.execute_iteration("s", PROMPTS["b"], sampling=GREEDY, sample_last=True)
     assert first.predicted >= 0 and first.batch_size == 1
-    count = scheduler.execute_runtime("count", lambda rt: rt.session_token_count("s"))
+    count = worker.execute_runtime("count", lambda rt: rt.session_token_count("s"))
     assert count == len(PROMPTS["b"])
-    aligned = scheduler.execute_frame_iteration("s", 2, [first.predicted], [2], GREEDY, None,
+    aligned = worker.execute_frame_iteration("s", 2, [first.predicted], [2], GREEDY, None,
                                                 True)
     assert aligned.session_alignment.before_token_count == len(PROMPTS["b"])
     assert aligned.session_alignment.after_token_count == 2
-    scheduler.execute_runtime("drop", lambda rt: rt.drop_session("s"))
+    worker.execute_runtime("drop", lambda rt: rt.drop_session("s"))

@@ -36,55 +36,55 @@ def in_thread(fn, *args, **kwargs) -> queue.SimpleQueue:
     return results
 
 
-def test_feature_runtime_operations_execute_on_the_scheduler_worker(runtime_factory,
-                                                                    make_scheduler):
-    scheduler = make_scheduler(runtime_factory(lane_count=3))
+def test_feature_runtime_operations_execute_on_the_worker_thread(runtime_factory,
+                                                                    make_handle):
+    worker = make_handle(runtime_factory(lane_count=3))
     seen_threads = []
 
     def lanes(runtime) -> int:
         seen_threads.append(threading.current_thread().name)
         return runtime.lane_count
 
-    outcome = scheduler.execute_runtime_timed("lanes", lanes)
+    outcome = worker.execute_runtime_timed("lanes", lanes)
     assert outcome.value == 3
     assert outcome.queue_wait_ms >= 0 and outcome.run_ms >= 0
     assert seen_threads == ["skippy-iteration-scheduler"]
-    assert scheduler.execute_runtime("lanes", lambda runtime: runtime.lane_count) == 3
+    assert worker.execute_runtime("lanes", lambda runtime: runtime.lane_count) == 3
 
 
-def test_runtime_operation_errors_reach_the_caller_only(runtime_factory, make_scheduler):
-    scheduler = make_scheduler(runtime_factory())
+def test_runtime_operation_errors_reach_the_caller_only(runtime_factory, make_handle):
+    worker = make_handle(runtime_factory())
 
     def broken(_runtime) -> None:
         raise KeyError("missing page")
 
     with pytest.raises(KeyError, match="missing page"):
-        scheduler.execute_runtime("broken", broken)
-    assert scheduler.failure is None
-    assert scheduler.execute_runtime("after", lambda _runtime: "alive") == "alive"
+        worker.execute_runtime("broken", broken)
+    assert worker.failure is None
+    assert worker.execute_runtime("after", lambda _runtime: "alive") == "alive"
 
 
 def test_detached_runtime_operation_returns_before_work_completes(runtime_factory,
-                                                                  make_scheduler):
-    scheduler = make_scheduler(runtime_factory())
+                                                                  make_handle):
+    worker = make_handle(runtime_factory())
     release, done = threading.Event(), threading.Event()
 
     def slow(_runtime) -> None:
         assert release.wait(WAIT_S)
         done.set()
 
-    scheduler.execute_runtime_detached("checkpoint", slow)
+    worker.execute_runtime_detached("checkpoint", slow)
     assert not done.is_set()  # returned while the operation is still blocked
-    barrier = in_thread(scheduler.execute_runtime, "barrier", lambda _rt: done.is_set())
+    barrier = in_thread(worker.execute_runtime, "barrier", lambda _rt: done.is_set())
     release.set()
     assert barrier.get(timeout=WAIT_S) is True  # FIFO: the barrier ran after the detached op
 
 
 def test_cancelled_cache_runtime_is_rejected_before_runtime_or_user_work(
-    runtime_factory, make_scheduler, blocked_worker
+    runtime_factory, make_handle, blocked_worker
 ):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     ran = []
 
     def restore(rt, _context) -> None:
@@ -94,46 +94,46 @@ def test_cancelled_cache_runtime_is_rejected_before_runtime_or_user_work(
     token = CancellationToken()
     token.cancel()
     with pytest.raises(RequestCancelledError, match="request-7 was cancelled"):
-        scheduler.execute_cache_aware_runtime("restore", "request-7", restore,
+        worker.execute_cache_aware_runtime("restore", "request-7", restore,
                                               prompt_tokens=[1, 2], cancellation=token)
 
-    _, release = blocked_worker(scheduler)
+    _, release = blocked_worker(worker)
     queued_token = CancellationToken()
-    result = in_thread(scheduler.execute_cache_aware_runtime, "restore", "request-7", restore,
+    result = in_thread(worker.execute_cache_aware_runtime, "restore", "request-7", restore,
                        prompt_tokens=[1, 2], cancellation=queued_token)
     queued_token.cancel()
     error = result.get(timeout=WAIT_S)
     assert isinstance(error, RequestCancelledError)
     assert "request-7 was cancelled" in error.message
     release.set()
-    scheduler.execute_runtime("barrier", lambda _rt: None)
-    scheduler.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
     assert ran == []
     assert runtime.active_session_count() == 0
-    assert scheduler.stats().cache_runtime_queue_depth == 0
+    assert worker.stats().cache_runtime_queue_depth == 0
 
 
 def test_expired_cache_runtime_is_rejected_before_runtime_or_user_work(runtime_factory,
-                                                                       make_scheduler):
+                                                                       make_handle):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
+    worker = make_handle(runtime)
     ran = []
     with pytest.raises(DeadlineExceededError, match="request-8 exceeded its deadline"):
-        scheduler.execute_cache_aware_runtime(
+        worker.execute_cache_aware_runtime(
             "restore", "request-8", lambda _rt, _ctx: ran.append(1),
             prompt_tokens=[1], deadline=time.monotonic(),
         )
     with pytest.raises(DeadlineExceededError, match="request-8 exceeded its deadline"):
-        scheduler.execute_runtime_bounded("restore", "request-8",
+        worker.execute_runtime_bounded("restore", "request-8",
                                           lambda _rt, _ctx: ran.append(1),
                                           deadline=time.monotonic())
-    scheduler.execute_runtime("barrier", lambda _rt: None)
+    worker.execute_runtime("barrier", lambda _rt: None)
     assert ran == []
 
 
 def test_in_flight_cache_runtime_observes_cancellation_at_checkpoint(runtime_factory,
-                                                                     make_scheduler):
-    scheduler = make_scheduler(runtime_factory())
+                                                                     make_handle):
+    worker = make_handle(runtime_factory())
     token = CancellationToken()
     entered, proceed, finished = threading.Event(), threading.Event(), threading.Event()
     increments = []
@@ -148,7 +148,7 @@ def test_in_flight_cache_runtime_observes_cancellation_at_checkpoint(runtime_fac
         finally:
             finished.set()
 
-    result = in_thread(scheduler.execute_runtime_bounded, "restore", "request-9", restore,
+    result = in_thread(worker.execute_runtime_bounded, "restore", "request-9", restore,
                        cancellation=token)
     assert entered.wait(WAIT_S)
     token.cancel()
@@ -210,20 +210,20 @@ def test_wave_aware_restore_marks_a_saturated_wave(runtime_factory, make_worker)
     assert worker.direct_wave_full is False
 
 
-def test_cache_operations_are_served_by_cache_value(runtime_factory, make_scheduler,
+def test_cache_operations_are_served_by_cache_value(runtime_factory, make_handle,
                                                     blocked_worker):
-    scheduler = make_scheduler(runtime_factory())
-    subscription = scheduler.telemetry.subscribe()
-    _, release = blocked_worker(scheduler)
+    worker = make_handle(runtime_factory())
+    subscription = worker.telemetry.subscribe()
+    _, release = blocked_worker(worker)
     order: list[str] = []
     hot = CacheAffinity.from_stage(StageCacheAffinity(0, 48, 1, 0, 3))
     results = [
-        in_thread(scheduler.execute_cache_aware_runtime, "restore", name,
+        in_thread(worker.execute_cache_aware_runtime, "restore", name,
                   lambda _rt, ctx: order.append(ctx.operation_id), prompt_tokens=[i, 1],
                   refresh_affinity=refresh)
         for i, (name, refresh) in enumerate([("cold", CacheAffinity), ("hot", lambda: hot)])
     ]
-    assert wait_until(lambda: scheduler.stats().command_queue_depth == 2)  # both queued
+    assert wait_until(lambda: worker.stats().command_queue_depth == 2)  # both queued
     release.set()
     for result in results:
         assert result.get(timeout=WAIT_S).value is None
@@ -237,8 +237,8 @@ def test_cache_operations_are_served_by_cache_value(runtime_factory, make_schedu
 
 
 def test_runtime_operations_see_the_effect_of_earlier_iterations(runtime_factory,
-                                                                 make_scheduler):
+                                                                 make_handle):
     runtime = runtime_factory()
-    scheduler = make_scheduler(runtime)
-    scheduler.execute_iteration("s", [1, 2, 3])
-    assert scheduler.execute_runtime("count", lambda rt: rt.session_token_count("s")) == 3
+    worker = make_handle(runtime)
+    worker.execute_iteration("s", [1, 2, 3])
+    assert worker.execute_runtime("count", lambda rt: rt.session_token_count("s")) == 3

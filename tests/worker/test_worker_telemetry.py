@@ -10,9 +10,9 @@ from fake_runtime import EventRecorder, FakeRuntime
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     GenerationRequest,
-    SchedulerStats,
     TokenControl,
     TokenEvent,
+    WorkerStats,
 )
 from skippyd.engine.worker.telemetry import (
     SCHEDULER_DIRECT_ITERATION,
@@ -98,18 +98,18 @@ def test_subscribe_rejects_an_empty_buffer():
         TelemetryHub().subscribe(maxlen=0)
 
 
-def test_worker_publishes_iteration_direct_and_runtime_events(make_scheduler):
-    scheduler = make_scheduler(FakeRuntime())
-    subscription = scheduler.telemetry.subscribe()
+def test_worker_publishes_iteration_direct_and_runtime_events(make_handle):
+    worker = make_handle(FakeRuntime())
+    subscription = worker.telemetry.subscribe()
     recorder = EventRecorder()
-    scheduler.submit_generation(GenerationRequest("r", [1, 2], max_tokens=2), recorder)
+    worker.submit_generation(GenerationRequest("r", [1, 2], max_tokens=2), recorder)
     for _ in range(2):
         event = recorder.next(WAIT_S)
         assert isinstance(event, TokenEvent)
         event.ack.send(TokenControl.CONTINUE)
     assert recorder.next(WAIT_S) == CompleteEvent("length")
-    scheduler.execute_iteration("direct", [1, 2, 3])
-    scheduler.execute_runtime("probe", lambda _rt: None)
+    worker.execute_iteration("direct", [1, 2, 3])
+    worker.execute_runtime("probe", lambda _rt: None)
     events = subscription.drain()
     names = [event.name for event in events]
     assert names.count(SCHEDULER_ITERATION) == 2
@@ -130,19 +130,19 @@ def test_worker_publishes_iteration_direct_and_runtime_events(make_scheduler):
     assert runtime_op["skippy.scheduler.operation"] == "probe"
 
 
-def test_stats_snapshot_is_published_without_touching_the_worker(make_scheduler,
+def test_stats_snapshot_is_published_without_touching_the_worker(make_handle,
                                                                  blocked_worker):
     runtime = FakeRuntime(lane_count=2)
-    scheduler = make_scheduler(runtime)
-    _, release = blocked_worker(scheduler)
-    scheduler.execute_runtime_detached("queued", lambda _rt: None)
-    stats = scheduler.stats()  # the worker is busy; reading must not wait for it
-    assert isinstance(stats, SchedulerStats)
+    worker = make_handle(runtime)
+    _, release = blocked_worker(worker)
+    worker.execute_runtime_detached("queued", lambda _rt: None)
+    stats = worker.stats()  # the worker is busy; reading must not wait for it
+    assert isinstance(stats, WorkerStats)
     assert stats.command_queue_depth == 1
     release.set()
-    scheduler.execute_iteration("s", [1, 2])
-    scheduler.execute_runtime("barrier", lambda _rt: None)
-    stats = scheduler.stats()
+    worker.execute_iteration("s", [1, 2])
+    worker.execute_runtime("barrier", lambda _rt: None)
+    stats = worker.stats()
     assert stats.num_direct_iterations == 1
     assert stats.active_runtime_sessions == 1
     assert stats.wave_fullness == pytest.approx(0.5)

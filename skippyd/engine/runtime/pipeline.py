@@ -1,7 +1,7 @@
 """Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime.protocol.Runtime`.
 
 :class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
-and the link to the rest of the chain, so stage 0's unchanged iteration scheduler and
+and the link to the rest of the chain, so stage 0's unchanged worker and
 policy drive the whole pipeline: each ``iteration_batch_sampled`` runs the local layers,
 ships the rows (with tokens, positions and sampling) downstream as batches, and returns
 the predictions that the final stage sends straight back (reference §5.1).

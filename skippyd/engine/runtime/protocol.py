@@ -1,4 +1,4 @@
-"""The contract between the iteration scheduler worker and a runtime.
+"""The contract between the worker and a runtime.
 
 The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies
 :class:`Runtime`; the real one is ``llama.LlamaRuntime`` over llama.cpp, tests may use a

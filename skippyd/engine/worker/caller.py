@@ -1,4 +1,4 @@
-"""Caller-side helpers of the iteration scheduler (reference §3.7 client side, §3.8, §3.10).
+"""Caller-side helpers of the worker handle (reference §3.7 client side, §3.8, §3.10).
 
 Everything here runs on the caller's thread: request validation before anything is
 queued, waiting for a worker reply while watching cancellation, deadline and worker
@@ -22,20 +22,20 @@ from skippyd.engine.worker.commands import (
     CANCELLATION_POLL_INTERVAL_S,
     CancellationToken,
     CompleteEvent,
+    GenerationEvent,
     GenerationRequest,
     GenerationResult,
     InvalidRequestError,
     RequestCancelledError,
-    SchedulerEvent,
-    SchedulerStoppedError,
     ShutdownCommand,
     TokenControl,
     TokenEvent,
+    WorkerStoppedError,
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.worker.handle import IterationScheduler
-    from skippyd.engine.worker.thread_loop import Command, SchedulerWorker
+    from skippyd.engine.worker.handle import WorkerHandle
+    from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ THREAD_NAME = "skippy-iteration-scheduler"
 _SHUTDOWN_PUT_TIMEOUT_S = 0.05
 
 
-class SchedulerOwnership:
-    """The worker thread and command queue all clones of one scheduler share.
+class HandleOwnership:
+    """The worker thread and command queue all clones of one handle share.
 
     ``owner_count`` counts live handles; ``release`` runs once per handle, and the last
     one sends Shutdown with a blocking put and joins the thread (reference §3.1).
     """
 
-    def __init__(self, worker: SchedulerWorker, commands: queue.Queue[Command]) -> None:
+    def __init__(self, worker: WorkerLoop, commands: queue.Queue[Command]) -> None:
         self.worker = worker
         self.commands = commands
         self.thread = threading.Thread(target=worker.run, name=THREAD_NAME, daemon=True)
@@ -70,7 +70,7 @@ class SchedulerOwnership:
     def acquire(self) -> None:
         with self.lock:
             if self.owner_count == 0:
-                raise SchedulerStoppedError()
+                raise WorkerStoppedError()
             self.owner_count += 1
 
     def release(self) -> None:
@@ -148,7 +148,7 @@ def wait_for_reply(
     worker's answer (reference §3.8).
 
     Raises:
-        SchedulerStoppedError: The worker died without answering.
+        WorkerStoppedError: The worker died without answering.
         Exception: Whatever the worker answered with, or ``check`` raised.
     """
     if reply is None:
@@ -163,14 +163,14 @@ def wait_for_reply(
         if reply.done():
             break
         if not worker_thread.is_alive() and not reply.done():
-            raise SchedulerStoppedError("iteration scheduler stopped: no reply from the worker")
+            raise WorkerStoppedError("iteration scheduler stopped: no reply from the worker")
     if check is not None:
         check()
     return reply.result()
 
 
 def generate_blocking(
-    scheduler: IterationScheduler,
+    worker: WorkerHandle,
     request: GenerationRequest,
     cancellation: CancellationToken | None,
     on_token: Callable[[int], TokenControl] | None,
@@ -181,24 +181,24 @@ def generate_blocking(
 
     Raises:
         RequestCancelledError: ``cancellation`` fired (a Cancel was sent).
-        SchedulerError: The generation failed.
+        WorkerError: The generation failed.
     """
-    if threading.current_thread() is scheduler.thread:
+    if threading.current_thread() is worker.thread:
         raise RuntimeError("blocking scheduler calls cannot be made from its worker thread")
-    events: queue.SimpleQueue[SchedulerEvent] = queue.SimpleQueue()
+    events: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
     started = time.monotonic()
     first_token_at: float | None = None
     tokens: list[int] = []
     stopped = False
-    scheduler.submit_generation(request, events.put)
+    worker.submit_generation(request, events.put)
     while True:
-        event = _next_event(scheduler, request.request_id, events, cancellation)
+        event = _next_event(worker, request.request_id, events, cancellation)
         if isinstance(event, TokenEvent) and stopped:
             event.ack.send(TokenControl.STOP)  # produced before the worker saw our Stop
         elif isinstance(event, TokenEvent):
             first_token_at = first_token_at or time.monotonic()
             tokens.append(event.token)
-            stopped = _answer_token(scheduler, request.request_id, event, on_token)
+            stopped = _answer_token(worker, request.request_id, event, on_token)
         elif isinstance(event, CompleteEvent):
             elapsed_ms = (time.monotonic() - started) * 1000.0
             prompt_ms = 0.0 if resumed else (
@@ -210,27 +210,27 @@ def generate_blocking(
 
 
 def _next_event(
-    scheduler: IterationScheduler,
+    worker: WorkerHandle,
     req_id: str,
-    events: queue.SimpleQueue[SchedulerEvent],
+    events: queue.SimpleQueue[GenerationEvent],
     cancellation: CancellationToken | None,
-) -> SchedulerEvent | None:
+) -> GenerationEvent | None:
     """One poll: raise on cancellation or a dead worker; None when nothing arrived."""
     if cancellation is not None and cancellation.is_cancelled:
-        scheduler.cancel(req_id)
+        worker.cancel(req_id)
         raise RequestCancelledError("request cancelled")
     try:
         return events.get(timeout=CANCELLATION_POLL_INTERVAL_S)
     except queue.Empty:
-        if not scheduler.thread.is_alive() and events.empty():
-            raise SchedulerStoppedError(
+        if not worker.thread.is_alive() and events.empty():
+            raise WorkerStoppedError(
                 "iteration scheduler stopped before generation completed"
             ) from None
         return None
 
 
 def _answer_token(
-    scheduler: IterationScheduler,
+    worker: WorkerHandle,
     req_id: str,
     event: TokenEvent,
     on_token: Callable[[int], TokenControl] | None,
@@ -240,7 +240,7 @@ def _answer_token(
         control = on_token(event.token) if on_token is not None else TokenControl.CONTINUE
     except BaseException:
         event.ack.send(TokenControl.STOP)
-        scheduler.cancel(req_id)
+        worker.cancel(req_id)
         raise
     event.ack.send(control)
     return control is TokenControl.STOP

@@ -1,4 +1,4 @@
-"""Plain types shared by the iteration scheduler and its callers.
+"""Plain types shared by the worker and its callers.
 
 Errors, generation requests, the events a generation receives, cancellation tokens and
 the result records of direct iterations and runtime operations (reference §3.3, §3.7,
@@ -44,8 +44,8 @@ STOPPED_MESSAGE = "iteration scheduler stopped"
 WORKER_PANIC_MESSAGE = "iteration scheduler worker panicked"
 
 
-class SchedulerError(Exception):
-    """A typed scheduler failure a caller can map to a protocol error.
+class WorkerError(Exception):
+    """A typed worker failure a caller can map to a protocol error.
 
     Attributes:
         kind: Stable machine-readable category.
@@ -63,7 +63,7 @@ class SchedulerError(Exception):
         self.retry_after_s = retry_after_s
 
 
-class QueueFullError(SchedulerError):
+class QueueFullError(WorkerError):
     """The bounded command or waiting queue is full (reference §3.1: HTTP 429)."""
 
     kind = "overloaded"
@@ -73,7 +73,7 @@ class QueueFullError(SchedulerError):
         super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
-class SchedulerStoppedError(SchedulerError):
+class WorkerStoppedError(WorkerError):
     """The worker is gone or shutting down."""
 
     kind = "stopped"
@@ -83,32 +83,32 @@ class SchedulerStoppedError(SchedulerError):
         super().__init__(message)
 
 
-class InvalidRequestError(SchedulerError, ValueError):
+class InvalidRequestError(WorkerError, ValueError):
     """The request itself is malformed; nothing was queued."""
 
     kind = "invalid_request"
     status = 400
 
 
-class RequestCancelledError(SchedulerError):
+class RequestCancelledError(WorkerError):
     """The caller's cancellation token fired."""
 
     kind = "cancelled"
     status = 499
 
 
-class DeadlineExceededError(SchedulerError):
+class DeadlineExceededError(WorkerError):
     """The request's deadline passed before it could run."""
 
     kind = "timeout"
     status = 504
 
 
-class SchedulerBackendError(SchedulerError):
+class WorkerBackendError(WorkerError):
     """The runtime failed, or the worker failed while holding the request."""
 
 
-class RuntimeCapacityError(SchedulerError):
+class RuntimeCapacityError(WorkerError):
     """The runtime had no free lane or KV slot for the work; retrying later may succeed."""
 
     kind = "overloaded"
@@ -118,7 +118,7 @@ class RuntimeCapacityError(SchedulerError):
         super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
-class ServiceUnavailableError(SchedulerError):
+class ServiceUnavailableError(WorkerError):
     """A part of the stage's runtime (the downstream pipeline) is unreachable; retry later."""
 
     kind = "unavailable"
@@ -128,8 +128,8 @@ class ServiceUnavailableError(SchedulerError):
         super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
-def scheduler_error_from_runtime(context: str, exc: RuntimeFailure) -> SchedulerError:
-    """Map a runtime failure to the typed scheduler error a caller receives.
+def worker_error_from_runtime(context: str, exc: RuntimeFailure) -> WorkerError:
+    """Map a runtime failure to the typed worker error a caller receives.
 
     Args:
         context: What was being done, prefixed to the message.
@@ -137,13 +137,13 @@ def scheduler_error_from_runtime(context: str, exc: RuntimeFailure) -> Scheduler
     """
     message = f"{context}: {exc}"
     if isinstance(exc, InvalidIterationError):
-        error: SchedulerError = InvalidRequestError(message)
+        error: WorkerError = InvalidRequestError(message)
     elif isinstance(exc, UnavailableError):
         error = ServiceUnavailableError(message)
     elif isinstance(exc, LanesBusyError | KvSlotUnavailableError):
         error = RuntimeCapacityError(message)
     else:
-        error = SchedulerBackendError(message)
+        error = WorkerBackendError(message)
     error.__cause__ = exc
     return error
 
@@ -246,15 +246,15 @@ class CompleteEvent:
 class ErrorEvent:
     """The generation failed; no further events follow."""
 
-    error: SchedulerError
+    error: WorkerError
 
 
-SchedulerEvent = TokenEvent | CompleteEvent | ErrorEvent
+GenerationEvent = TokenEvent | CompleteEvent | ErrorEvent
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """What the blocking :meth:`IterationScheduler.generate` helper returns."""
+    """What the blocking :meth:`WorkerHandle.generate` helper returns."""
 
     tokens: list[int]
     finish_reason: str
@@ -305,7 +305,7 @@ class LaneInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerStats:
+class WorkerStats:
     """A consistent status snapshot published by the worker once per turn."""
 
     num_waiting: int = 0
@@ -350,7 +350,7 @@ class SchedulerStats:
 @dataclass(slots=True)
 class SubmitCommand:
     request: GenerationRequest
-    on_event: Callable[[SchedulerEvent], None]
+    on_event: Callable[[GenerationEvent], None]
     runtime_configured: bool = False
     """The caller already owns an active runtime session (resume)."""
 

@@ -35,9 +35,9 @@ from skippyd.engine.worker.commands import (
     InvalidRequestError,
     IterationOutcome,
     RequestCancelledError,
-    SchedulerBackendError,
-    SchedulerError,
-    scheduler_error_from_runtime,
+    WorkerBackendError,
+    WorkerError,
+    worker_error_from_runtime,
 )
 from skippyd.engine.worker.telemetry import SCHEDULER_DIRECT_ITERATION
 
@@ -95,12 +95,12 @@ def pipeline_group_batch_size(max_batch: int, groups: int) -> int:
     return max(math.ceil(max_batch / max(groups, 1)), 1)
 
 
-def scheduler_safe_mode_from_value(value: str | None) -> bool:
+def safe_mode_from_value(value: str | None) -> bool:
     """True iff ``value`` is one of 1/true/yes/on, case-insensitively (reference §3.5)."""
     return (value or "").strip().lower() in _TRUE_VALUES
 
 
-def effective_scheduler_lane_count(lanes: int, safe_mode: bool, continuous_batching: bool) -> int:
+def effective_lane_count(lanes: int, safe_mode: bool, continuous_batching: bool) -> int:
     """One lane in safe mode or without continuous batching, else ``lanes``."""
     if safe_mode or not continuous_batching:
         return 1
@@ -263,11 +263,11 @@ def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[Direc
                 alignment = runtime.align_session_to_token_count_if_ahead(
                     item.session_id, item.target_token_count
                 )
-        except SchedulerError as exc:
+        except WorkerError as exc:
             resolve_future(item.reply, error=exc)
             continue
         except RuntimeFailure as exc:
-            error = scheduler_error_from_runtime(f"align session {item.session_id}", exc)
+            error = worker_error_from_runtime(f"align session {item.session_id}", exc)
             resolve_future(item.reply, error=error)
             continue
         runnable.append((item, alignment))
@@ -277,7 +277,7 @@ def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[Direc
 def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:
     """Index samples by request, rejecting malformed outputs (reference §3.6 step 7)."""
     if output.output_rows and len(output.output_rows) != num_requests:
-        raise SchedulerBackendError(
+        raise WorkerBackendError(
             f"scheduler iteration returned {len(output.output_rows)} outputs "
             f"for {num_requests} requests"
         )
@@ -285,12 +285,12 @@ def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[
     for sample in output.samples:
         index = sample.request_index
         if not 0 <= index < num_requests:
-            raise SchedulerBackendError(
+            raise WorkerBackendError(
                 f"scheduler iteration sample references request {index}, "
                 f"but only {num_requests} requests ran"
             )
         if index in samples:
-            raise SchedulerBackendError(
+            raise WorkerBackendError(
                 f"scheduler iteration returned duplicate sample for request {index}"
             )
         samples[index] = (sample.token, sample.is_eog)
@@ -318,8 +318,8 @@ def run_direct_iteration_batch(
     try:
         output = runtime.iteration_batch_sampled(requests)
         samples = _map_samples(output, len(requests))
-    except (RuntimeFailure, SchedulerError) as exc:
-        error = exc if isinstance(exc, SchedulerError) else scheduler_error_from_runtime(
+    except (RuntimeFailure, WorkerError) as exc:
+        error = exc if isinstance(exc, WorkerError) else worker_error_from_runtime(
             "scheduler iteration", exc
         )
         for item, _ in runnable:
@@ -327,7 +327,7 @@ def run_direct_iteration_batch(
         return len(runnable)
     except BaseException:
         for item, _ in runnable:
-            resolve_future(item.reply, error=SchedulerBackendError("scheduler iteration crashed"))
+            resolve_future(item.reply, error=WorkerBackendError("scheduler iteration crashed"))
         raise
     finished = time.monotonic()
     _reply_outcomes(runnable, output, samples, started, finished)

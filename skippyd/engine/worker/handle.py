@@ -1,10 +1,10 @@
-"""``IterationScheduler``: the handle every caller uses to reach the worker thread.
+"""``WorkerHandle``: the handle every caller uses to reach the worker thread.
 
-One scheduler per stage process owns one thread named ``skippy-iteration-scheduler``,
+One worker per stage process owns one thread named ``skippy-iteration-scheduler``,
 the only code that calls the runtime (reference §3.1). Callers never wait on the worker
 to accept work: commands go into a bounded queue with non-blocking puts, and a full
 queue is an immediate :class:`QueueFullError` (HTTP 429 with a retry hint). The handle
-can be cloned; the last owner to :meth:`IterationScheduler.close` stops the worker and
+can be cloned; the last owner to :meth:`WorkerHandle.close` stops the worker and
 joins it.
 """
 
@@ -33,7 +33,7 @@ from skippyd.engine.worker.cache_runtime import (
     RuntimeOperation,
 )
 from skippyd.engine.worker.caller import (
-    SchedulerOwnership,
+    HandleOwnership,
     generate_blocking,
     validate_generation_request,
     wait_for_reply,
@@ -45,6 +45,7 @@ from skippyd.engine.worker.commands import (
     CompleteEvent,
     DeadlineExceededError,
     ErrorEvent,
+    GenerationEvent,
     GenerationRequest,
     GenerationResult,
     InvalidRequestError,
@@ -52,23 +53,22 @@ from skippyd.engine.worker.commands import (
     QueueFullError,
     RequestCancelledError,
     RuntimeOutcome,
-    SchedulerError,
-    SchedulerEvent,
-    SchedulerStats,
-    SchedulerStoppedError,
     SubmitCommand,
     TokenAck,
     TokenControl,
     TokenEvent,
+    WorkerError,
+    WorkerStats,
+    WorkerStoppedError,
 )
 from skippyd.engine.worker.direct_batch import (
     PIPELINE_DECODE_GROUPS_ENV,
     SAFE_MODE_ENV,
     DirectIteration,
-    effective_scheduler_lane_count,
+    effective_lane_count,
     ensure_direct_iteration_active,
     resolve_pipeline_decode_groups,
-    scheduler_safe_mode_from_value,
+    safe_mode_from_value,
     validate_direct_iteration,
 )
 from skippyd.engine.worker.settings import (
@@ -76,24 +76,24 @@ from skippyd.engine.worker.settings import (
     kv_capacity_tokens,
     make_worker_settings,
 )
-from skippyd.engine.worker.telemetry import TelemetryHub, publish_scheduler_start
-from skippyd.engine.worker.thread_loop import Command, SchedulerWorker
+from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
+from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CachePayload", "CancellationToken", "CompleteEvent", "DeadlineExceededError",
     "ErrorEvent", "GenerationRequest", "GenerationResult", "InvalidRequestError",
-    "IterationOutcome", "IterationScheduler", "QueueFullError", "RequestCancelledError",
-    "RuntimeOutcome", "SchedulerError", "SchedulerEvent", "SchedulerStats",
-    "SchedulerStoppedError", "TokenAck", "TokenControl", "TokenEvent",
+    "IterationOutcome", "WorkerHandle", "QueueFullError", "RequestCancelledError",
+    "RuntimeOutcome", "WorkerError", "GenerationEvent", "WorkerStats",
+    "WorkerStoppedError", "TokenAck", "TokenControl", "TokenEvent",
 ]
 
 T = TypeVar("T")
 
 
-class IterationScheduler:
-    """Handle to the iteration scheduler worker (reference §3.2).
+class WorkerHandle:
+    """Handle to the worker thread (reference §3.2).
 
     Args:
         runtime: The runtime the worker will own; nobody else may call it afterwards.
@@ -130,36 +130,36 @@ class IterationScheduler:
     ) -> None:
         if queue_capacity < 1:
             raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
-        safe_mode = safe_mode or scheduler_safe_mode_from_value(os.environ.get(SAFE_MODE_ENV))
-        lanes = effective_scheduler_lane_count(runtime.lane_count, safe_mode, continuous_batching)
+        safe_mode = safe_mode or safe_mode_from_value(os.environ.get(SAFE_MODE_ENV))
+        lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
         config = build_scheduler_config(lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq,
                                         n_batch, n_ubatch, queue_capacity, exports)
         groups = resolve_pipeline_decode_groups(os.environ.get(PIPELINE_DECODE_GROUPS_ENV),
                                                 pipeline_decode_groups)
         settings = make_worker_settings(lanes, queue_capacity, n_batch, groups, config)
         hub = telemetry if telemetry is not None else TelemetryHub()
-        publish_scheduler_start(
+        publish_worker_start(
             hub, safe_mode=safe_mode, command_queue_capacity=settings.command_queue_capacity,
             max_active_sequences=config.max_active_sequences,
             max_consecutive_prefill_iterations=config.max_consecutive_prefill_iterations,
             mixed_prefill_decode=config.mixed_prefill_decode,
         )
         commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
-        worker = SchedulerWorker(runtime, config, commands, hub, settings, prefix_cache)
-        self._shared = SchedulerOwnership(worker, commands)
+        worker = WorkerLoop(runtime, config, commands, hub, settings, prefix_cache)
+        self._shared = HandleOwnership(worker, commands)
         self._shared.thread.start()
         self._finalizer = weakref.finalize(self, self._shared.release)
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def clone(self) -> IterationScheduler:
+    def clone(self) -> WorkerHandle:
         """Another owner of the same worker; each clone must be closed (or dropped).
 
         Raises:
-            SchedulerStoppedError: The worker was already shut down.
+            WorkerStoppedError: The worker was already shut down.
         """
         self._shared.acquire()
-        duplicate = object.__new__(IterationScheduler)
+        duplicate = object.__new__(WorkerHandle)
         duplicate._shared = self._shared
         duplicate._finalizer = weakref.finalize(duplicate, self._shared.release)
         return duplicate
@@ -168,7 +168,7 @@ class IterationScheduler:
         """Give up this owner; the last one stops and joins the worker. Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> IterationScheduler:
+    def __enter__(self) -> WorkerHandle:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -205,7 +205,7 @@ class IterationScheduler:
             status = "ok"
         return {"status": status, "failure": failure}
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> WorkerStats:
         """The worker's latest published snapshot, plus the live command queue figures."""
         return dataclasses.replace(
             self._shared.worker.stats,
@@ -220,10 +220,10 @@ class IterationScheduler:
 
         Raises:
             QueueFullError: The bounded command queue is full.
-            SchedulerStoppedError: The handle was closed or the worker is gone.
+            WorkerStoppedError: The handle was closed or the worker is gone.
         """
         if not self._finalizer.alive or self._shared.worker.closed.is_set():
-            raise SchedulerStoppedError()
+            raise WorkerStoppedError()
         if not self._try_put(command):
             # Nothing may keep the rejected command alive (its closure may hold resources).
             del command
@@ -231,7 +231,7 @@ class IterationScheduler:
             raise QueueFullError()
         if self._shared.worker.closed.is_set():
             # The worker stopped between the check and the put: answer what is stranded.
-            self._shared.worker.fail_queued(SchedulerStoppedError())
+            self._shared.worker.fail_queued(WorkerStoppedError())
 
     def _ensure_may_block(self) -> None:
         """A blocking call from the worker thread would wait on itself forever."""
@@ -248,7 +248,7 @@ class IterationScheduler:
     # -- planned generations (reference §3.7) --------------------------------------------
 
     def submit_generation(
-        self, request: GenerationRequest, on_event: Callable[[SchedulerEvent], None]
+        self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
     ) -> None:
         """Queue a generation; events arrive through ``on_event`` on the worker thread.
 
@@ -258,7 +258,7 @@ class IterationScheduler:
         Raises:
             InvalidRequestError: The request is malformed (nothing was queued).
             QueueFullError: The command queue is full; retry after ``retry_after_s``.
-            SchedulerStoppedError: The scheduler is stopped.
+            WorkerStoppedError: The worker is stopped.
         """
         validate_generation_request(request, kv_capacity_tokens(self.config))
         # A caller that retains the runtime already owns an active session (resume).
@@ -271,7 +271,7 @@ class IterationScheduler:
         except QueueFullError:
             # A lost cancel would let the generation run on to max_tokens.
             self._shared.worker.cancel_inbox.put(request_id)
-        except SchedulerStoppedError:
+        except WorkerStoppedError:
             pass  # a stopped worker already failed every request
 
     def generate(
@@ -288,7 +288,7 @@ class IterationScheduler:
         """Run a generation to completion, blocking (reference §3.7 ``generate``).
 
         Raises:
-            SchedulerError: Any typed failure, including ``RequestCancelledError``.
+            WorkerError: Any typed failure, including ``RequestCancelledError``.
         """
         request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens),
                                     max_tokens, sampling, priority)
@@ -322,7 +322,7 @@ class IterationScheduler:
 
         Raises:
             InvalidRequestError: Bad shape; DeadlineExceededError /
-            RequestCancelledError: already inactive; QueueFullError; SchedulerStoppedError.
+            RequestCancelledError: already inactive; QueueFullError; WorkerStoppedError.
         """
         validate_direct_iteration(iteration.token_ids, iteration.positions,
                                   self._shared.worker.settings.max_direct_iteration_tokens,

@@ -1,6 +1,6 @@
 """In-process telemetry hub: the worker publishes, observers subscribe.
 
-The iteration scheduler worker must never wait on an observer (reference §3.1: the
+The worker must never wait on an observer (reference §3.1: the
 worker thread owns every runtime call, so a slow dashboard must not slow decoding). A
 :class:`TelemetryHub` therefore hands each event to every subscriber's own bounded
 deque; when a deque is full its oldest event is dropped and counted. Subscribers read
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 #: Default per-subscriber buffer, in events.
 DEFAULT_SUBSCRIPTION_MAXLEN = 1024
 
-# Event names published by the iteration scheduler (reference §3.2, §3.6, §3.11).
+# Event names the worker publishes: wire names, as in the reference (§3.2, §3.6, §3.11).
 SCHEDULER_START = "stage.scheduler_start"
 SCHEDULER_ITERATION = "stage.scheduler_iteration"
 SCHEDULER_DIRECT_ITERATION = "stage.scheduler_feature_iteration"
@@ -212,7 +212,7 @@ class TelemetryHub:
             self._subscribers = tuple(s for s in self._subscribers if s is not subscription)
 
 
-def publish_scheduler_start(
+def publish_worker_start(
     hub: TelemetryHub,
     *,
     safe_mode: bool,

@@ -39,7 +39,7 @@ from skippyd.engine.runtime.protocol import IterationPhase as RuntimePhase
 from skippyd.engine.worker.commands import (
     InvalidRequestError,
     RuntimeCapacityError,
-    SchedulerError,
+    WorkerError,
 )
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class PlanExecutor:
         runtime: Runtime,
         scheduler: Scheduler,
         on_preempted: Callable[[str], None],
-        fail_request: Callable[[str, SchedulerError], None],
+        fail_request: Callable[[str, WorkerError], None],
         relieve_kv: Callable[[int], bool] | None = None,
     ) -> None:
         self._runtime = runtime

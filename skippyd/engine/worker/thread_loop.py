@@ -1,10 +1,10 @@
-"""The iteration scheduler's worker thread: commands in, one runtime call per turn out.
+"""The worker thread: commands in, one runtime call per turn out.
 
-:class:`SchedulerWorker` is the only code that calls the runtime (reference §3.1). Each
+:class:`WorkerLoop` is the only code that calls the runtime (reference §3.1). Each
 turn it drains commands, decides between cache-runtime work, direct iterations and
 planned generations with the gates of reference §3.4-§3.6, and runs exactly one of them.
 Other threads reach it only through its bounded command queue; it publishes a fresh
-immutable :class:`SchedulerStats` after every turn for anyone to read without locking.
+immutable :class:`WorkerStats` after every turn for anyone to read without locking.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from skippyd.engine.worker.commands import (
     ErrorEvent,
     LaneInfo,
     RuntimeOutcome,
-    SchedulerBackendError,
-    SchedulerError,
-    SchedulerStats,
-    SchedulerStoppedError,
     ShutdownCommand,
     SubmitCommand,
+    WorkerBackendError,
+    WorkerError,
+    WorkerStats,
+    WorkerStoppedError,
 )
 from skippyd.engine.worker.direct_batch import (
     DIRECT_ITERATION_COALESCE_WINDOW_S,
@@ -71,7 +71,7 @@ class _ShutdownRequested(Exception):
     """Unwinds the run loop from wherever a Shutdown command was received."""
 
 
-class SchedulerWorker:
+class WorkerLoop:
     """State and loop of the worker thread; see the module docstring.
 
     Tests may drive one without a thread through :meth:`handle_command` and
@@ -106,7 +106,7 @@ class SchedulerWorker:
         self.cancel_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.num_direct_iterations = 0
         self.num_runtime_operations = 0
-        self.stats = SchedulerStats(max_direct_batch_size=settings.max_direct_batch_size)
+        self.stats = WorkerStats(max_direct_batch_size=settings.max_direct_batch_size)
 
     # -- thread entry and the loop (reference §3.6) -------------------------------------
 
@@ -115,14 +115,14 @@ class SchedulerWorker:
         try:
             self.run_loop()
         except _ShutdownRequested:
-            self._close(SchedulerStoppedError())
+            self._close(WorkerStoppedError())
         except BaseException as exc:  # panic containment: the worker must not die silently
             self._contain_panic(exc)
         finally:
             try:
                 self.publish_stats()
             except Exception:  # the policy may be what broke; keep the failure visible
-                self.stats = SchedulerStats(failure=self.failure)
+                self.stats = WorkerStats(failure=self.failure)
 
     def run_loop(self) -> None:
         """Idle wait, drain, gates, one work turn; until a Shutdown command."""
@@ -340,13 +340,13 @@ class SchedulerWorker:
 
     # -- failure paths (reference §3.6, §3.7) ----------------------------------------------
 
-    def fail_all(self, error: SchedulerError) -> None:
+    def fail_all(self, error: WorkerError) -> None:
         """Fail every held generation and every queued direct iteration."""
         self.planned.fail_all(error)
         while self.direct:
             resolve_future(self.direct.popleft().reply, error=error)
 
-    def fail_queued(self, error: SchedulerError) -> None:
+    def fail_queued(self, error: WorkerError) -> None:
         """Answer every command still in the queue with ``error``; safe from any thread."""
         while True:
             try:
@@ -355,7 +355,7 @@ class SchedulerWorker:
                 return
             fail_command(command, error)
 
-    def _close(self, error: SchedulerError) -> None:
+    def _close(self, error: WorkerError) -> None:
         """Stop for good: fail what is held, queued and cache-queued."""
         self.closed.set()
         try:
@@ -379,12 +379,12 @@ class SchedulerWorker:
             "skippy.scheduler.failure_contained": True,
             "skippy.scheduler.failure": repr(exc),
         })
-        self._close(SchedulerBackendError(WORKER_PANIC_MESSAGE))
+        self._close(WorkerBackendError(WORKER_PANIC_MESSAGE))
 
     def publish_stats(self) -> None:
         """Replace the stats snapshot (one reference assignment: atomic for readers)."""
         metrics = self.planned.scheduler.metrics()
-        self.stats = SchedulerStats(
+        self.stats = WorkerStats(
             num_waiting=metrics.waiting_sequences + self.planned.num_parked,
             num_active=metrics.active_sequences,
             command_queue_depth=self._commands.qsize(),
@@ -431,7 +431,7 @@ class SchedulerWorker:
         return int(used()) if callable(used) else 0
 
 
-def fail_command(command: Command, error: SchedulerError) -> None:
+def fail_command(command: Command, error: WorkerError) -> None:
     """Answer a command that will never run (reference §3.7 ``fail_queued``)."""
     if isinstance(command, SubmitCommand):
         try:

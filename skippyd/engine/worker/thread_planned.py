@@ -30,16 +30,16 @@ from skippyd.engine.runtime.protocol import Runtime, RuntimeFailure
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
+    GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
     QueueFullError,
-    SchedulerBackendError,
-    SchedulerError,
-    SchedulerEvent,
     TokenAck,
     TokenControl,
     TokenEvent,
-    scheduler_error_from_runtime,
+    WorkerBackendError,
+    WorkerError,
+    worker_error_from_runtime,
 )
 from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
@@ -56,13 +56,13 @@ class RequestState:
     """What the worker keeps per admitted generation (reference §3.7 ``RequestState``)."""
 
     request: GenerationRequest
-    on_event: Callable[[SchedulerEvent], None]
+    on_event: Callable[[GenerationEvent], None]
     runtime_configured: bool
     num_generated: int
     pending_controls: deque[TokenAck] = field(default_factory=deque)
     saw_eog: bool = False
 
-    def emit(self, event: SchedulerEvent) -> bool:
+    def emit(self, event: GenerationEvent) -> bool:
         """Deliver an event; False if the consumer's callback failed (it is gone)."""
         try:
             self.on_event(event)
@@ -95,7 +95,7 @@ class PlannedGenerations:
         runtime: Runtime,
         config: SchedulerConfig,
         publish: Publish,
-        fail_everything: Callable[[SchedulerError], None],
+        fail_everything: Callable[[WorkerError], None],
         on_sessions_dropped: Callable[[], None],
         prefix_cache: LivePrefixCache | None = None,
     ) -> None:
@@ -129,7 +129,7 @@ class PlannedGenerations:
     def submit(
         self,
         request: GenerationRequest,
-        on_event: Callable[[SchedulerEvent], None],
+        on_event: Callable[[GenerationEvent], None],
         runtime_configured: bool,
     ) -> None:
         """Admit a generation into the policy, or answer with an ``ErrorEvent``."""
@@ -158,7 +158,7 @@ class PlannedGenerations:
     def _enter_policy(self, state: RequestState, admission: Admission | None) -> bool:
         """Submit to the policy; on refusal answer with an ``ErrorEvent`` and forget it."""
         request = state.request
-        error: SchedulerError | None = None
+        error: WorkerError | None = None
         try:
             self.scheduler.submit(self._make_sequence(request, admission))
         except PolicyQueueFullError:
@@ -220,14 +220,14 @@ class PlannedGenerations:
             self.prefix_flow.forget(req_id)
             self._reroute(self.prefix_flow.release_followers(req_id))
 
-    def fail_request(self, req_id: str, error: SchedulerError) -> None:
+    def fail_request(self, req_id: str, error: WorkerError) -> None:
         """Cancel a request and send it ``error``."""
         state = self.requests.get(req_id)
         self.cancel(req_id)
         if state is not None:
             state.emit(ErrorEvent(error))
 
-    def fail_all(self, error: SchedulerError) -> None:
+    def fail_all(self, error: WorkerError) -> None:
         """Fail every held generation with ``error`` (reference §3.7 ``fail_all``)."""
         for req_id in list(self.requests):
             self.fail_request(req_id, error)
@@ -294,7 +294,7 @@ class PlannedGenerations:
         try:
             result = self._executor.execute(plan)
         except RuntimeFailure as exc:
-            self._fail_everything(scheduler_error_from_runtime("scheduler iteration", exc))
+            self._fail_everything(worker_error_from_runtime("scheduler iteration", exc))
             return True
         if result is None:
             return True
@@ -322,7 +322,7 @@ class PlannedGenerations:
                     self.prefix_flow.restore(work.sequence_id,
                                              self.scheduler.config.prefill_chunk_tokens)
             except RuntimeFailure as exc:
-                error = scheduler_error_from_runtime(
+                error = worker_error_from_runtime(
                     f"prepare scheduler session {work.sequence_id}", exc
                 )
                 self.fail_request(work.sequence_id, error)
@@ -353,7 +353,7 @@ class PlannedGenerations:
                 if not state.emit(TokenEvent(sample.token, ack)):
                     stopped.append(work.sequence_id)
         for req_id in missing:
-            self.fail_request(req_id, SchedulerBackendError(
+            self.fail_request(req_id, WorkerBackendError(
                 f"scheduler iteration returned no prediction for {req_id}"
             ))
         for req_id in stopped:
