@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,9 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 from serve_process import ServeProcess
-
-UNITS = Path(__file__).resolve().parents[2] / "examples" / "systemd"
-
 
 # NOTE: one llama.cpp thread: two threads spinning at barriers on a loaded two-core
 # machine stretch decode steps to ~1 s, and the stream in flight outlived the drain.
@@ -166,27 +162,6 @@ def test_watchdog_pings_stop_when_the_worker_hangs(tmp_path, tiny_model_path, no
         assert "hung" in health.text
     finally:
         proc.stop(signal.SIGKILL)
-
-
-@pytest.mark.parametrize("unit", ["skippyd.service", "skippyd@.service"])
-def test_unit_files_verify(unit, tmp_path):
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed on this machine")
-    target = tmp_path / (unit.replace("@", "@stage0") if "@" in unit else unit)
-    target.write_text((UNITS / unit).read_text())
-    result = subprocess.run([analyze, "verify", str(target)], capture_output=True, text=True,
-                            timeout=60)
-    # The ExecStart binary need not exist on a build machine; every other finding counts.
-    problems = [line for line in (result.stdout + result.stderr).splitlines()
-                if line.strip() and "skippyd" not in line.split(":")[0]
-                and "is not executable" not in line and "No such file" not in line]
-    assert result.returncode == 0 or not problems, result.stdout + result.stderr
-    text = (UNITS / unit).read_text()
-    for directive in ("Type=notify", "NoNewPrivileges=yes", "ProtectSystem=strict",
-                      "ProtectHome=yes", "PrivateTmp=yes", "Restart=on-failure",
-                      "RuntimeDirectory=skippyd", "WatchdogSec="):
-        assert directive in text
 
 
 def test_concurrent_request_limit_names_itself(tmp_path, tiny_model_path, notify):

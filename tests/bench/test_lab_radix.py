@@ -1,6 +1,6 @@
 """The lab's radix scenarios, valued by a peek at the real radix tree (reference §6.3).
 
-``tests/policy/test_lab.py`` already checks radix-fcfs against radix-cache-aware with the
+``tests/bench/test_lab.py`` already checks radix-fcfs against radix-cache-aware with the
 lab's stand-in index (``test_real_radix_affinity_prioritizes_the_high_value_prefix``,
 ``test_radix_scenarios_give_the_hot_request_lower_ttft``). Here the affinities come from
 the prefix cache's own :class:`RadixTree` instead, as in the original, where the lab

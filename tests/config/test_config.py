@@ -39,7 +39,7 @@ from skippyd.config import (
 from skippyd.config import defaults as config_defaults
 from skippyd.config.schema import SECTIONS
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SECRET = "0123456789abcdef-test-secret"
 
 

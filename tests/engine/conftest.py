@@ -1,4 +1,4 @@
-"""Fixtures for the prefix-cache tests: tiny-model runtimes with cache slots, workers."""
+"""Engine fixtures on the tiny model: runtimes with prefix-cache slots, worker stacks."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ conversation pushes the first one out to the host-RAM tier.
 from __future__ import annotations
 
 import pytest
-from e2e.serve_process import ServeProcess
 from openai import OpenAI
+from serve_process import ServeProcess
 
 from skippyd.engine.prefix_cache import common_prefix_length
 from skippyd.engine.runtime.tokenizer import Tokenizer
