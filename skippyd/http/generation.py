@@ -1,10 +1,14 @@
 """One generation seen from the HTTP side: worker events in, safe text pieces out.
 
-The worker calls ``on_event`` on its own thread; events are handed to the event loop
-with ``call_soon_threadsafe`` and answered there. Each token is acknowledged exactly
-once: ``STOP`` when a stop string matched or the HTTP-side budget ran out (so the worker
-frees the lane at once), ``CONTINUE`` otherwise. Closing an unfinished stream cancels
-the sequence and stops every token still in flight (reference §3.7, client side).
+The worker calls ``on_event`` on its own thread; events reach the event loop through the
+loop's :class:`~skippyd.http.relay.EventRelay` (one wake-up for every token of an
+iteration) and are handled there at once: detokenized, checked against the stop
+strings and the budget, and acknowledged exactly once — ``STOP`` when a stop string
+matched or the HTTP-side budget ran out (so the worker frees the lane at once),
+``CONTINUE`` otherwise. The response coroutine then takes the text that piled up since
+it last looked (:meth:`GenerationStream.next_pieces`), so a slow client costs one write
+per wake-up, not one per token. Closing an unfinished stream cancels the sequence and
+stops every token still in flight.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from skippyd.engine.worker.commands import (
 )
 from skippyd.http.backend import ServingBackend
 from skippyd.http.errors import ApiError
+from skippyd.http.relay import EventRelay, relay_for
 from skippyd.http.requests import GenerationParams
 from skippyd.http.stops import StopMatcher
 
@@ -69,7 +74,7 @@ class GenerationStream:
         self.num_prompt_tokens = len(prompt_tokens)
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
-        """``"stop"`` or ``"length"`` once finished."""
+        """``"stop"`` or ``"length"`` once finished (``"error"`` after an error)."""
         self._backend = backend
         self._request = GenerationRequest(
             request_id=request_id,
@@ -81,13 +86,20 @@ class GenerationStream:
         self._detokenizer = backend.detokenizer()
         # NOTE: unbounded, but the worker sends at most max_tokens tokens plus one
         # terminal event per request, so its length is bounded by the request.
-        self._queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pieces: list[str] = []
+        self._error: ApiError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._relay: EventRelay | None = None
         self._submitted = False
         self._settled = False
         self._closed = False
         self._timer = (None if metrics is None
                        else metrics.start_request(request_id, len(prompt_tokens)))
+
+    @property
+    def finished(self) -> bool:
+        """True once the generation ended (normally or with an error)."""
+        return self.finish_reason is not None
 
     def start(self) -> None:
         """Submit the generation. Call on the event loop thread.
@@ -96,7 +108,7 @@ class GenerationStream:
             ApiError: 429 with ``Retry-After`` when the queue is full, 503 when the
                 worker is stopped, or the status the worker suggests.
         """
-        self._loop = asyncio.get_running_loop()
+        self._relay = relay_for(asyncio.get_running_loop())
         try:
             self._backend.submit(self._request, self._on_event)
         except WorkerError as exc:
@@ -109,16 +121,43 @@ class GenerationStream:
             self._timer.on_submitted()
         logger.debug("submitted %s", self._request.anon_repr())
 
+    async def next_pieces(self, timeout_s: float | None = None) -> list[str] | None:
+        """Wait for text and return every piece produced since the last call.
+
+        Returns an empty list once the generation has finished and all of its text was
+        taken, and None when ``timeout_s`` passed without anything new (a streaming
+        response then sends a keep-alive comment).
+
+        Raises:
+            ApiError: The worker reported an error for this request.
+        """
+        if not self._pieces and self._error is None and not self.finished:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._waiter), timeout_s)
+            except TimeoutError:
+                return None
+            finally:
+                self._waiter = None
+        pieces, self._pieces = self._pieces, []
+        if not pieces and self._error is not None:
+            raise self._error
+        return pieces
+
     async def pieces(self) -> AsyncIterator[str]:
         """Yield non-empty text pieces until the generation finishes.
 
         Raises:
             ApiError: The worker reported an error for this request.
         """
-        while self.finish_reason is None:
-            text = self._handle(await self._queue.get())
-            if text:
-                yield text
+        while True:
+            batch = await self.next_pieces()
+            if not batch:
+                if self.finished:
+                    return
+                continue
+            for piece in batch:
+                yield piece
 
     async def collect(self) -> str:
         """Return the whole generated text (non-streaming responses)."""
@@ -131,14 +170,12 @@ class GenerationStream:
     def close(self) -> None:
         """Release the generation. Idempotent; safe at any point after construction.
 
-        An unfinished generation (client gone, error in the handler) is cancelled and
-        every token event not yet answered is answered ``STOP``.
+        An unfinished generation (client gone, error in the handler) is cancelled; token
+        events still on their way are answered ``STOP`` when they arrive.
         """
         if self._closed:
             return
         self._closed = True
-        while not self._queue.empty():
-            self._stop_if_token(self._queue.get_nowait())
         if self._submitted and not self._settled:
             logger.info("cancelling unfinished generation %s", self.request_id)
             self._backend.cancel(self.request_id)
@@ -148,9 +185,9 @@ class GenerationStream:
     # -- worker thread -----------------------------------------------------------------
 
     def _on_event(self, event: GenerationEvent) -> None:
-        assert self._loop is not None, "events before start()"
+        assert self._relay is not None, "events before start()"
         try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
+            self._relay.post(self._deliver, event)
         except RuntimeError:
             # The loop is closed (server shut down): nobody will read this token.
             self._stop_if_token(event)
@@ -158,12 +195,20 @@ class GenerationStream:
     # -- event loop thread -------------------------------------------------------------
 
     def _deliver(self, event: GenerationEvent) -> None:
-        if self._closed:
+        if self._closed or self.finished:
             self._stop_if_token(event)
+            return
+        if self._timer is not None:
+            self._timer.on_event(event)
+        try:
+            text = self._handle(event)
+        except ApiError as exc:
+            self._error = exc
         else:
-            if self._timer is not None:
-                self._timer.on_event(event)
-            self._queue.put_nowait(event)
+            if text:
+                self._pieces.append(text)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     @staticmethod
     def _stop_if_token(event: GenerationEvent) -> None:

@@ -40,6 +40,7 @@ from skippyd.http.requests import (
 )
 from skippyd.http.sse import (
     SSE_DONE,
+    SSE_KEEP_ALIVE,
     EventStreamResponse,
     ResponseShape,
     make_usage,
@@ -55,6 +56,8 @@ T = TypeVar("T")
 #: Threads that tokenize prompts and render chat templates.
 TEXT_THREADS = 2
 
+#: Seconds without output after which a stream sends an SSE keep-alive comment.
+KEEP_ALIVE_INTERVAL_S = 10.0
 #: Routes reachable without the API key.
 DEFAULT_PUBLIC_PATHS = frozenset({"/health"})
 
@@ -364,16 +367,33 @@ def _usage(stream: GenerationStream) -> dict[str, Any]:
 async def _stream_events(
     stream: GenerationStream, shape: ResponseShape, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """Encode a generation as SSE events; an error mid-stream becomes an error event."""
+    """Encode a generation as SSE events; an error mid-stream becomes an error event.
+
+    Every wake-up sends what the generation produced since the last one in one write.
+    The chat role chunk goes out with the first text, not before the prompt is
+    processed (clients time the first chunk as the first token); a long wait for it
+    sends keep-alive comments instead.
+    """
+    opening = shape.first_chunk()
     try:
-        first = shape.first_chunk()
-        if first is not None:
-            yield sse_event(first)
-        async for piece in stream.pieces():
-            yield sse_event(shape.text_chunk(piece))
-        yield sse_event(shape.text_chunk("", stream.finish_reason))
+        while True:
+            pieces = await stream.next_pieces(KEEP_ALIVE_INTERVAL_S)
+            if pieces is None:
+                yield SSE_KEEP_ALIVE
+                continue
+            if not pieces and stream.finished:
+                break
+            events = [shape.text_event(piece) for piece in pieces]
+            if opening is not None and events:
+                events.insert(0, sse_event(opening))
+                opening = None
+            yield b"".join(events)
+        closing = [sse_event(shape.text_chunk("", stream.finish_reason))]
+        if opening is not None:
+            closing.insert(0, sse_event(opening))
         if include_usage:
-            yield sse_event(shape.usage_chunk(_usage(stream)))
+            closing.append(sse_event(shape.usage_chunk(_usage(stream))))
+        yield b"".join(closing)
     except ApiError as exc:
         yield sse_event(exc.to_body())
     yield SSE_DONE

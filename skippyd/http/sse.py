@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -22,6 +22,11 @@ from starlette.types import Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: An SSE comment: keeps a quiet stream (a long prompt being prefilled) alive through
+#: proxies and client read timeouts; clients ignore it.
+SSE_KEEP_ALIVE = b": keep-alive\n\n"
+#: Stands in for a chunk's text while its encoded bytes are split around it.
+_TEXT_MARK = "\x00skippyd-text\x00"
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -51,6 +56,19 @@ class ResponseShape:
     model: str
     usage_in_chunks: bool = False
     """``stream_options.include_usage``: every chunk carries ``usage`` (null until the end)."""
+    _text_event_parts: tuple[bytes, bytes] = field(init=False, repr=False, compare=False)
+    """The encoded text chunk before and after its text (see :meth:`text_event`)."""
+
+    def __post_init__(self) -> None:
+        encoded = sse_event(self.text_chunk(_TEXT_MARK))
+        before, _, after = encoded.partition(json.dumps(_TEXT_MARK).encode("utf-8"))
+        object.__setattr__(self, "_text_event_parts", (before, after))
+
+    def text_event(self, text: str) -> bytes:
+        """``sse_event(self.text_chunk(text))`` for non-empty ``text``, without building
+        the chunk: the bytes around the text are the same for every token."""
+        before, after = self._text_event_parts
+        return before + json.dumps(text, ensure_ascii=False).encode("utf-8") + after
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {

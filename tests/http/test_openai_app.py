@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 from skippyd.engine.worker.commands import TokenControl
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
+from skippyd.http.sse import ResponseShape, sse_event
 
 WAIT_S = 10.0
 LIMITS = HttpLimits(max_body_bytes=4096, max_prompt_tokens=100, max_tokens_limit=64)
@@ -296,3 +297,12 @@ def test_generation_refused_while_not_serving(client: TestClient, fake: Any) -> 
 
 def _chat(text: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": text}]}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("usage", [False, True])
+@pytest.mark.parametrize("text", ["Hello", " \"quoted\"\n\ttab\\", "é✓😀", "\x00\x1f", "</s>"])
+def test_text_event_encodes_exactly_the_text_chunk(kind: str, usage: bool, text: str) -> None:
+    shape = ResponseShape(kind=kind, response_id="r-1", created=1, model='m "x"',
+                          usage_in_chunks=usage)
+    assert shape.text_event(text) == sse_event(shape.text_chunk(text))

@@ -74,7 +74,8 @@ async def test_stream_disconnect_cancels_the_generation(fake: Any) -> None:
     disconnected = asyncio.Event()
 
     def after_two_tokens(sent: list[dict[str, Any]]) -> None:
-        if sum(b'"content": "' in m.get("body", b"") for m in sent) >= 3:
+        # The role chunk and the first tokens may share one write: count events.
+        if sum(m.get("body", b"").count(b'"content": "') for m in sent) >= 3:
             disconnected.set()
 
     body = {**_chat("hi"), "stream": True}
@@ -84,6 +85,39 @@ async def test_stream_disconnect_cancels_the_generation(fake: Any) -> None:
     assert await asyncio.to_thread(generation.done.wait, WAIT_S)
     assert generation.outcome == "cancelled"
     assert not any(m.get("body") == b"data: [DONE]\n\n" for m in sent)
+
+
+async def test_role_chunk_waits_for_the_first_token_and_keep_alives_fill_the_wait(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client timing the first chunk as the first token must not see it before the
+    # prompt is processed; a long wait sends SSE comments instead.
+    monkeypatch.setattr("skippyd.http.routes.KEEP_ALIVE_INTERVAL_S", 0.05)
+    fake.hold_after = 0  # the prompt "takes forever": no token comes
+    disconnected = asyncio.Event()
+
+    def after_two_keep_alives(sent: list[dict[str, Any]]) -> None:
+        if sum(m.get("body", b"").count(b": keep-alive\n\n") for m in sent) >= 2:
+            disconnected.set()
+
+    sent = await _run_asgi(fake, {**_chat("hi"), "stream": True}, disconnected,
+                           after_two_keep_alives)
+    bodies = b"".join(m.get("body", b"") for m in sent)
+    assert bodies.count(b": keep-alive\n\n") >= 2
+    assert b'"role"' not in bodies
+
+
+async def test_role_chunk_goes_out_in_the_same_write_as_the_first_text(fake: Any) -> None:
+    disconnected = asyncio.Event()
+    sent = await _run_asgi(fake, {**_chat("hi"), "stream": True}, disconnected)
+    bodies = [m["body"] for m in sent if m.get("body")]
+    first = bodies[0].decode()
+    events = [line for line in first.split("\n\n") if line.startswith("data: ")]
+    assert len(events) >= 2, first
+    assert json.loads(events[0][6:])["choices"][0]["delta"] == {"role": "assistant",
+                                                                "content": ""}
+    assert json.loads(events[1][6:])["choices"][0]["delta"]["content"]
+    assert bodies[-1] == b"data: [DONE]\n\n"
 
 
 async def test_non_streaming_disconnect_cancels_the_generation(fake: Any) -> None:
