@@ -1,4 +1,4 @@
-"""The scheduler lab: named workloads through the real policy on a virtual clock (§6).
+"""The scheduler lab: named workloads through the real policy on a virtual clock.
 
 Times are modelled (see ``RuntimeCostModel``), so the report compares scheduling policies
 with one another; ``bench_us_per_run`` is the one real measurement: how long the policy
@@ -20,7 +20,7 @@ from skippyd.bench.lab_sim import SimulationReport, percentile, simulate
 
 logger = logging.getLogger(__name__)
 
-#: Scenario names in report order (reference §6.3).
+#: Scenario names in report order.
 LAB_SCENARIOS: tuple[str, ...] = tuple(SCENARIO_BUILDERS)
 #: Extra timed runs per scenario, as in the original bench.
 DEFAULT_BENCH_RUNS = 200
@@ -37,7 +37,7 @@ class UnknownScenarioError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LabRow:
-    """One report line (the columns of reference §6.4)."""
+    """One report line (the lab's report columns)."""
 
     scenario: str
     requests: int
@@ -131,7 +131,7 @@ _COLUMN_FORMATS = {
 
 
 def lab_table(rows: Iterable[LabRow]) -> Table:
-    """A rich table with one column per report field (reference §6.4)."""
+    """A rich table with one column per report field."""
     table = Table(title="scheduler lab (modelled times)")
     table.add_column("scenario", no_wrap=True)
     for column in _COLUMN_FORMATS:

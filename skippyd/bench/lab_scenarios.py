@@ -1,4 +1,4 @@
-"""The scheduler lab's named workloads (reference §6.3) and fixture traces (§2.3)."""
+"""The scheduler lab's named workloads and fixture traces."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from skippyd.engine.policy import UNLIMITED, CacheAffinity, SchedulerConfig, Sta
 
 logger = logging.getLogger(__name__)
 
-#: Tokens each family of the locality fixture trace shares (reference §2.3).
+#: Tokens each family of the locality fixture trace shares.
 FAMILY_PROMPT_TOKENS = 128
 #: Token-id distance between families, so different families share no prefix.
 FAMILY_TOKEN_STRIDE = 10_000
@@ -101,7 +101,7 @@ def _staggered(name: str, **overrides: object) -> LabScenario:
 
 def radix_requests(cache_aware: bool, prompt_tokens: int = 4096, resident_tokens: int = 3072,
                    output_tokens: int = 16) -> tuple[SimRequest, ...]:
-    """Two cold requests and one whose prefix is resident on stage 0 (reference §6.3).
+    """Two cold requests and one whose prefix is resident on stage 0.
 
     Under FCFS the affinity is cleared but the prefix restore still applies.
     """
@@ -149,7 +149,7 @@ def family_of(requests: Iterable[SimRequest]) -> dict[str, int]:
 
 
 def family_config(grouping: bool) -> SchedulerConfig:
-    """One active sequence, so admission order is the family order (reference §2.3)."""
+    """One active sequence, so admission order is the family order."""
     return SchedulerConfig(max_active_sequences=1, max_consecutive_prefill_iterations=1,
                            group_waiting_prefixes=grouping)
 

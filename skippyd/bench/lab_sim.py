@@ -1,4 +1,4 @@
-"""Scheduler simulation on a virtual clock (reference §6.1, §6.2).
+"""Scheduler simulation on a virtual clock.
 
 The real policy ``Scheduler`` is driven by a modelled runtime: every plan "takes" the time
 the cost model says, every sampling row yields a token. There is no model and no runtime,
@@ -51,7 +51,7 @@ class SimRequest:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeCostModel:
-    """Modelled duration of one iteration, in microseconds (reference §6.1)."""
+    """Modelled duration of one iteration, in microseconds."""
 
     iteration_overhead_us: int = 50
     prefill_token_us: int = 2
@@ -101,7 +101,7 @@ class RequestMetrics:
 
 @dataclass(frozen=True, slots=True)
 class SimulationReport:
-    """Outcome of one simulation (reference §6.2)."""
+    """Outcome of one simulation."""
 
     requests: tuple[RequestMetrics, ...]
     makespan_us: int
@@ -127,7 +127,7 @@ class SimulationReport:
 
 
 def percentile(values: Iterable[float], p: float) -> float:
-    """Sorted value at index ``ceil(len * p / 100) - 1`` (clamped); 0 when empty (§6.4)."""
+    """Sorted value at index ``ceil(len * p / 100) - 1`` (clamped); 0 when empty."""
     ordered = sorted(values)
     if not ordered:
         return 0
@@ -160,7 +160,7 @@ def validate_requests(requests: Iterable[SimRequest]) -> list[SimRequest]:
 
 
 def make_sequence(request: SimRequest) -> Sequence:
-    """The policy sequence a simulated request submits (reference §6.2)."""
+    """The policy sequence a simulated request submits."""
     sequence = Sequence(request.id, request.prompt(), request.output_tokens,
                         priority=request.priority)
     if request.prefix_tokens:
@@ -232,7 +232,7 @@ class _VirtualClock:
 def simulate(
     config: SchedulerConfig, cost: RuntimeCostModel, requests: Iterable[SimRequest]
 ) -> SimulationReport:
-    """Run ``requests`` through a real ``Scheduler`` on a virtual clock (reference §6.2).
+    """Run ``requests`` through a real ``Scheduler`` on a virtual clock.
 
     Raises:
         SimulationError: Invalid workload, a refused submit, or an empty plan while
@@ -292,7 +292,7 @@ def _report(tracker: _Tracker, requests: list[SimRequest], makespan_us: int) -> 
 
 
 def family_switches(report: SimulationReport, family_of: dict[str, int]) -> int:
-    """How often consecutive first-scheduled requests belong to different families (§2.3)."""
+    """How often consecutive first-scheduled requests belong to different families."""
     order = sorted(report.requests, key=lambda m: (m.first_scheduled_us, m.id))
     families = [family_of[metrics.id] for metrics in order]
     return sum(1 for previous, current in zip(families, families[1:], strict=False) if previous != current)

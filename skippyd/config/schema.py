@@ -287,7 +287,7 @@ class TelemetrySection:
 
 @dataclass(frozen=True, slots=True)
 class KvCacheSection:
-    """``[kv_cache]``: the prefix cache (reference §4.1 ``StageKvCacheConfig``)."""
+    """``[kv_cache]``: the prefix cache."""
 
     mode: KvCacheMode = "auto"
     """``disabled``, ``auto``, ``record`` only, or ``lookup-record``."""
@@ -323,7 +323,7 @@ class LinkSection:
     max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=1 << 32)
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
-    """How long to keep trying to reach a peer (reference §4.3: 60 s)."""
+    """How long to keep trying to reach a peer (60 s)."""
 
     @property
     def listen_address(self) -> tuple[str, int] | None:

@@ -152,7 +152,7 @@ class SplitStage:
 
 
 def _planned_decode_groups(config: StageConfig) -> int | None:
-    """Decode groups a later stage plans for (reference §3.5 "planned" value).
+    """Decode groups a later stage plans for.
 
     Stage 0 cuts each call into one group per stage of the chain (it learns the length
     at the handshake); a later stage's worker must coalesce no more than one such group,

@@ -3,7 +3,7 @@
 :class:`ServingMetrics` follows each HTTP generation through its life (submitted,
 admitted, first token, each token, finished / failed / cancelled / rejected) through a
 per-request :class:`RequestTimer`, and reads the worker's ``stage.scheduler_iteration``
-events (reference §3.11) for iteration times and prefix-cache counts. It keeps the last
+events for iteration times and prefix-cache counts. It keeps the last
 ``window_s`` seconds of samples for the control socket's snapshot (tok/s, p50/p95/p99)
 and feeds a private ``prometheus_client`` registry served by :func:`metrics_route`.
 

@@ -2,7 +2,7 @@
 
 :class:`ChainLink` dials stage 1 (a CHAIN connection, which every stage extends to the
 next one before answering), then dials the final stage's return endpoint (a RETURN
-connection) so predictions come straight back to stage 0 (reference §5.1, §5.2). A
+connection) so predictions come straight back to stage 0. A
 connector thread keeps the pair up: when either side fails it tells the pipeline
 runtime (``on_down``), waits with exponential backoff and dials again. Each successful
 connection gets a new ``epoch`` so results of a lost connection are never mistaken

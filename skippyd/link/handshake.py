@@ -2,8 +2,8 @@
 
 The listener speaks first with a CHALLENGE (magic, version, 32 random bytes). The
 dialer answers with a HELLO whose HMAC-SHA256 covers that nonce, its role and every
-field it sends; the listener checks it with ``hmac.compare_digest`` (constant time,
-reference §5.2) and answers HELLO_ACK, itself MAC'd over the dialer's nonce, or REFUSE
+field it sends; the listener checks it with ``hmac.compare_digest`` (constant time)
+and answers HELLO_ACK, itself MAC'd over the dialer's nonce, or REFUSE
 with a reason. The secret never crosses the wire. A peer that fails any step is
 disconnected; the caller logs why.
 """

@@ -1,14 +1,13 @@
 """The link listener of a stage: authenticate peers, then serve them by role.
 
 On a later stage, a CHAIN connection from the upstream stage carries batches. Each
-batch's entries enter this stage's worker as direct iterations (reference
-§3.5, §3.8): the worker keeps per-session order, coalesces the steps of concurrent
-sessions into one native batch and trims a session that is ahead of the entry's first
-position. Results are handled strictly in arrival order: a middle stage forwards its
-output rows downstream, the final stage sends predictions straight to stage 0 on the
-RETURN connection stage 0 opened to it (reference §5.1, §5.6). Because the next batch
-is already queued on the worker while the previous one's rows are being written, a
-stage computes one chunk while the last one travels on.
+batch's entries enter this stage's worker as direct iterations: the worker keeps
+per-session order, coalesces the steps of concurrent sessions into one native batch and
+trims a session that is ahead of the entry's first position. Results are handled
+strictly in arrival order: a middle stage forwards its output rows downstream, the final
+stage sends predictions straight to stage 0 on the RETURN connection stage 0 opened to
+it. Because the next batch is already queued on the worker while the previous one's rows
+are being written, a stage computes one chunk while the last one travels on.
 
 Every stage (stage 0 included) also answers STATUS connections with its counters.
 """

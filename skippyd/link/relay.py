@@ -263,7 +263,7 @@ class ChainConnection:
                 sample_last=entry.sample_last and final,
                 phase=IterationPhase.DECODE if entry.decode else IterationPhase.PREFILL,
                 # Trim a session that is ahead (a retracted look-ahead step); never
-                # extend one (reference §3.8 session alignment).
+                # extend one (session alignment).
                 target_token_count=entry.first_position,
             )
             future = self._submit(iteration)

@@ -4,7 +4,7 @@ Every message between two stages is one frame: a fixed 36-byte little-endian hea
 followed by ``body_bytes`` of body (layouts in ``docs/stage-protocol.md``). The reader
 validates the header before it reads a body, so an oversized or malformed frame is
 refused without buffering it; anything wrong raises :class:`LinkProtocolError`, and
-the connection that sent it is closed (reference §5.3: explicit limits, typed errors).
+the connection that sent it is closed (explicit limits, typed errors).
 The handshake that authenticates a connection lives in ``handshake``, reading and
 writing frames on sockets in ``framing``.
 """

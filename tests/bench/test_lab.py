@@ -1,4 +1,4 @@
-"""Scheduler lab: simulation tests ported by name (reference §6.5) and the lab's API."""
+"""Scheduler lab: simulation tests ported by name and the lab's API."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_lab_row_values_follow_the_report():
         report.iterations
 
 
-def test_every_reference_scenario_is_available():
+def test_every_named_scenario_is_available():
     expected = {f"cold-burst-n{n}" for n in (1, 2, 4)} | {
         f"warm-divergent-n{n}" for n in (1, 2, 4)} | {
         "staggered-prefill", "staggered-prefill-bounded", "staggered-prefill-mixed",
@@ -173,7 +173,7 @@ def test_unknown_scenario_and_bad_workloads_raise_typed_errors():
                  [SimRequest("a", 0, 4, 1), SimRequest("b", 0, 4, 1)])
 
 
-def test_percentile_uses_the_reference_index_rule():
+def test_percentile_uses_the_ceil_index_rule():
     assert percentile([], 95) == 0
     assert percentile([5, 1, 3, 2, 4], 50) == 3
     assert percentile(range(1, 21), 95) == 19

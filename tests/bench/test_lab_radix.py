@@ -1,4 +1,4 @@
-"""The lab's radix scenarios, valued by a peek at the real radix tree (reference §6.3).
+"""The lab's radix scenarios, valued by a peek at the real radix tree.
 
 ``tests/bench/test_lab.py`` already checks radix-fcfs against radix-cache-aware with the
 lab's stand-in index (``test_real_radix_affinity_prioritizes_the_high_value_prefix``,

@@ -1,4 +1,4 @@
-"""Pure scheduling policy: admission, iteration planning, preemption (reference §1, §2).
+"""Pure scheduling policy: admission, iteration planning, preemption.
 
 Nothing but the standard library: no threads, no I/O and no runtime here. A driver (the
 worker thread, or the scheduler lab on a virtual clock) calls ``Scheduler.plan_iteration``,

@@ -1,4 +1,4 @@
-"""Cache-aware ordering of waiting work (reference §2, "weighted_lpm_aging_dfs_waiting_prefix").
+"""Cache-aware ordering of waiting work ("weighted_lpm_aging_dfs_waiting_prefix").
 
 A waiting request is worth more when more of its prompt is already cached somewhere in the
 pipeline (weighted longest-prefix match), and it gains credit for every turn it waits
@@ -25,7 +25,7 @@ _RUN_PROBE_TOKENS = 256
 
 @dataclass(frozen=True, slots=True)
 class StageCacheAffinity:
-    """What one pipeline stage already holds of a request's prompt (reference §2.1)."""
+    """What one pipeline stage already holds of a request's prompt."""
 
     stage_index: int
     """Index of the stage in the pipeline."""
@@ -44,7 +44,7 @@ class StageCacheAffinity:
             checked_count(getattr(self, name), f"StageCacheAffinity.{name}")
 
     def estimated_saved_cost(self) -> int:
-        """Prefill cost avoided on this stage, never negative (reference §2.1)."""
+        """Prefill cost avoided on this stage, never negative."""
         return max(0, self.matched_tokens * self.prefill_cost_per_token - self.restore_cost)
 
 
@@ -80,7 +80,7 @@ class CacheAffinity:
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareCandidate:
-    """One waiting item as seen by the ordering (reference §2.2)."""
+    """One waiting item as seen by the ordering."""
 
     index: int
     """Caller's identifier for the item; returned in the ordered result."""
@@ -104,7 +104,7 @@ def order_cache_aware_candidates(
 ) -> list[int]:
     """Order waiting candidates best first and return their ``index`` values.
 
-    Key (reference §2.2), compared in this order:
+    Key, compared in this order:
     priority descending; ``saved_cost + age * aging_cost_per_turn`` descending, with
     ``age = max(0, current_turn - enqueued_turn)``; waiting-prefix DFS rank ascending
     (all ranks 0 when grouping is off); enqueue ``order`` ascending.
@@ -113,7 +113,7 @@ def order_cache_aware_candidates(
         candidates: The waiting items.
         current_turn: The caller's turn counter now.
         aging_cost_per_turn: Credit one waiting turn is worth.
-        group_waiting_prefixes: Whether to apply the DFS tie-break (§2.3).
+        group_waiting_prefixes: Whether to apply the DFS tie-break.
 
     Returns:
         Candidate ``index`` values, best first.
@@ -154,7 +154,7 @@ def select_cache_aware_candidate(
 def waiting_prefix_dfs_order(
     prompts: SequenceOf[SequenceOf[int]], orders: Iterable[int]
 ) -> list[int]:
-    """Depth-first order of waiting prompts over their shared-prefix tree (reference §2.3).
+    """Depth-first order of waiting prompts over their shared-prefix tree.
 
     At every branch point the heaviest subtree (most prompts) goes first, then the one whose
     earliest member was enqueued first, then the smaller token. Prompts that end exactly at
@@ -212,7 +212,7 @@ def _partition_at(
             terminal.append(position)
         else:
             by_token.setdefault(prompt[depth], []).append(position)
-    # Heaviest subtree first, then earliest member, then token value (reference §2.3 step 4).
+    # Heaviest subtree first, then earliest member, then token value.
     ordered_tokens = sorted(
         by_token,
         key=lambda token: (

@@ -1,4 +1,4 @@
-"""Duration calibration that gates mixed prefill/decode iterations (reference §1.6, variant B).
+"""Duration calibration that gates mixed prefill/decode iterations.
 
 Decode-only iterations teach a per-row-count decode baseline (an EWMA in microseconds).
 A mixed iteration is only planned once a baseline exists for exactly the current number
@@ -44,7 +44,7 @@ class MixedCalibration:
     def observe(self, plan: IterationPlan, elapsed_s: float) -> None:
         """Learn from how long ``plan`` took to execute.
 
-        Non-finite or non-positive durations are ignored (reference §1.6).
+        Non-finite or non-positive durations are ignored.
         """
         if isinstance(elapsed_s, bool) or not isinstance(elapsed_s, int | float):
             return

@@ -1,4 +1,4 @@
-"""Capacity planning for one memory component: what to evict to admit a request (§1.11).
+"""Capacity planning for one memory component: what to evict to admit a request.
 
 Not used by the scheduler itself; cache code asks it which evictable entries to drop so
 that a request fits and a free-space watermark is kept.
@@ -86,7 +86,7 @@ class CapacityPlan:
 def plan_component_capacity(
     snapshot: ComponentCapacitySnapshot, demand: CapacityDemand
 ) -> CapacityPlan:
-    """Choose evictions so ``demand`` fits in ``snapshot`` (reference §1.11).
+    """Choose evictions so ``demand`` fits in ``snapshot``.
 
     Active, pinned and requested units are protected. If they plus the minimum free space
     exceed capacity, nothing is evicted and the request is refused with its deficit.

@@ -1,4 +1,4 @@
-"""Applying what the runtime sampled to the sequences of a plan (reference §1.7)."""
+"""Applying what the runtime sampled to the sequences of a plan."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def index_predictions(
 def apply_prediction(
     sequence: Sequence, token: int | None, finished: list[str], failed: list[str]
 ) -> None:
-    """Apply one sampling row's outcome to its sequence (reference §1.7 step 2)."""
+    """Apply one sampling row's outcome to its sequence."""
     if token is None:
         sequence.status = SequenceStatus.FAILED
         failed.append(sequence.id)

@@ -1,4 +1,4 @@
-"""Scheduler settings and memory components (reference §1.2, §1.3)."""
+"""Scheduler settings and memory components."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from skippyd.engine.policy.errors import PolicyInputError, SchedulerConfigError,
 
 logger = logging.getLogger(__name__)
 
-#: llama.cpp's hard cap on sequence ids per context (reference §1).
+#: llama.cpp's hard cap on sequence ids per context.
 LLAMA_MAX_SEQ = 256
 #: Stands for the original's ``usize::MAX``: "no limit".
 UNLIMITED = sys.maxsize
@@ -21,7 +21,7 @@ UNLIMITED = sys.maxsize
 
 @dataclass(frozen=True, slots=True)
 class MemoryComponent:
-    """One independently constrained memory pool (reference §1.3).
+    """One independently constrained memory pool.
 
     Units are abstract "bytes"; a KV pool may well count tokens (1 per token).
     """
@@ -70,7 +70,7 @@ _COUNT_FIELDS = (
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Scheduler knobs; ``Scheduler`` always works on ``normalized()`` (reference §1.2).
+    """Scheduler knobs; ``Scheduler`` always works on ``normalized()``.
 
     Counts must be non-negative integers (a negative value raises
     :class:`SchedulerConfigError`); zero and oversize values are clamped by
@@ -92,15 +92,15 @@ class SchedulerConfig:
     max_consecutive_prefill_iterations: int = UNLIMITED
     """Prefill-only iterations allowed back to back while decoders wait."""
     mixed_prefill_decode: bool = False
-    """Allow decode rows and prefill rows in one iteration, subject to calibration (§1.6)."""
+    """Allow decode rows and prefill rows in one iteration, subject to calibration."""
     cache_aging_cost_per_iteration: int = 4096
     """Credit a waiting request gains per turn (anti-starvation)."""
     group_waiting_prefixes: bool = True
-    """Enable the waiting-prefix DFS tie-break (§2.3)."""
+    """Enable the waiting-prefix DFS tie-break."""
     iteration_interval_s: float = 0.002
     """Worker poll window between turns; the policy itself never uses it."""
     memory_components: tuple[MemoryComponent, ...] = field(default_factory=tuple)
-    """Independently constrained memory pools (§1.3)."""
+    """Independently constrained memory pools."""
 
     def __post_init__(self) -> None:
         for name in _COUNT_FIELDS:
@@ -120,7 +120,7 @@ class SchedulerConfig:
         object.__setattr__(self, "memory_components", _components(self.memory_components))
 
     def normalized(self) -> SchedulerConfig:
-        """Apply the original's clamps (reference §1.2) and return the result."""
+        """Apply the original's clamps and return the result."""
         hard_limit = max(1, LLAMA_MAX_SEQ - self.reserved_sequence_ids)
         max_tokens = max(1, self.max_tokens_per_iteration)
         return dataclasses.replace(

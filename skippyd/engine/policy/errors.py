@@ -30,7 +30,7 @@ class SchedulerConfigError(PolicyInputError):
 
 
 class AdmissionErrorKind(enum.Enum):
-    """Why ``Scheduler.submit`` refused a sequence (reference §1.4)."""
+    """Why ``Scheduler.submit`` refused a sequence."""
 
     EMPTY_PROMPT = "empty_prompt"
     DUPLICATE_SEQUENCE = "duplicate_sequence"
@@ -44,7 +44,7 @@ class AdmissionError(PolicyInputError):
 
 
 class EmptyPromptError(AdmissionError):
-    """The sequence has no prompt token (reference §1.4, check 1)."""
+    """The sequence has no prompt token."""
 
     kind = AdmissionErrorKind.EMPTY_PROMPT
 
@@ -53,7 +53,7 @@ class EmptyPromptError(AdmissionError):
 
 
 class DuplicateSequenceError(AdmissionError):
-    """A sequence with the same id is already waiting or active (reference §1.4, check 2).
+    """A sequence with the same id is already waiting or active.
 
     Attributes:
         sequence_id: The id that is already taken.
@@ -67,7 +67,7 @@ class DuplicateSequenceError(AdmissionError):
 
 
 class QueueFullError(AdmissionError):
-    """The waiting queue is at capacity (reference §1.4, check 3).
+    """The waiting queue is at capacity.
 
     Attributes:
         capacity: The configured waiting-queue capacity.

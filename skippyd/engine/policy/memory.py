@@ -1,4 +1,4 @@
-"""Per-component memory accounting of admitted sequences (reference §1.3)."""
+"""Per-component memory accounting of admitted sequences."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class MemoryLedger:
     """Tracks bytes used per memory component by admitted sequences.
 
     A sequence fits only if it fits in **every** component, so the tightest pool is the
-    effective limit (reference §1.3).
+    effective limit.
     """
 
     def __init__(self, components: Iterable[MemoryComponent]) -> None:
@@ -46,7 +46,7 @@ class MemoryLedger:
     def overwrite(self, observed: Iterable[int]) -> None:
         """Replace used values with externally observed ones, pairwise.
 
-        Extra or missing entries are ignored (reference §1.3). Values are validated
+        Extra or missing entries are ignored. Values are validated
         before any is written.
         """
         values = [checked_count(value, "observed component bytes") for value in observed]

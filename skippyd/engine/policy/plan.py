@@ -1,4 +1,4 @@
-"""What one iteration runs, and what the runtime reports back (reference §1.1)."""
+"""What one iteration runs, and what the runtime reports back."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class IterationWork:
 
 @dataclass(frozen=True, slots=True)
 class IterationPrediction:
-    """A sampled token for one work row of a plan (sparse, reference §1.7).
+    """A sampled token for one work row of a plan (sparse).
 
     A negative ``token`` is the runtime's stop signal (end of generation): the sequence
     finishes without appending it.

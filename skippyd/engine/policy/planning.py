@@ -1,4 +1,4 @@
-"""Building the work rows of one iteration (reference §1.5, §1.6).
+"""Building the work rows of one iteration.
 
 These functions advance the prefill cursors of the sequences they plan; the scheduler
 calls them on its admitted sequences, always in sorted-id order so that identical
@@ -35,7 +35,7 @@ class PlanDraft:
         """Emit the pending token of a caught-up sequence at the next position.
 
         The cursor moves one past the replay length: the decoded token now occupies that
-        position, so an uninterrupted sequence never replays it (reference §1.5).
+        position, so an uninterrupted sequence never replays it.
         """
         token = sequence.pending_decode_token()
         if token is None:
@@ -56,7 +56,7 @@ class PlanDraft:
         """Emit the next prompt/recompute chunk of a sequence that still needs replay.
 
         Only a prefill that reaches the end of the prompt samples; recompute never does,
-        because its pending decode token already exists (reference §1.5).
+        because its pending decode token already exists.
         """
         replay_len = sequence.recompute_token_count()
         start = sequence.prefill_cursor
@@ -78,7 +78,7 @@ class PlanDraft:
 def plan_phase_homogeneous(
     sequences: SequenceOf[Sequence], config: SchedulerConfig, consecutive_prefill: int
 ) -> tuple[list[IterationWork], int]:
-    """Plan either prompt work or decode work, never both (reference §1.5 step 4).
+    """Plan either prompt work or decode work, never both.
 
     Prompt work runs first unless live decoders have already waited
     ``max_consecutive_prefill_iterations`` prompt iterations in a row.
@@ -117,7 +117,7 @@ def plan_phase_homogeneous(
 def plan_mixed(
     sequences: SequenceOf[Sequence], config: SchedulerConfig, decode_cursor: int
 ) -> tuple[list[IterationWork], int]:
-    """Plan decode rows first, rotating, then fill the budget with prompt work (§1.6).
+    """Plan decode rows first, rotating, then fill the budget with prompt work.
 
     The decode start rotates so that, when live decoders outnumber the budget, every one
     of them advances in turn.
@@ -154,7 +154,7 @@ def plan_mixed(
 
 
 def live_decode_rows(sequences: SequenceOf[Sequence], config: SchedulerConfig) -> int:
-    """Live decoders, capped at the iteration budget (the calibration key, §1.5 step 3)."""
+    """Live decoders, capped at the iteration budget (the calibration key)."""
     rows = sum(1 for sequence in sequences if sequence.is_live_decoder())
     return min(rows, config.max_tokens_per_iteration)
 

@@ -1,4 +1,4 @@
-"""The iteration scheduler policy (port of the original's ``Scheduler``, reference §1).
+"""The iteration scheduler policy; ``docs/scheduler.md`` ("The policy") explains it.
 
 Each turn the driver calls :meth:`Scheduler.plan_iteration`, runs the plan's rows in one
 native batch, then reports what was sampled with :meth:`Scheduler.complete_iteration`.
@@ -53,7 +53,7 @@ class Scheduler:
     or is preempted for recompute.
 
     Args:
-        config: Settings; normalised on construction (reference §1.2).
+        config: Settings; normalised on construction.
         clock: Returns "now" in seconds for ``Sequence.admitted_at``; defaults to
             ``time.monotonic``. A simulation passes its virtual clock.
     """
@@ -84,7 +84,7 @@ class Scheduler:
         """The normalised configuration in force."""
         return self._config
 
-    # -- admission (reference §1.4) --------------------------------------------------------
+    # -- admission -------------------------------------------------------------------------
 
     def submit(self, sequence: Sequence) -> None:
         """Queue a sequence for admission; the scheduler keeps its own copy.
@@ -128,7 +128,7 @@ class Scheduler:
 
         The queue is re-sorted only when it changed (submit, cancel, preemption), not
         every turn although ages grow: a drained queue's order stays stable, so a
-        prefix group stays adjacent (reference §1.4).
+        prefix group stays adjacent.
         """
         if self._waiting_order_dirty:
             self._sort_waiting()
@@ -172,7 +172,7 @@ class Scheduler:
             self._waiting = [self._waiting[index] for index in order]
         self._waiting_order_dirty = False
 
-    # -- planning (reference §1.5, §1.6) ---------------------------------------------------
+    # -- planning --------------------------------------------------------------------------
 
     def plan_iteration(self) -> IterationPlan:
         """Admit what fits and plan the next iteration's work rows.
@@ -200,15 +200,15 @@ class Scheduler:
         return plan
 
     def observe_iteration_duration(self, plan: IterationPlan, elapsed_s: float) -> None:
-        """Feed back how long ``plan`` took, for the mixed-mode calibration (§1.6)."""
+        """Feed back how long ``plan`` took, for the mixed-mode calibration."""
         self._calibration.observe(plan, elapsed_s)
 
     @property
     def mixed_prefill_viable(self) -> bool:
-        """False once a mixed iteration proved too slow; it never comes back (§1.6)."""
+        """False once a mixed iteration proved too slow; it never comes back."""
         return self._calibration.mixed_prefill_viable
 
-    # -- completion (reference §1.7) ------------------------------------------------------
+    # -- completion -----------------------------------------------------------------------
 
     def complete_iteration(
         self, plan: IterationPlan, predictions: Iterable[IterationPrediction] = ()
@@ -282,14 +282,14 @@ class Scheduler:
             failed_ids=tuple(failed),
         )
 
-    # -- preemption, cancellation, inspection (reference §1.8, §1.9) -----------------------
+    # -- preemption, cancellation, inspection ----------------------------------------------
 
     def preempt_for_component_pressure(self, component_used_bytes: Iterable[int]) -> list[str]:
         """Adopt observed memory use, then preempt until every component fits.
 
         The victim is the lowest-priority active sequence, the most recently admitted
         first. It goes back to the front of the queue for recompute and keeps its
-        ``enqueued_turn``, so its aging credit survives (reference §1.8).
+        ``enqueued_turn``, so its aging credit survives.
 
         Args:
             component_used_bytes: Observed used bytes per memory component, in config

@@ -1,4 +1,4 @@
-"""The policy's view of one generation request (reference §1.1)."""
+"""The policy's view of one generation request."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class Sequence:
         if not isinstance(self.cache_affinity, CacheAffinity):
             raise PolicyInputError("Sequence.cache_affinity must be a CacheAffinity")
 
-    # -- builders (reference §1.1) -------------------------------------------------------
+    # -- builders ------------------------------------------------------------------------
 
     def with_admission_tokens(self, tokens: int) -> Sequence:
         """Reserve ``max(tokens, len(prompt))`` tokens of memory on admission."""
@@ -127,7 +127,7 @@ class Sequence:
         """Start the prefill after a restored prefix.
 
         At least one token is always replayed: a restored prefix carries no sampled next
-        token, so logits must come from computing the last prompt token (reference §1.1).
+        token, so logits must come from computing the last prompt token.
         """
         if not isinstance(restore, PrefixRestore):
             raise PolicyInputError("with_prefix_restore needs a PrefixRestore")
@@ -180,11 +180,11 @@ class Sequence:
         return self.prefill_cursor < self.recompute_token_count()
 
     def is_live_decoder(self) -> bool:
-        """True when caught up and holding a pending decode token (reference §1.5)."""
+        """True when caught up and holding a pending decode token."""
         return not self.needs_replay() and bool(self.generated_tokens)
 
     def reset_for_recompute(self) -> None:
-        """Return to the waiting state after preemption (reference §1.1, §1.8).
+        """Return to the waiting state after preemption.
 
         The cursor restarts at the restored prefix, if any.
 

@@ -1,4 +1,4 @@
-"""Counters and per-iteration reports of the scheduler (reference §1.9, §1.10)."""
+"""Counters and per-iteration reports of the scheduler."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class SchedulerMetrics:
 
 @dataclass(frozen=True, slots=True)
 class IterationTelemetry:
-    """What one ``complete_iteration`` call did (reference §1.10)."""
+    """What one ``complete_iteration`` call did."""
 
     iteration: int
     """``metrics.iterations`` after this iteration was counted."""
@@ -66,7 +66,7 @@ class IterationTelemetry:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
-    """Who is where right now (reference §1.1)."""
+    """Who is where right now."""
 
     active_ids: tuple[str, ...]
     """Admitted sequence ids, sorted."""

@@ -2,7 +2,7 @@
 
 * :mod:`.radix` indexes recorded token prefixes per namespace (model and layer range).
 * :mod:`.entries` keeps the entries' tiers, slots, pins, recency and counters.
-* :mod:`.eviction` picks victims with the capacity-planning helper (reference §1.11).
+* :mod:`.eviction` picks victims with the capacity-planning helper.
 * :mod:`.live` runs it all against a runtime's reserved sequence ids.
 
 The worker drives it (``worker/thread_cache.py``); the policy only sees the results: a

@@ -1,4 +1,4 @@
-"""Which cache entries give way, chosen with the capacity-planning helper (reference §1.11).
+"""Which cache entries give way, chosen with the capacity-planning helper.
 
 Entries are evicted cheapest recompute cost per unit first, then colder first
 (:func:`~skippyd.engine.policy.plan_component_capacity`). A unit is a KV cell. Cells

@@ -129,7 +129,7 @@ class LivePrefixCache:
         return self.table.match(tuple(prompt))
 
     def affinity(self, prompt: Sequence[int]) -> CacheAffinity:
-        """Cache affinity of ``prompt`` from a peek (reference §2.1)."""
+        """Cache affinity of ``prompt`` from a peek."""
         match = self.peek(prompt)
         if match.entry is None:
             return CacheAffinity()
@@ -144,7 +144,7 @@ class LivePrefixCache:
         """Look ``prompt`` up for a request about to be queued, and pin the entry found.
 
         Counts a hit or a miss and remembers the restored token count, which follows the
-        replay rule of reference §1.1: the last prompt token is always computed.
+        policy's replay rule: the last prompt token is always computed.
         """
         self.release(req_id)
         prompt = tuple(prompt)

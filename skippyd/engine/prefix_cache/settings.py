@@ -1,4 +1,4 @@
-"""Prefix-cache settings derived from ``[kv_cache]`` (reference §4.1 ``StageKvCacheConfig``)."""
+"""Prefix-cache settings derived from ``[kv_cache]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from skippyd.engine.runtime.protocol import LLAMA_MAX_SEQ
 
 logger = logging.getLogger(__name__)
 
-#: Modelled cost of computing one prompt token, in the lab's units (µs, reference §6.1).
+#: Modelled cost of computing one prompt token, in the lab's units (µs).
 PREFILL_COST_PER_TOKEN = 2
 #: Share of the prefill cost a host-RAM restore still costs (a state copy, not compute).
 HOST_RESTORE_COST_DIVISOR = 8

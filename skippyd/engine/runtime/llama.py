@@ -4,7 +4,7 @@ One model and one context with ``n_seq_max = lane_count`` (plus sequence ids res
 the prefix cache), a unified KV cell pool of ``ctx_size`` cells, and one reusable
 ``llama_batch``. Sessions map to lanes (sequence ids); every call to
 :meth:`LlamaRuntime.iteration_batch_sampled` is exactly one ``llama_decode`` holding the
-rows of many sessions (DESIGN.md item 1; reference §4.2 ``RuntimeState``).
+rows of many sessions.
 
 No policy lives here: the worker decides what runs; this module only executes it. Only the
 worker thread may call a runtime.
@@ -241,7 +241,7 @@ class LlamaRuntime(CacheSlotsMixin):
         self._free_lanes.append(session.seq_id)
 
     def trim_session(self, session_id: str, token_count: int) -> None:
-        """Drop the session's KV from position ``token_count`` on (reference §4.2)."""
+        """Drop the session's KV from position ``token_count`` on."""
         session = self._require(session_id)
         if token_count < 0:
             raise InvalidIterationError(f"trim_session: token_count must be >= 0 (got {token_count})")
@@ -253,7 +253,7 @@ class LlamaRuntime(CacheSlotsMixin):
     def align_session_to_token_count_if_ahead(
         self, session_id: str, target: int
     ) -> SessionAlignment | None:
-        """Trim a session that is ahead of ``target``; never extend one (reference §4.2)."""
+        """Trim a session that is ahead of ``target``; never extend one."""
         session = self._sessions.get(session_id)
         if session is None or session.token_count <= target:
             return None

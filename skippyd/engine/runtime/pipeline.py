@@ -4,9 +4,9 @@
 and the link to the rest of the chain, so stage 0's unchanged worker and
 policy drive the whole pipeline: each ``iteration_batch_sampled`` runs the local layers,
 ships the rows (with tokens, positions and sampling) downstream as batches, and returns
-the predictions that the final stage sends straight back (reference §5.1).
+the predictions that the final stage sends straight back.
 
-The chain is kept busy three ways (reference §3.8, §5.1 "middle-out" prefill):
+The chain is kept busy three ways (see also docs/stage-protocol.md):
 
 * **Prefill chunks flow without waiting.** A call that samples nothing returns as soon
   as its rows are sent, so stage 0 computes chunk k+1 while chunk k travels on.
@@ -72,7 +72,7 @@ class PipelineRuntime:
         downstream: The link to stage 1; its reader thread calls ``on_result``,
             ``on_error`` and ``on_down`` of this object.
         decode_groups: Groups per call; None means one per pipeline stage, unless
-            ``SKIPPY_PIPELINE_DECODE_GROUPS`` says otherwise (reference §3.5).
+            ``SKIPPY_PIPELINE_DECODE_GROUPS`` says otherwise.
         lookahead: Start the next decode step of a group as soon as its prediction
             arrives (see the module docstring).
     """
@@ -184,7 +184,7 @@ class PipelineRuntime:
         needed, fresh = self._match(requests, starts)
         lookahead_batches = {step.batch_id for step in needed.values()}
         compute_s = 0.0
-        # Look-ahead batches already form groups of their own (reference §3.5).
+        # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
         for group in split_groups(fresh, groups):
             items = [(requests[i], starts[i]) for i in group]

@@ -3,7 +3,7 @@
 The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies
 :class:`Runtime`; the real one is ``llama.LlamaRuntime`` over llama.cpp, tests may use a
 scripted fake. Everything that crosses this boundary is a plain dataclass defined here, so
-the worker never imports llama.cpp (reference §4.2, ``skippy-runtime`` types).
+the worker never imports llama.cpp.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-#: llama.cpp's hard cap on sequence ids per context (reference §1, ``LLAMA_MAX_SEQ``).
+#: llama.cpp's hard cap on sequence ids per context (``LLAMA_MAX_SEQ``).
 LLAMA_MAX_SEQ = 256
-#: Native limit on logit-bias entries per sampler (reference §4.2).
+#: Native limit on logit-bias entries per sampler.
 MAX_LOGIT_BIAS = 256
 
 
@@ -59,7 +59,7 @@ class DecodeFailedError(RuntimeFailure):
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """Per-session sampling parameters (reference §4.2 ``SamplingConfig``).
+    """Per-session sampling parameters.
 
     ``temperature <= 0`` means greedy. Penalties look at the last ``penalty_last_n``
     tokens of the session (prompt included); ``-1`` means the whole context.

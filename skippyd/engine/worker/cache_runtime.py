@@ -1,4 +1,4 @@
-"""Runtime operations and the cache-aware runtime queue (reference §3.4, §3.10).
+"""Runtime operations and the cache-aware runtime queue.
 
 A runtime operation is a caller's closure run on the worker thread, the only thread
 allowed to touch the runtime (KV record/restore, checkpoints, ...). Plain operations run
@@ -32,7 +32,7 @@ from skippyd.engine.worker.commands import (
 
 logger = logging.getLogger(__name__)
 
-#: Aging credit per worker turn for queued cache operations (reference §3.1).
+#: Aging credit per worker turn for queued cache operations.
 CACHE_AGING_COST_PER_TURN = 4096
 
 T = TypeVar("T")
@@ -54,12 +54,12 @@ class CachePayload(enum.Enum):
 
 
 def cache_runtime_wave_enabled(payload: CachePayload) -> bool:
-    """Exact-state restores take part in the direct-wave gates (reference §3.4)."""
+    """Exact-state restores take part in the direct-wave gates."""
     return payload.is_exact_state
 
 
 def should_serve_cache_runtime(has_cache: bool, has_iteration: bool, last_served_cache: bool) -> bool:
-    """Strictly alternate cache operations and iterations when both wait (reference §3.4)."""
+    """Strictly alternate cache operations and iterations when both wait."""
     if has_cache and has_iteration:
         return not last_served_cache
     return has_cache
@@ -91,7 +91,7 @@ class ContextState(enum.Enum):
 
 
 class CacheRuntimeContext:
-    """Cancellation and deadline of one controlled runtime operation (reference §3.10).
+    """Cancellation and deadline of one controlled runtime operation.
 
     The first reason to stop sticks: a deadline noticed first stays a deadline even if
     the token is cancelled later.
@@ -138,7 +138,7 @@ class CacheRuntimeContext:
 
 @dataclass(slots=True)
 class RuntimeOperation:
-    """A closure to run on the worker thread (reference §3.10 ``runtime_operation``).
+    """A closure to run on the worker thread.
 
     With a ``context`` the closure is called as ``fn(runtime, context)`` and may call
     ``context.ensure_active()`` at checkpoints; without one as ``fn(runtime)``.
@@ -161,7 +161,7 @@ class RuntimeOperation:
 
 @dataclass(frozen=True, slots=True)
 class CacheRuntimeTelemetry:
-    """How a cache operation was chosen (reference §3.4 ``pop_next``)."""
+    """How a cache operation was chosen."""
 
     matched_tokens: int
     saved_cost: int
@@ -202,7 +202,7 @@ class CacheRuntimeQueue(Generic[T]):
     """Cache-aware operations ordered by cache value, aging and prefix grouping.
 
     Only the worker thread uses it. The best operation is kept at the end of the list
-    so popping it is cheap (reference §3.4).
+    so popping it is cheap.
     """
 
     def __init__(

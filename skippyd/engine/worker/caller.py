@@ -1,4 +1,4 @@
-"""Caller-side helpers of the worker handle (reference §3.7 client side, §3.8, §3.10).
+"""Caller-side helpers of the worker handle.
 
 Everything here runs on the caller's thread: request validation before anything is
 queued, waiting for a worker reply while watching cancellation, deadline and worker
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Name of the worker thread (reference §3.1).
+#: Name of the worker thread.
 THREAD_NAME = "skippy-iteration-scheduler"
 #: How long the last owner waits for the Shutdown command to fit in a full queue.
 _SHUTDOWN_PUT_TIMEOUT_S = 0.05
@@ -51,7 +51,7 @@ class HandleOwnership:
     """The worker thread and command queue all clones of one handle share.
 
     ``owner_count`` counts live handles; ``release`` runs once per handle, and the last
-    one sends Shutdown with a blocking put and joins the thread (reference §3.1).
+    one sends Shutdown with a blocking put and joins the thread.
     """
 
     def __init__(self, worker: WorkerLoop, commands: queue.Queue[Command]) -> None:
@@ -145,7 +145,7 @@ def wait_for_reply(
 
     ``check`` raises when the caller's cancellation or deadline fired; it runs once more
     after the reply arrives, so a deadline that passed while waiting wins even over a
-    worker's answer (reference §3.8).
+    worker's answer.
 
     Raises:
         WorkerStoppedError: The worker died without answering.

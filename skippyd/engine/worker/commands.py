@@ -1,8 +1,8 @@
 """Plain types shared by the worker and its callers.
 
 Errors, generation requests, the events a generation receives, cancellation tokens and
-the result records of direct iterations and runtime operations (reference §3.3, §3.7,
-§3.10). Nothing here touches a runtime or a thread.
+the result records of direct iterations and runtime operations. Nothing here touches a
+runtime or a thread.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How often blocking waits re-check cancellation, deadlines and worker liveness (§3.1).
+#: How often blocking waits re-check cancellation, deadlines and worker liveness.
 CANCELLATION_POLL_INTERVAL_S = 0.010
 #: Seconds a client should wait before retrying an overloaded submit (HTTP Retry-After).
 QUEUE_FULL_RETRY_AFTER_S = 1.0
@@ -64,7 +64,7 @@ class WorkerError(Exception):
 
 
 class QueueFullError(WorkerError):
-    """The bounded command or waiting queue is full (reference §3.1: HTTP 429)."""
+    """The bounded command or waiting queue is full."""
 
     kind = "overloaded"
     status = 429
@@ -165,16 +165,16 @@ class CancellationToken:
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """A planned generation submitted by a client (reference §3.3 ``ScheduledRequest``)."""
+    """A planned generation submitted by a client."""
 
     request_id: str
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingConfig | None = None
     priority: int = 0
-    """Higher is more important (reference §1.1)."""
+    """Higher is more important."""
     generated_tokens: list[int] = field(default_factory=list)
-    """Tokens already generated; non-empty resumes a generation (reference §3.7)."""
+    """Tokens already generated; non-empty resumes a generation."""
     retain_runtime: bool = False
     """The caller owns the runtime session: the worker never drops it."""
 
@@ -188,7 +188,7 @@ class GenerationRequest:
 
 
 class TokenControl(enum.Enum):
-    """A consumer's answer to one token event (reference §3.3)."""
+    """A consumer's answer to one token event."""
 
     CONTINUE = "continue"
     STOP = "stop"
@@ -198,7 +198,7 @@ class TokenAck:
     """One-slot acknowledgement channel for a token event.
 
     The consumer calls :meth:`send` once from any thread; the worker polls it without
-    blocking (reference §3.7 ``apply_pending_controls``).
+    blocking.
     """
 
     __slots__ = ("_control", "_lock")
@@ -259,7 +259,7 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     prompt_ms: float
-    """Submit to first token (whole time if no token; 0 for resumes), reference §3.7."""
+    """Submit to first token (whole time if no token; 0 for resumes)."""
     predicted_ms: float
 
 
@@ -342,7 +342,7 @@ class WorkerStats:
         return self.active_runtime_sessions / max(self.max_direct_batch_size, 1)
 
 
-# -- commands other threads send to the worker (reference §3.3) ---------------------------
+# -- commands other threads send to the worker --------------------------------------------
 # Direct iterations (``direct_batch.DirectIteration``) and runtime operations
 # (``cache_runtime.RuntimeOperation``) are commands themselves.
 

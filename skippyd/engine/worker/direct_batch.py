@@ -1,4 +1,4 @@
-"""Direct iterations: validation, batching and execution (reference §3.5, §3.6, §3.8).
+"""Direct iterations: validation, batching and execution.
 
 A direct iteration is caller-shaped work (explicit tokens or activation rows, explicit
 positions) that bypasses the planning policy: the stage link, speculative and prefill
@@ -43,13 +43,13 @@ from skippyd.engine.worker.telemetry import SCHEDULER_DIRECT_ITERATION
 
 logger = logging.getLogger(__name__)
 
-#: Hard cap on the tokens of one native iteration (reference §3.1).
+#: Hard cap on the tokens of one native iteration.
 MAX_NATIVE_ITERATION_TOKENS = 2048
-#: How long the worker waits for peers of a lone direct iteration (reference §3.6).
+#: How long the worker waits for peers of a lone direct iteration.
 DIRECT_ITERATION_COALESCE_WINDOW_S = 0.002
-#: Environment override of the pipeline decode group count (reference §3.5).
+#: Environment override of the pipeline decode group count.
 PIPELINE_DECODE_GROUPS_ENV = "SKIPPY_PIPELINE_DECODE_GROUPS"
-#: Environment switch forcing one lane (reference §3.1).
+#: Environment switch forcing one lane.
 SAFE_MODE_ENV = "SKIPPY_ITERATION_SCHEDULER_SAFE_MODE"
 
 _TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
@@ -58,14 +58,14 @@ Publish = Callable[[str, Mapping[str, Any]], None]
 
 
 def should_serve_direct(has_direct: bool, has_planned: bool, last_served_direct: bool) -> bool:
-    """Strictly alternate direct and planned work when both wait (reference §3.5)."""
+    """Strictly alternate direct and planned work when both wait."""
     if has_direct and has_planned:
         return not last_served_direct
     return has_direct
 
 
 def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max_batch: int) -> int:
-    """How many direct iterations are worth waiting for (reference §3.5).
+    """How many direct iterations are worth waiting for.
 
     As many as there are active sessions (their next steps are coming), never more than
     one batch, and never fewer than are already queued, so a lone session is not delayed.
@@ -74,7 +74,7 @@ def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max
 
 
 def pipeline_decode_groups_from_value(value: str | None) -> int:
-    """Parse a positive integer group count; anything else means 1 (reference §3.5)."""
+    """Parse a positive integer group count; anything else means 1."""
     try:
         groups = int((value or "").strip())
     except ValueError:
@@ -85,18 +85,18 @@ def pipeline_decode_groups_from_value(value: str | None) -> int:
 def resolve_pipeline_decode_groups(env_value: str | None, planned: int | None) -> int:
     """The environment wins when set, even if unusable; else the plan's value, else 1."""
     if env_value is not None:
-        # NOTE: an unusable override means "ungrouped", not "use the plan" (reference §3.5).
+        # NOTE: an unusable override means "ungrouped", not "use the plan".
         return pipeline_decode_groups_from_value(env_value)
     return planned if planned is not None and planned > 0 else 1
 
 
 def pipeline_group_batch_size(max_batch: int, groups: int) -> int:
-    """Lanes per decode group, rounded up and at least 1 (reference §3.5)."""
+    """Lanes per decode group, rounded up and at least 1."""
     return max(math.ceil(max_batch / max(groups, 1)), 1)
 
 
 def safe_mode_from_value(value: str | None) -> bool:
-    """True iff ``value`` is one of 1/true/yes/on, case-insensitively (reference §3.5)."""
+    """True iff ``value`` is one of 1/true/yes/on, case-insensitively."""
     return (value or "").strip().lower() in _TRUE_VALUES
 
 
@@ -113,7 +113,7 @@ def validate_direct_iteration(
     max_iteration_tokens: int | None,
     input_rows: np.ndarray | None = None,
 ) -> None:
-    """Check a direct iteration's shape before it is queued (reference §3.5).
+    """Check a direct iteration's shape before it is queued.
 
     Args:
         token_ids: Input tokens (or the token sideband of activation rows).
@@ -146,7 +146,7 @@ def validate_direct_iteration(
 def ensure_direct_iteration_active(
     deadline: float | None, cancellation: CancellationToken | None
 ) -> None:
-    """Raise if the caller gave up or the deadline passed (reference §3.10).
+    """Raise if the caller gave up or the deadline passed.
 
     Raises:
         RequestCancelledError: The cancellation token fired.
@@ -160,7 +160,7 @@ def ensure_direct_iteration_active(
 
 @dataclass(slots=True)
 class DirectIteration:
-    """A queued direct iteration (reference §3.3 ``DirectIteration``)."""
+    """A queued direct iteration."""
 
     session_id: str
     token_ids: Sequence[int] = ()
@@ -170,7 +170,7 @@ class DirectIteration:
     sample_last: bool = False
     phase: IterationPhase = IterationPhase.PREFILL
     target_token_count: int | None = None
-    """Trim the session to this many tokens first if it is ahead (reference §3.8)."""
+    """Trim the session to this many tokens first if it is ahead."""
     deadline: float | None = None
     """``time.monotonic()`` instant after which the iteration must not run."""
     cancellation: CancellationToken | None = None
@@ -211,7 +211,7 @@ B = TypeVar("B", bound=_Batchable)
 
 
 def take_direct_iteration_batch(queue: deque[B], max_batch_size: int, token_budget: int) -> list[B]:
-    """Take one runtime batch off ``queue`` in place (reference §3.5, newest semantics).
+    """Take one runtime batch off ``queue`` in place.
 
     One front-to-back scan. A session already claimed (batched, or deferred earlier in
     this scan) is deferred to keep per-session order; a request larger than the budget
@@ -275,7 +275,7 @@ def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[Direc
 
 
 def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:
-    """Index samples by request, rejecting malformed outputs (reference §3.6 step 7)."""
+    """Index samples by request, rejecting malformed outputs."""
     if output.output_rows and len(output.output_rows) != num_requests:
         raise WorkerBackendError(
             f"scheduler iteration returned {len(output.output_rows)} outputs "
@@ -364,7 +364,7 @@ def publish_direct_iteration(
     started: float,
     finished: float,
 ) -> None:
-    """Emit ``stage.scheduler_feature_iteration`` (reference §3.6 step 6)."""
+    """Emit ``stage.scheduler_feature_iteration``."""
     publish(
         SCHEDULER_DIRECT_ITERATION,
         {

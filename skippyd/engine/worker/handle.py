@@ -1,7 +1,7 @@
 """``WorkerHandle``: the handle every caller uses to reach the worker thread.
 
 One worker per stage process owns one thread named ``skippy-iteration-scheduler``,
-the only code that calls the runtime (reference §3.1). Callers never wait on the worker
+the only code that calls the runtime. Callers never wait on the worker
 to accept work: commands go into a bounded queue with non-blocking puts, and a full
 queue is an immediate :class:`QueueFullError` (HTTP 429 with a retry hint). The handle
 can be cloned; the last owner to :meth:`WorkerHandle.close` stops the worker and
@@ -93,7 +93,7 @@ T = TypeVar("T")
 
 
 class WorkerHandle:
-    """Handle to the worker thread (reference §3.2).
+    """Handle to the worker thread.
 
     Args:
         runtime: The runtime the worker will own; nobody else may call it afterwards.
@@ -103,7 +103,7 @@ class WorkerHandle:
         n_batch: Native batch size (caps tokens per iteration).
         n_ubatch: Native micro-batch size (prefill chunk, export cap).
         recurrent_bytes_per_seq: Recurrent state of one sequence on this stage.
-        exports: The stage sends activations downstream (reference §3.8).
+        exports: The stage sends activations downstream.
         pipeline_decode_groups: Planned decode groups; ``SKIPPY_PIPELINE_DECODE_GROUPS``
             overrides it.
         telemetry: Hub to publish to; a private one is created if None.
@@ -245,7 +245,7 @@ class WorkerHandle:
             return False
         return True
 
-    # -- planned generations (reference §3.7) --------------------------------------------
+    # -- planned generations -------------------------------------------------------------
 
     def submit_generation(
         self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
@@ -285,7 +285,7 @@ class WorkerHandle:
         cancellation: CancellationToken | None = None,
         on_token: Callable[[int], TokenControl] | None = None,
     ) -> GenerationResult:
-        """Run a generation to completion, blocking (reference §3.7 ``generate``).
+        """Run a generation to completion, blocking.
 
         Raises:
             WorkerError: Any typed failure, including ``RequestCancelledError``.
@@ -311,7 +311,7 @@ class WorkerHandle:
                                     retain_runtime=True)
         return generate_blocking(self, request, cancellation, on_token, resumed=True)
 
-    # -- direct iterations (reference §3.8) ----------------------------------------------
+    # -- direct iterations ---------------------------------------------------------------
 
     def submit_iteration(self, iteration: DirectIteration) -> Future[IterationOutcome]:
         """Validate and queue a direct iteration; returns the worker's reply future.
@@ -377,7 +377,7 @@ class WorkerHandle:
             iteration.deadline, iteration.cancellation)
         return wait_for_reply(reply, check, iteration.deadline, self._shared.thread)
 
-    # -- runtime operations (reference §3.10) --------------------------------------------
+    # -- runtime operations --------------------------------------------------------------
 
     def execute_runtime(self, label: str, fn: Callable[[Runtime], T]) -> T:
         """Run ``fn(runtime)`` on the worker, FIFO with other commands; return its value."""
@@ -425,7 +425,7 @@ class WorkerHandle:
         deadline: float | None = None,
         cancellation: CancellationToken | None = None,
     ) -> RuntimeOutcome[T]:
-        """Queue a cache restore/prefill, served by cache value with aging (§3.4)."""
+        """Queue a cache restore/prefill, served by cache value with aging."""
         self._ensure_may_block()
         context = CacheRuntimeContext(operation_id, deadline, cancellation)
         context.ensure_active()

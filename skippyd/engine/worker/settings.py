@@ -1,4 +1,4 @@
-"""How the worker derives its policy configuration from the runtime (reference §3.9).
+"""How the worker derives its policy configuration from the runtime.
 
 The policy scheduler is generic; the stage decides its limits from facts about the
 runtime: lanes, the shared KV cell pool, the model's recurrent state, the native batch
@@ -19,17 +19,17 @@ from skippyd.engine.worker.direct_batch import (
 
 logger = logging.getLogger(__name__)
 
-#: Default prefill chunk when the stage does not configure ``n_ubatch`` (reference §3.9).
+#: Default prefill chunk when the stage does not configure ``n_ubatch``.
 DEFAULT_PREFILL_CHUNK_TOKENS = 256
-#: llama-server's default micro-batch, the export cap without ``n_ubatch`` (reference §3.8).
+#: llama-server's default micro-batch, the export cap without ``n_ubatch``.
 LLAMA_SERVER_DEFAULT_N_UBATCH = 512
-#: Decode headroom reserved at admission beyond the prompt (reference §3.1, §3.7).
+#: Decode headroom reserved at admission beyond the prompt.
 DECODE_BATCH_HEADROOM_TOKENS = 512
-#: Aging credit per turn, shared with the cache runtime queue (reference §3.1).
+#: Aging credit per turn, shared with the cache runtime queue.
 CACHE_AGING_COST_PER_ITERATION = 4096
-#: The command queue never holds fewer commands than this (reference §3.1).
+#: The command queue never holds fewer commands than this.
 MIN_COMMAND_QUEUE_CAPACITY = 8
-#: Commands handled per worker turn at most (reference §3.1).
+#: Commands handled per worker turn at most.
 MAX_COMMANDS_PER_TURN = 64
 #: Name of the KV memory component; it counts tokens (1 per token).
 KV_COMPONENT = "kv-cells"
@@ -37,7 +37,7 @@ RECURRENT_COMPONENT = "recurrent-state"
 
 
 def iteration_token_budget(exports: bool, budget: int, n_ubatch: int | None) -> int:
-    """Cap an exporting stage's iterations at one native micro-batch (reference §3.8).
+    """Cap an exporting stage's iterations at one native micro-batch.
 
     A stage with a downstream consumer ships every planned iteration as one activation
     frame; keeping it within one micro-batch lets the next stage start sooner.
@@ -56,7 +56,7 @@ def build_scheduler_config(
     queue_capacity: int,
     exports: bool = False,
 ) -> SchedulerConfig:
-    """Build the normalized policy configuration of a stage (reference §3.9).
+    """Build the normalized policy configuration of a stage.
 
     Args:
         lanes: Scheduler lane count (1 in safe mode or without continuous batching).
@@ -74,7 +74,7 @@ def build_scheduler_config(
     components = [MemoryComponent(KV_COMPONENT, max(kv_pool_tokens, 1), 0, 1, 0)]
     if recurrent:
         # Native recurrent contexts reserve two sequence slots per lane; the per-sequence
-        # value already includes the three state planes (reference §3.9).
+        # value already includes the three state planes.
         components.append(MemoryComponent(
             RECURRENT_COMPONENT, recurrent_bytes_per_seq * lanes * 2, 0, 0,
             recurrent_bytes_per_seq,
@@ -88,7 +88,7 @@ def build_scheduler_config(
         # Recurrent models slow down badly with several prompt rows in one native call.
         max_prefill_sequences_per_iteration=1 if recurrent else UNLIMITED,
         max_consecutive_prefill_iterations=1,
-        # A mixed probe permanently slowed recurrent decode by 9-20 % (reference §3.9).
+        # A mixed probe permanently slowed recurrent decode by 9-20 %.
         mixed_prefill_decode=not recurrent,
         cache_aging_cost_per_iteration=CACHE_AGING_COST_PER_ITERATION,
         group_waiting_prefixes=True,
@@ -98,14 +98,14 @@ def build_scheduler_config(
 
 
 def kv_capacity_tokens(config: SchedulerConfig) -> int:
-    """Capacity of the first (``kv-cells``) memory component, or 1 (reference §3.2)."""
+    """Capacity of the first (``kv-cells``) memory component, or 1."""
     if not config.memory_components:
         return 1
     return config.memory_components[0].capacity_bytes
 
 
 def admission_tokens(prompt_tokens: int, max_tokens: int, kv_capacity: int) -> int:
-    """Tokens reserved at admission: the prompt plus bounded decode headroom (§3.7).
+    """Tokens reserved at admission: the prompt plus bounded decode headroom.
 
     Reserving the client's whole ``max_tokens`` would let one long request block many
     short ones; the policy raises the result back to at least the prompt length.
@@ -132,12 +132,12 @@ def recurrent_bytes_per_native_sequence(
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """Sizes the worker derives at construction (reference §3.2 steps 7 and 9)."""
+    """Sizes the worker derives at construction."""
 
     max_direct_batch_size: int
     """Most direct iterations in one runtime call: the scheduler lane count."""
     direct_group_batch_size: int
-    """Direct batch width per pipeline decode group (reference §3.8)."""
+    """Direct batch width per pipeline decode group."""
     max_direct_iteration_tokens: int
     """Token budget of one direct batch (and limit of one direct iteration)."""
     max_commands_per_turn: int

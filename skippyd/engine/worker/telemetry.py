@@ -1,6 +1,6 @@
 """In-process telemetry hub: the worker publishes, observers subscribe.
 
-The worker must never wait on an observer (reference §3.1: the
+The worker must never wait on an observer (the
 worker thread owns every runtime call, so a slow dashboard must not slow decoding). A
 :class:`TelemetryHub` therefore hands each event to every subscriber's own bounded
 deque; when a deque is full its oldest event is dropped and counted. Subscribers read
@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 #: Default per-subscriber buffer, in events.
 DEFAULT_SUBSCRIPTION_MAXLEN = 1024
 
-# Event names the worker publishes: wire names, as in the reference (§3.2, §3.6, §3.11).
+# Event names the worker publishes: wire names, as in the original.
 SCHEDULER_START = "stage.scheduler_start"
 SCHEDULER_ITERATION = "stage.scheduler_iteration"
 SCHEDULER_DIRECT_ITERATION = "stage.scheduler_feature_iteration"
 SCHEDULER_RUNTIME_OPERATION = "stage.scheduler_feature_runtime"
 SCHEDULER_WORKER_PANIC = "stage.scheduler_worker_panic"
-#: Name of the cache-aware ordering, reported at scheduler start (reference §2).
+#: Name of the cache-aware ordering, reported at scheduler start.
 CACHE_POLICY_NAME = "weighted_lpm_aging_dfs_waiting_prefix"
 
 
@@ -221,7 +221,7 @@ def publish_worker_start(
     max_consecutive_prefill_iterations: int,
     mixed_prefill_decode: bool,
 ) -> None:
-    """Publish ``stage.scheduler_start`` (reference §3.2 step 8)."""
+    """Publish ``stage.scheduler_start``."""
     prefix = "skippy.scheduler."
     hub.publish(SCHEDULER_START, {
         prefix + "safe_mode": safe_mode,

@@ -3,9 +3,9 @@
 :class:`PrefixCacheFlow` decides, for every fresh generation, how it meets the cache:
 
 * **hit**: the prompt starts with a cached prefix. The request leases that entry; its
-  policy ``Sequence`` gets ``with_prefix_restore`` (the replay rule of reference §1.1
+  policy ``Sequence`` gets ``with_prefix_restore`` (the policy's replay rule
   keeps the last prompt token computed) and a ``CacheAffinity`` from the same lookup, so
-  the policy's cache-aware ordering (reference §2) sees its value. When the request gets
+  the policy's cache-aware ordering sees its value. When the request gets
   a lane the entry is copied into it (``llama_memory_seq_cp``: cells shared) or, from the
   host-RAM tier, loaded; only the rest of the prompt is prefilled.
 * **in flight**: a request already in the scheduler (the *leader*) shares a longer

@@ -1,11 +1,11 @@
-"""Running one policy plan as one batched runtime call (reference §3.6 ``execute_plan``).
+"""Running one policy plan as one batched runtime call.
 
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
   cached prefixes give their cells back first (the prefix cache's ``relieve_kv``); only
   when none is left does a victim chosen by the policy's preemption rule (lowest
-  priority, latest admitted, reference §1.8) give its KV back, and the rest of the plan
+  priority, latest admitted) give its KV back, and the rest of the plan
   is retried.
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
@@ -65,7 +65,7 @@ class PlanResult:
     """Wall time of the runtime call(s)."""
 
     def predictions(self) -> list[IterationPrediction]:
-        """Policy predictions; end of generation is a negative token (reference §1.7)."""
+        """Policy predictions; end of generation is a negative token."""
         return [
             IterationPrediction(index, -1 if sample.is_eog else sample.token)
             for index, sample in self.samples.items()
@@ -89,7 +89,7 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
 
 def step_attributes(step: IterationTelemetry, step_ms: float,
                     execution_ms: float) -> dict[str, Any]:
-    """``stage.scheduler_iteration`` attributes but the lifecycle counters (§3.11)."""
+    """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
     prefix = "skippy.scheduler."
     attributes: dict[str, Any] = {
         prefix + name: getattr(step, name)

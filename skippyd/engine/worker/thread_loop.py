@@ -1,8 +1,9 @@
 """The worker thread: commands in, one runtime call per turn out.
 
-:class:`WorkerLoop` is the only code that calls the runtime (reference §3.1). Each
+:class:`WorkerLoop` is the only code that calls the runtime. Each
 turn it drains commands, decides between cache-runtime work, direct iterations and
-planned generations with the gates of reference §3.4-§3.6, and runs exactly one of them.
+planned generations with the gates ``docs/scheduler.md`` lists ("The run loop, gate by
+gate"), and runs exactly one of them.
 Other threads reach it only through its bounded command queue; it publishes a fresh
 immutable :class:`WorkerStats` after every turn for anyone to read without locking.
 """
@@ -108,7 +109,7 @@ class WorkerLoop:
         self.num_runtime_operations = 0
         self.stats = WorkerStats(max_direct_batch_size=settings.max_direct_batch_size)
 
-    # -- thread entry and the loop (reference §3.6) -------------------------------------
+    # -- thread entry and the loop ------------------------------------------------------
 
     def run(self) -> None:
         """Thread target: the loop inside a panic guard."""
@@ -206,7 +207,7 @@ class WorkerLoop:
                 return
             self._dispatch(command)
 
-    # -- commands (reference §3.3) --------------------------------------------------------
+    # -- commands -------------------------------------------------------------------------
 
     def handle_command(self, command: Command) -> None:
         """Apply one command; Shutdown is handled by the loop and ignored here."""
@@ -215,7 +216,7 @@ class WorkerLoop:
         elif isinstance(command, DirectIteration):
             self.direct.append(command)
         elif isinstance(command, RuntimeOperation):
-            # Inline, in command order: FIFO with every other command (reference §3.3).
+            # Inline, in command order: FIFO with every other command.
             self.run_runtime_operation(command, None)
         elif isinstance(command, CacheAwareRuntimeCommand):
             refresh = command.refresh_affinity
@@ -229,7 +230,7 @@ class WorkerLoop:
         elif isinstance(command, CancelCommand):
             self.planned.cancel(command.req_id)
 
-    # -- one work turn (reference §3.6 run_work_turn / run_iteration) --------------------
+    # -- one work turn -------------------------------------------------------------------
 
     def run_work_turn(self) -> None:
         """Serve one unit of work: a cache-runtime operation or an iteration."""
@@ -256,7 +257,7 @@ class WorkerLoop:
             self.run_iteration()
 
     def run_iteration(self) -> None:
-        """Alternate direct batches and planned iterations (reference §3.6 run_iteration)."""
+        """Alternate direct batches and planned iterations."""
         self.planned.apply_pending_controls()
         # Decide before planning: planning advances cursors and must only happen when
         # the plan will run.
@@ -291,7 +292,7 @@ class WorkerLoop:
     def run_runtime_operation(
         self, operation: RuntimeOperation, cache: CacheRuntimeTelemetry | None
     ) -> None:
-        """Run a closure on the runtime, reply, and update the wave state (§3.6)."""
+        """Run a closure on the runtime, reply, and update the wave state."""
         started = time.monotonic()
         try:
             value, error = operation.run(self.runtime), None
@@ -338,7 +339,7 @@ class WorkerLoop:
         if self.active_runtime_sessions < self.settings.max_direct_batch_size:
             self.direct_wave_full = False
 
-    # -- failure paths (reference §3.6, §3.7) ----------------------------------------------
+    # -- failure paths ---------------------------------------------------------------------
 
     def fail_all(self, error: WorkerError) -> None:
         """Fail every held generation and every queued direct iteration."""
@@ -432,7 +433,7 @@ class WorkerLoop:
 
 
 def fail_command(command: Command, error: WorkerError) -> None:
-    """Answer a command that will never run (reference §3.7 ``fail_queued``)."""
+    """Answer a command that will never run."""
     if isinstance(command, SubmitCommand):
         try:
             command.on_event(ErrorEvent(error))

@@ -1,4 +1,4 @@
-"""Planned generations on the worker thread (reference §3.6 ``run_iteration``, §3.7).
+"""Planned generations on the worker thread.
 
 :class:`PlannedGenerations` owns the policy :class:`~skippyd.engine.policy.Scheduler` and
 the per-request state of every generation it admitted. Each planned turn it plans one
@@ -53,7 +53,7 @@ Publish = Callable[[str, Mapping[str, Any]], None]
 
 @dataclass(slots=True)
 class RequestState:
-    """What the worker keeps per admitted generation (reference §3.7 ``RequestState``)."""
+    """What the worker keeps per admitted generation."""
 
     request: GenerationRequest
     on_event: Callable[[GenerationEvent], None]
@@ -85,7 +85,7 @@ class PlannedGenerations:
         config: Normalized policy configuration.
         publish: Telemetry sink.
         fail_everything: Called with an error when the runtime failed in a way that
-            leaves no request safe (reference §3.6 step 7: ``fail_all``).
+            leaves no request safe.
         on_sessions_dropped: Called after runtime sessions were dropped.
         prefix_cache: The stage's prefix cache, if it runs one (see ``thread_cache``).
     """
@@ -136,7 +136,7 @@ class PlannedGenerations:
         state = RequestState(request, on_event, runtime_configured, len(request.generated_tokens))
         replay_tokens = len(request.prompt_tokens) + len(request.generated_tokens)
         if replay_tokens > self._kv_capacity:
-            # It could never be admitted and would wait forever (reference §1.4 note).
+            # It could never be admitted and would wait forever.
             state.emit(ErrorEvent(InvalidRequestError(
                 f"request {request.request_id} needs {replay_tokens} tokens of KV cache, "
                 f"more than the {self._kv_capacity} available"
@@ -188,7 +188,7 @@ class PlannedGenerations:
 
     def _make_sequence(self, request: GenerationRequest,
                        admission: Admission | None = None) -> Sequence:
-        # Reserve bounded decode headroom, not the client's whole ceiling (reference §3.7).
+        # Reserve bounded decode headroom, not the client's whole ceiling.
         reserve = admission_tokens(len(request.prompt_tokens), request.max_tokens,
                                    self._kv_capacity)
         sequence = Sequence(
@@ -207,7 +207,7 @@ class PlannedGenerations:
         return sequence
 
     def cancel(self, req_id: str) -> None:
-        """Forget a request without an event (reference §3.7 ``cancel``); idempotent."""
+        """Forget a request without an event; idempotent."""
         self.scheduler.cancel(req_id)
         state = self.requests.pop(req_id, None)
         if state is not None and not state.request.retain_runtime:
@@ -228,7 +228,7 @@ class PlannedGenerations:
             state.emit(ErrorEvent(error))
 
     def fail_all(self, error: WorkerError) -> None:
-        """Fail every held generation with ``error`` (reference §3.7 ``fail_all``)."""
+        """Fail every held generation with ``error``."""
         for req_id in list(self.requests):
             self.fail_request(req_id, error)
 
@@ -255,7 +255,7 @@ class PlannedGenerations:
         except RuntimeFailure as exc:
             logger.warning("trimming preempted session %s failed: %s", req_id, exc)
 
-    # -- token acknowledgements (reference §3.7 apply_pending_controls) -------------------
+    # -- token acknowledgements -----------------------------------------------------------
 
     def apply_pending_controls(self) -> None:
         """Apply answered acks without waiting for unanswered ones."""
@@ -307,7 +307,7 @@ class PlannedGenerations:
         return True
 
     def _prepare_sessions(self, plan: IterationPlan) -> IterationPlan:
-        """Bind a runtime session to every newly planned request (reference §3.6 step 6)."""
+        """Bind a runtime session to every newly planned request."""
         dropped: list[str] = []
         for work in plan.work:
             state = self.requests.get(work.sequence_id)
@@ -332,7 +332,7 @@ class PlannedGenerations:
         return plan.without_sequences(dropped) if dropped else plan
 
     def _finish_iteration(self, result: PlanResult) -> None:
-        """Send token events, fail unanswered rows, complete terminal requests (§3.6)."""
+        """Send token events, fail unanswered rows, complete terminal requests."""
         missing: list[str] = []
         stopped: list[str] = []
         for index, work in enumerate(result.plan.work):
@@ -345,7 +345,7 @@ class PlannedGenerations:
             if sample is None:
                 missing.append(work.sequence_id)
             elif sample.is_eog:
-                state.saw_eog = True  # end of generation: no token event (reference §1.7)
+                state.saw_eog = True  # end of generation: no token event
             else:
                 state.num_generated += 1
                 ack = TokenAck()
@@ -365,14 +365,14 @@ class PlannedGenerations:
     def _emit_step_telemetry(
         self, step: IterationTelemetry, total_s: float, execution_s: float
     ) -> None:
-        """Publish ``stage.scheduler_iteration`` (reference §3.11)."""
+        """Publish ``stage.scheduler_iteration``."""
         self.last_step_ms = total_s * 1000.0
         self.last_execution_ms = execution_s * 1000.0
         prefix = "skippy.scheduler."
         attributes = step_attributes(step, self.last_step_ms, self.last_execution_ms)
         lifecycle = (step.finished, step.failed, step.cancelled, step.rejected_overload)
         if lifecycle != self._last_lifecycle:
-            # Counters only when they changed since the last emission (reference §3.11).
+            # Counters only when they changed since the last emission.
             self._last_lifecycle = lifecycle
             for name, value in zip(("finished", "failed", "cancelled", "rejected_overload"),
                                    lifecycle, strict=True):

@@ -1,4 +1,4 @@
-"""Cache-aware ordering (reference §2), ported by name from the original's cache-policy tests."""
+"""Cache-aware ordering, ported by name from the original's cache-policy tests."""
 
 from __future__ import annotations
 

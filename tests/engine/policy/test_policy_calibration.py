@@ -1,4 +1,4 @@
-"""Mixed-mode duration calibration (reference §1.6, variant B)."""
+"""Mixed-mode duration calibration."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Component capacity planning (reference §1.11): the five original scenarios."""
+"""Component capacity planning: the five original scenarios."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def test_request_memory_includes_fixed_recurrent_state():
     assert kv.reservation_bytes(20) == 7 + 2 * 20
 
 
-def test_defaults_match_the_reference_and_are_already_normalized():
+def test_defaults_match_the_original_and_are_already_normalized():
     config = SchedulerConfig()
     assert (config.max_active_sequences, config.reserved_sequence_ids,
             config.max_waiting_sequences, config.max_tokens_per_iteration,
@@ -85,7 +85,7 @@ def test_invalid_memory_component_is_rejected():
     assert MemoryComponent("kv", capacity_bytes=10, resident_bytes=25).available_bytes() == 0
 
 
-def test_sequence_builders_follow_the_reference_rules():
+def test_sequence_builders_follow_the_replay_rules():
     sequence = Sequence("s", [1, 2, 3, 4], 10)
     assert sequence.admission_tokens == 14
     assert sequence.with_admission_tokens(2).admission_tokens == 4  # never below the prompt

@@ -1,4 +1,4 @@
-"""Scheduler engine tests, ported by name from the original's engine tests (reference §3.13)."""
+"""Scheduler engine tests, ported by name from the original's engine tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which entries give way (pure bookkeeping, no runtime; reference §1.11)."""
+"""Which entries give way (pure bookkeeping, no runtime)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(runtime):
     cache, _ = make_cache(runtime)
     record_from_lane(runtime, cache, "source", PREFIX)
     assert cache.lease("again", PREFIX) is not None
-    assert cache.cached_prompt_tokens("again") == len(PREFIX) - 1  # reference §1.1
+    assert cache.cached_prompt_tokens("again") == len(PREFIX) - 1  # the last token is computed
     assert cache.lease("short", PREFIX[:8] + SUFFIX) is None  # below min_tokens: a miss
     assert cache.stats().misses == 1
 

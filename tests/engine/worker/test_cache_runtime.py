@@ -1,4 +1,4 @@
-"""CacheRuntimeQueue and the cache/direct wave gates (reference §3.4, cache_runtime.rs tests)."""
+"""CacheRuntimeQueue and the cache/direct wave gates."""
 
 from __future__ import annotations
 

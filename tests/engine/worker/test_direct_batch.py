@@ -1,4 +1,4 @@
-"""Pipeline decode-group helpers of ``direct_batch`` (reference §3.5, direct_batch.rs tests)."""
+"""Pipeline decode-group helpers of ``direct_batch``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the worker sizes its policy from the runtime (reference §3.9, §3.13 tests 1, 2, 8)."""
+"""How the worker sizes its policy from the runtime."""
 
 from __future__ import annotations
 

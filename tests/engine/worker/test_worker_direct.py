@@ -1,4 +1,4 @@
-"""Direct iterations (reference §3.5, §3.8, §3.10; §3.13 tests 3-7, 10-15, 26)."""
+"""Direct iterations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Planned generations through the worker (reference §3.6, §3.7; §3.13 tests 9, 16, 17)."""
+"""Planned generations through the worker."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Handle lifecycle, overload, panic containment and safe mode (§3.13 tests 25, 27-29)."""
+"""Handle lifecycle, overload, panic containment and safe mode."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runtime operations, cache-aware operations and the wave gates (§3.13 tests 18-24)."""
+"""Runtime operations, cache-aware operations and the wave gates."""
 
 from __future__ import annotations
 
