@@ -97,7 +97,7 @@ def _summary_rows(snapshot: Mapping[str, Any]) -> list[tuple[str, str]]:
     scheduler, counters = section(snapshot, "scheduler"), section(snapshot, "counters")
     return [
         ("queues", "  ".join(f"{key} {int(number(queues.get(key)))}"
-                             for key in ("waiting", "commands", "direct", "cache_runtime"))),
+                             for key in ("waiting", "commands", "direct"))),
         ("wave", f"{int(number(wave.get('active_sessions')))}/{int(number(wave.get('batch_size')))}"
                  f" ({fmt_percent(number(wave.get('fullness')))})"
                  + ("  full" if wave.get("full") else "")),

@@ -114,7 +114,7 @@ def _figures(snap: dict[str, Any]) -> Table:
     grid.add_column(style="bold")
     grid.add_column()
     grid.add_row("queues", f"waiting {q['waiting']} · commands {q['commands']} · "
-                 f"direct {q['direct']} · cache runtime {q['cache_runtime']}")
+                 f"direct {q['direct']}")
     grid.add_row("kv cells", f"{kv['cells_used']}/{kv['cells_total']} ({kv['usage']:.1%})   "
                  f"wave {wave['active_sessions']}/{wave['batch_size']}"
                  + (" full" if wave["full"] else ""))

@@ -93,16 +93,16 @@ class StageHeader(Widget):
 
 
 class QueueCounts(Widget):
-    """The four queue lengths, two per line."""
+    """The three queue lengths."""
 
     snapshot: reactive[Snapshot] = reactive(None)
     """The latest snapshot."""
 
     def render(self) -> RenderResult:
         queues = section(self.snapshot, "queues")
-        waiting, commands, direct, cache = (
-            int(number(queues.get(key))) for key in ("waiting", "commands", "direct", "cache_runtime"))
-        return Text(f"waiting {waiting}  commands {commands}\ndirect {direct}  cache {cache}",
+        waiting, commands, direct = (
+            int(number(queues.get(key))) for key in ("waiting", "commands", "direct"))
+        return Text(f"waiting {waiting}  commands {commands}\ndirect {direct}",
                     no_wrap=True, overflow="ellipsis")
 
 

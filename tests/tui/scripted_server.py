@@ -32,7 +32,7 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
         "health": {"status": "ok", "reason": None},
         "lane_count": 2,
         "lanes": [],
-        "queues": {"waiting": 0, "commands": 0, "direct": 0, "cache_runtime": 0},
+        "queues": {"waiting": 0, "commands": 0, "direct": 0},
         "wave": {"active_sessions": 0, "batch_size": 2, "fullness": 0.0, "full": False},
         "kv": {"cells_used": 0, "cells_total": 512, "usage": 0.0},
         "prefix_cache": {"hits": 0, "misses": 0, "hit_rate": 0.0, "matched_tokens": 0,

@@ -18,7 +18,7 @@ SNAPSHOT = make_snapshot(
     stage={"id": "stage-7", "index": 1, "model": "tiny-model", "layer_start": 2, "layer_end": 4},
     uptime_s=3725.0,
     health={"status": "ok", "reason": None},
-    queues={"waiting": 3, "commands": 1, "direct": 0, "cache_runtime": 2},
+    queues={"waiting": 3, "commands": 1, "direct": 0},
     wave={"active_sessions": 5, "batch_size": 8, "fullness": 0.625, "full": False},
     kv={"cells_used": 1024, "cells_total": 4096, "usage": 0.25},
     prefix_cache={"hits": 30, "misses": 10, "hit_rate": 0.75, "matched_tokens": 4500,
@@ -43,7 +43,7 @@ async def test_panels_show_the_numbers_sent(server: ScriptedServer) -> None:
         header = header_text(app)
         for text in ("stage-7", "#1", "tiny-model", "L2-4", "up 1h02m", "ok", "connected"):
             assert text in header
-        assert "waiting 3  commands 1\ndirect 0  cache 2" == rendered(app.query_one("#queue-counts"))
+        assert "waiting 3  commands 1\ndirect 0" == rendered(app.query_one("#queue-counts"))
         wave, kv = app.query_one(WaveFullness), app.query_one(KvUsage)
         assert (wave.fraction, wave.detail) == (0.625, "5/8")
         assert "62%" in rendered(wave)

@@ -121,7 +121,7 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
          "generated_tokens": 5},
         {"lane": 2, "request_id": "", "phase": "idle", "prompt_tokens": 0, "generated_tokens": 0},
     ]
-    assert snap["queues"] == {"waiting": 2, "commands": 0, "direct": 0, "cache_runtime": 0}
+    assert snap["queues"] == {"waiting": 2, "commands": 0, "direct": 0}
     assert snap["wave"] == {"active_sessions": 1, "batch_size": 3, "fullness": 1 / 3,
                             "full": False}
     assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25}

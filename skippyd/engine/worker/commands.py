@@ -10,9 +10,11 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -27,8 +29,7 @@ from skippyd.engine.runtime.protocol import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.policy import CacheAffinity
-    from skippyd.engine.worker.cache_runtime import CachePayload, RuntimeOperation
+    from skippyd.engine.runtime.protocol import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -312,10 +313,8 @@ class WorkerStats:
     num_active: int = 0
     command_queue_depth: int = 0
     direct_queue_depth: int = 0
-    cache_runtime_queue_depth: int = 0
     active_runtime_sessions: int = 0
     max_direct_batch_size: int = 1
-    direct_wave_full: bool = False
     num_iterations: int = 0
     num_finished: int = 0
     num_failed: int = 0
@@ -343,8 +342,7 @@ class WorkerStats:
 
 
 # -- commands other threads send to the worker --------------------------------------------
-# Direct iterations (``direct_batch.DirectIteration``) and runtime operations
-# (``cache_runtime.RuntimeOperation``) are commands themselves.
+# Direct iterations (``direct_batch.DirectIteration``) are commands themselves.
 
 
 @dataclass(slots=True)
@@ -361,12 +359,18 @@ class CancelCommand:
 
 
 @dataclass(slots=True)
-class CacheAwareRuntimeCommand:
-    operation: RuntimeOperation
-    prompt_tokens: Sequence[int]
-    priority: int
-    payload: CachePayload
-    refresh_affinity: Callable[[], CacheAffinity] | None
+class RuntimeOperation:
+    """A closure ``fn(runtime)`` to run on the worker thread, in command order."""
+
+    label: str
+    fn: Callable[[Runtime], Any]
+    reply: Future[Any] | None = field(default_factory=Future)
+    """None for detached operations: nobody waits for the result."""
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    def run(self, runtime: Runtime) -> Any:
+        """Run the closure; exceptions propagate."""
+        return self.fn(runtime)
 
 
 class ShutdownCommand:

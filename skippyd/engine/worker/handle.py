@@ -26,12 +26,6 @@ import numpy as np
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import IterationPhase, Runtime, SamplingConfig
-from skippyd.engine.worker.cache_runtime import (
-    CacheAffinity,
-    CachePayload,
-    CacheRuntimeContext,
-    RuntimeOperation,
-)
 from skippyd.engine.worker.caller import (
     HandleOwnership,
     generate_blocking,
@@ -39,7 +33,6 @@ from skippyd.engine.worker.caller import (
     wait_for_reply,
 )
 from skippyd.engine.worker.commands import (
-    CacheAwareRuntimeCommand,
     CancelCommand,
     CancellationToken,
     CompleteEvent,
@@ -52,6 +45,7 @@ from skippyd.engine.worker.commands import (
     IterationOutcome,
     QueueFullError,
     RequestCancelledError,
+    RuntimeOperation,
     RuntimeOutcome,
     SubmitCommand,
     TokenAck,
@@ -82,7 +76,7 @@ from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CachePayload", "CancellationToken", "CompleteEvent", "DeadlineExceededError",
+    "CancellationToken", "CompleteEvent", "DeadlineExceededError",
     "ErrorEvent", "GenerationRequest", "GenerationResult", "InvalidRequestError",
     "IterationOutcome", "WorkerHandle", "QueueFullError", "RequestCancelledError",
     "RuntimeOutcome", "WorkerError", "GenerationEvent", "WorkerStats",
@@ -393,45 +387,3 @@ class WorkerHandle:
     def execute_runtime_detached(self, label: str, fn: Callable[[Runtime], Any]) -> None:
         """Queue best-effort work and return at once; it stays FIFO with later commands."""
         self._enqueue(RuntimeOperation(label, fn, reply=None))
-
-    def execute_runtime_bounded(
-        self,
-        label: str,
-        operation_id: str,
-        fn: Callable[[Runtime, CacheRuntimeContext], T],
-        *,
-        deadline: float | None = None,
-        cancellation: CancellationToken | None = None,
-    ) -> RuntimeOutcome[T]:
-        """Run a cancellable ``fn(runtime, context)`` inline, FIFO with other commands."""
-        self._ensure_may_block()
-        context = CacheRuntimeContext(operation_id, deadline, cancellation)
-        context.ensure_active()
-        operation = RuntimeOperation(label, fn, context)
-        self._enqueue(operation)
-        return wait_for_reply(operation.reply, context.ensure_active, deadline,
-                              self._shared.thread)
-
-    def execute_cache_aware_runtime(
-        self,
-        label: str,
-        operation_id: str,
-        fn: Callable[[Runtime, CacheRuntimeContext], T],
-        *,
-        prompt_tokens: Sequence[int],
-        priority: int = 0,
-        payload: CachePayload = CachePayload.RESIDENT_KV,
-        refresh_affinity: Callable[[], CacheAffinity] | None = None,
-        deadline: float | None = None,
-        cancellation: CancellationToken | None = None,
-    ) -> RuntimeOutcome[T]:
-        """Queue a cache restore/prefill, served by cache value with aging."""
-        self._ensure_may_block()
-        context = CacheRuntimeContext(operation_id, deadline, cancellation)
-        context.ensure_active()
-        operation = RuntimeOperation(label, fn, context)
-        self._enqueue(CacheAwareRuntimeCommand(operation, tuple(prompt_tokens), priority,
-                                               payload, refresh_affinity))
-        return wait_for_reply(operation.reply, context.ensure_active, deadline,
-                              self._shared.thread)
-

@@ -25,7 +25,7 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 256
 LLAMA_SERVER_DEFAULT_N_UBATCH = 512
 #: Decode headroom reserved at admission beyond the prompt.
 DECODE_BATCH_HEADROOM_TOKENS = 512
-#: Aging credit per turn, shared with the cache runtime queue.
+#: Aging credit per turn a waiting request gains in the cache-aware order.
 CACHE_AGING_COST_PER_ITERATION = 4096
 #: The command queue never holds fewer commands than this.
 MIN_COMMAND_QUEUE_CAPACITY = 8

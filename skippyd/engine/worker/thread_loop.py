@@ -1,9 +1,9 @@
 """The worker thread: commands in, one runtime call per turn out.
 
 :class:`WorkerLoop` is the only code that calls the runtime. Each
-turn it drains commands, decides between cache-runtime work, direct iterations and
-planned generations with the gates ``docs/scheduler.md`` lists ("The run loop, gate by
-gate"), and runs exactly one of them.
+turn it drains commands, decides between direct iterations and planned generations with
+the gates ``docs/scheduler.md`` lists ("The run loop, gate by gate"), and runs exactly
+one of them.
 Other threads reach it only through its bounded command queue; it publishes a fresh
 immutable :class:`WorkerStats` after every turn for anyone to read without locking.
 """
@@ -15,27 +15,17 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import Runtime
-from skippyd.engine.worker.cache_runtime import (
-    CacheRuntimeQueue,
-    CacheRuntimeTelemetry,
-    RuntimeOperation,
-    should_coalesce_direct_iterations,
-    should_fill_cache_runtime_wave,
-    should_serve_cache_runtime,
-    should_suppress_cache_runtime,
-)
 from skippyd.engine.worker.commands import (
     CANCELLATION_POLL_INTERVAL_S,
     WORKER_PANIC_MESSAGE,
-    CacheAwareRuntimeCommand,
     CancelCommand,
     ErrorEvent,
     LaneInfo,
+    RuntimeOperation,
     RuntimeOutcome,
     ShutdownCommand,
     SubmitCommand,
@@ -64,8 +54,7 @@ from skippyd.engine.worker.thread_planned import PlannedGenerations
 logger = logging.getLogger(__name__)
 
 
-Command = (SubmitCommand | CancelCommand | DirectIteration | RuntimeOperation
-           | CacheAwareRuntimeCommand | ShutdownCommand)
+Command = SubmitCommand | CancelCommand | DirectIteration | RuntimeOperation | ShutdownCommand
 
 
 class _ShutdownRequested(Exception):
@@ -95,13 +84,8 @@ class WorkerLoop:
         self.planned = PlannedGenerations(runtime, config, telemetry.publish, self.fail_all,
                                           self._refresh_active_sessions, prefix_cache)
         self.direct: deque[DirectIteration] = deque()
-        self.cache_queue: CacheRuntimeQueue[RuntimeOperation] = CacheRuntimeQueue(
-            config.cache_aging_cost_per_iteration, config.group_waiting_prefixes
-        )
         self.active_runtime_sessions = 0
-        self.direct_wave_full = False
         self.last_served_direct = False
-        self.last_served_cache_runtime = False
         self.failure: str | None = None
         self.closed = threading.Event()
         self.cancel_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -134,10 +118,7 @@ class WorkerLoop:
             self._drain_commands()
             if self._is_idle():
                 continue
-            if self._should_defer_cache_runtime():
-                self._wait_for_command(DIRECT_ITERATION_COALESCE_WINDOW_S)
-                continue
-            if self._should_coalesce():
+            if self.direct:
                 self._coalesce_direct_iterations()
             self.run_work_turn()
             self.publish_stats()
@@ -145,7 +126,7 @@ class WorkerLoop:
                 self._wait_for_command(self.settings.iteration_interval_s)
 
     def _is_idle(self) -> bool:
-        return not self.planned.requests and not self.direct and self.cache_queue.is_empty()
+        return not self.planned.requests and not self.direct
 
     def _dispatch(self, command: Command) -> None:
         if isinstance(command, ShutdownCommand):
@@ -171,26 +152,12 @@ class WorkerLoop:
             return
         self._dispatch(command)
 
-    def _should_defer_cache_runtime(self) -> bool:
-        """A full wave of restored sessions awaits its callers: no new restore yet."""
-        return (self.cache_queue.has_wave_aware_operations() and self.direct_wave_full
-                and self.active_runtime_sessions >= self.settings.max_direct_batch_size
-                and not self.direct and not self.planned.requests)
-
-    def _should_coalesce(self) -> bool:
-        has_wave_aware = self.cache_queue.has_wave_aware_operations()
-        fill_pending = should_fill_cache_runtime_wave(
-            bool(self.direct), has_wave_aware, self.active_runtime_sessions,
-            self.settings.max_direct_batch_size,
-        )
-        # NOTE: only with direct work queued; the original also waited on planned-only
-        # turns once sessions were active, adding 2 ms to every planned step.
-        return bool(self.direct) and not fill_pending and should_coalesce_direct_iterations(
-            not self.cache_queue.is_empty(), has_wave_aware
-        )
-
     def _coalesce_direct_iterations(self) -> None:
-        """Wait up to 2 ms for the next steps of the other active direct sessions."""
+        """Wait up to 2 ms for the next steps of the other active direct sessions.
+
+        NOTE: only called with direct work queued; the original also waited on
+        planned-only turns once sessions were active, adding 2 ms to every planned step.
+        """
         planned_sessions = sum(1 for s in self.planned.requests.values() if s.runtime_configured)
         target = direct_coalesce_target(
             max(0, self.active_runtime_sessions - planned_sessions), len(self.direct),
@@ -217,43 +184,15 @@ class WorkerLoop:
             self.direct.append(command)
         elif isinstance(command, RuntimeOperation):
             # Inline, in command order: FIFO with every other command.
-            self.run_runtime_operation(command, None)
-        elif isinstance(command, CacheAwareRuntimeCommand):
-            refresh = command.refresh_affinity
-            flow = self.planned.prefix_flow
-            if refresh is None and flow is not None:
-                # The stage's own cache values the operation: a peek, recency untouched.
-                prompt = tuple(command.prompt_tokens)
-                refresh = lambda: flow.cache.affinity(prompt)  # noqa: E731
-            self.cache_queue.enqueue_lazy(command.operation, command.prompt_tokens,
-                                          command.priority, command.payload, refresh)
+            self.run_runtime_operation(command)
         elif isinstance(command, CancelCommand):
             self.planned.cancel(command.req_id)
 
     # -- one work turn -------------------------------------------------------------------
 
     def run_work_turn(self) -> None:
-        """Serve one unit of work: a cache-runtime operation or an iteration."""
-        has_cache = not self.cache_queue.is_empty()
-        has_wave_aware = self.cache_queue.has_wave_aware_operations()
-        has_direct = bool(self.direct)
-        has_iteration = bool(self.planned.requests) or has_direct
-        max_batch = self.settings.max_direct_batch_size
-        if has_wave_aware and has_direct and self.active_runtime_sessions >= max_batch:
-            self.direct_wave_full = True
-        suppress = should_suppress_cache_runtime(
-            has_wave_aware, self.direct_wave_full, self.active_runtime_sessions, max_batch)
-        fill = should_fill_cache_runtime_wave(
-            has_direct, has_wave_aware, self.active_runtime_sessions, max_batch)
-        serve_cache = not suppress and (fill or should_serve_cache_runtime(
-            has_cache, has_iteration, self.last_served_cache_runtime))
-        self.cache_queue.advance_turn()
-        self.last_served_cache_runtime = serve_cache
-        if serve_cache:
-            popped = self.cache_queue.pop_next()
-            if popped is not None:
-                self.run_runtime_operation(*popped)
-        elif has_iteration:
+        """Serve one unit of work: a direct batch or a planned iteration."""
+        if self.direct or self.planned.requests:
             self.run_iteration()
 
     def run_iteration(self) -> None:
@@ -274,7 +213,7 @@ class WorkerLoop:
             # could starve queued direct work behind requests that cannot be admitted.
             self.last_served_direct = True
             self._run_direct_batch()
-        elif self.cache_queue.is_empty():
+        else:
             # Nothing admitted can run and only a command (cancel, submit) can change
             # that: wait for one instead of spinning.
             self._wait_for_command(CANCELLATION_POLL_INTERVAL_S)
@@ -289,10 +228,8 @@ class WorkerLoop:
         )
         self._refresh_active_sessions()
 
-    def run_runtime_operation(
-        self, operation: RuntimeOperation, cache: CacheRuntimeTelemetry | None
-    ) -> None:
-        """Run a closure on the runtime, reply, and update the wave state."""
+    def run_runtime_operation(self, operation: RuntimeOperation) -> None:
+        """Run a closure on the runtime and reply to its caller, if one waits."""
         started = time.monotonic()
         try:
             value, error = operation.run(self.runtime), None
@@ -307,37 +244,13 @@ class WorkerLoop:
         elif error is not None:
             logger.warning("detached runtime operation %s failed: %s", operation.label, error)
         self._refresh_active_sessions()
-        if (self.active_runtime_sessions >= self.settings.max_direct_batch_size
-                and cache is not None and cache.wave_aware):
-            # The restore may finish before its caller's first direct iteration arrives:
-            # remember the saturated wave so no other restore slips into that gap.
-            self.direct_wave_full = True
-        self._publish_runtime_operation(operation, cache, run_s)
-
-    def _publish_runtime_operation(
-        self, operation: RuntimeOperation, cache: CacheRuntimeTelemetry | None, run_s: float
-    ) -> None:
-        prefix = "skippy.scheduler."
-        attributes: dict[str, Any] = {prefix + "operation": operation.label,
-                                      prefix + "operation_ms": run_s * 1000.0}
-        if operation.context is not None:
-            attributes[prefix + "cache_operation_id"] = operation.context.operation_id
-            attributes[prefix + "cache_operation_state"] = operation.context.state.value
-        if cache is not None:
-            attributes.update({
-                prefix + "cache_matched_tokens": cache.matched_tokens,
-                prefix + "cache_saved_cost": cache.saved_cost,
-                prefix + "cache_age_turns": cache.age_turns,
-                prefix + "cache_stage_hits": cache.stage_hits,
-                prefix + "cache_epoch": cache.cache_epoch,
-                prefix + "cache_stale_fallback": cache.stale_affinity_fallback,
-            })
-        self.telemetry.publish(SCHEDULER_RUNTIME_OPERATION, attributes)
+        self.telemetry.publish(SCHEDULER_RUNTIME_OPERATION, {
+            "skippy.scheduler.operation": operation.label,
+            "skippy.scheduler.operation_ms": run_s * 1000.0,
+        })
 
     def _refresh_active_sessions(self) -> None:
         self.active_runtime_sessions = self.runtime.active_session_count()
-        if self.active_runtime_sessions < self.settings.max_direct_batch_size:
-            self.direct_wave_full = False
 
     # -- failure paths ---------------------------------------------------------------------
 
@@ -357,7 +270,7 @@ class WorkerLoop:
             fail_command(command, error)
 
     def _close(self, error: WorkerError) -> None:
-        """Stop for good: fail what is held, queued and cache-queued."""
+        """Stop for good: fail what is held and what is queued."""
         self.closed.set()
         try:
             self.fail_all(error)
@@ -369,8 +282,6 @@ class WorkerLoop:
             self.planned.requests.clear()
             while self.direct:
                 resolve_future(self.direct.popleft().reply, error=error)
-        for operation in self.cache_queue.drain():
-            fail_command(operation, error)
         self.fail_queued(error)
 
     def _contain_panic(self, exc: BaseException) -> None:
@@ -390,10 +301,8 @@ class WorkerLoop:
             num_active=metrics.active_sequences,
             command_queue_depth=self._commands.qsize(),
             direct_queue_depth=len(self.direct),
-            cache_runtime_queue_depth=len(self.cache_queue),
             active_runtime_sessions=self.active_runtime_sessions,
             max_direct_batch_size=self.settings.max_direct_batch_size,
-            direct_wave_full=self.direct_wave_full,
             num_iterations=metrics.iterations,
             num_finished=metrics.finished,
             num_failed=metrics.failed,
@@ -441,7 +350,5 @@ def fail_command(command: Command, error: WorkerError) -> None:
             logger.exception("event callback of %s failed", command.request.request_id)
     elif isinstance(command, DirectIteration):
         resolve_future(command.reply, error=error)
-    elif isinstance(command, CacheAwareRuntimeCommand):
-        fail_command(command.operation, error)
     elif isinstance(command, RuntimeOperation) and command.reply is not None:
         resolve_future(command.reply, error=error)

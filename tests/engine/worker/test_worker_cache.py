@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache_helpers import SETTINGS, WAIT_S, submit_all, tokens
+from cache_helpers import SETTINGS, submit_all, tokens
 
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, SCHEDULER_RUNTIME_OPERATION
+from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
 
 SHARED = tokens(1, 200)
 BURST = {f"r{i}": SHARED + tokens(10 + i, 6) for i in range(4)}
@@ -62,21 +62,3 @@ def test_cached_prefixes_give_way_before_any_active_request_is_preempted(make_st
     assert worker.stats().num_preempted == 0
     stats = cache.stats()
     assert stats.evictions >= 2 and stats.bytes_host > 0  # moved to host RAM, not lost
-
-
-def test_cache_aware_runtime_operations_are_valued_by_a_peek(make_stack):
-    worker, cache = make_stack()
-    [done] = submit_all(worker, {"warm": SHARED + [5]}, 2).values()
-    done.result()
-    entry = next(iter(cache.table.entries.values()))
-    recency = entry.last_used
-    with worker.telemetry.subscribe() as events:
-        outcome = worker.execute_cache_aware_runtime(
-            "restore-then-prefill", "op-1", lambda runtime, context: "ran",
-            prompt_tokens=SHARED + [9, 9], deadline=None)
-        [event] = [e for e in events.drain() if e.name == SCHEDULER_RUNTIME_OPERATION]
-    assert outcome.value == "ran"
-    assert event.attributes["skippy.scheduler.cache_matched_tokens"] == len(SHARED)
-    assert entry.last_used == recency  # a peek leaves recency alone
-    assert worker.stats().num_waiting == 0
-    assert WAIT_S > 0

@@ -1,4 +1,4 @@
-"""The worker turn by turn: parked requests, and cache-aware operations valued by a peek."""
+"""The worker turn by turn: requests parked behind a leader's shared prefix."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import pytest
 from cache_helpers import GREEDY, N_BATCH, N_UBATCH, SETTINGS, Collector, open_runtime, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.worker.cache_runtime import CachePayload, CacheRuntimeContext, RuntimeOperation
 from skippyd.engine.worker.commands import (
-    CacheAwareRuntimeCommand,
     CancelCommand,
     GenerationRequest,
     SubmitCommand,
@@ -87,19 +85,3 @@ def test_followers_of_a_cancelled_leader_are_routed_again(worker):
     run_until(worker, lambda: follower.done.is_set())
     assert len(follower.result()) == 3
     assert worker.planned.prefix_flow.cache.cached_prompt_tokens("follower") == 0
-
-
-def test_the_cache_runtime_queue_serves_the_operation_with_the_cached_prefix_first(worker):
-    warm = submit(worker, "warm", SHARED + tokens(8, 10), 3)
-    run_until(worker, warm.done.is_set)  # its history is recorded when it finishes
-    ran: list[str] = []
-
-    def operation(name: str) -> RuntimeOperation:
-        context = CacheRuntimeContext(name)
-        return RuntimeOperation(name, lambda runtime, ctx: ran.append(name), context)
-
-    for name, prompt in (("cold", tokens(9, 160)), ("hot", SHARED + tokens(9, 10))):
-        worker.handle_command(CacheAwareRuntimeCommand(
-            operation(name), prompt, 0, CachePayload.RESIDENT_KV, None))
-    run_until(worker, lambda: len(ran) == 2)
-    assert ran == ["hot", "cold"]  # enqueued second, valued first
