@@ -1,8 +1,7 @@
 """Caller-side helpers of the worker handle.
 
-Everything here runs on the caller's thread: request validation before anything is
-queued, waiting for a worker reply while watching cancellation, deadline and worker
-liveness, and the blocking ``generate`` event loop.
+Everything here runs on the caller's thread: the worker thread's ownership (start,
+shutdown, join) and the validation of a generation request before anything is queued.
 """
 
 from __future__ import annotations
@@ -11,35 +10,19 @@ import logging
 import operator
 import queue
 import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.engine.worker.commands import (
-    CANCELLATION_POLL_INTERVAL_S,
-    CancellationToken,
-    CompleteEvent,
-    GenerationEvent,
     GenerationRequest,
-    GenerationResult,
     InvalidRequestError,
-    RequestCancelledError,
     ShutdownCommand,
-    TokenControl,
-    TokenEvent,
-    WorkerStoppedError,
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.worker.handle import WorkerHandle
     from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: Name of the worker thread.
 THREAD_NAME = "skippy-iteration-scheduler"
@@ -47,18 +30,13 @@ THREAD_NAME = "skippy-iteration-scheduler"
 _SHUTDOWN_PUT_TIMEOUT_S = 0.05
 
 
-class HandleOwnership:
-    """The worker thread and command queue all clones of one handle share.
-
-    ``owner_count`` counts live handles; ``release`` runs once per handle, and the last
-    one sends Shutdown with a blocking put and joins the thread.
-    """
+class WorkerThread:
+    """The worker's thread and command queue, and what stopping them takes."""
 
     def __init__(self, worker: WorkerLoop, commands: queue.Queue[Command]) -> None:
         self.worker = worker
         self.commands = commands
         self.thread = threading.Thread(target=worker.run, name=THREAD_NAME, daemon=True)
-        self.owner_count = 1
         self.lock = threading.Lock()
         self.num_command_queue_full = 0
         """Commands refused because the bounded queue was full (HTTP 429s)."""
@@ -67,18 +45,8 @@ class HandleOwnership:
         with self.lock:
             self.num_command_queue_full += 1
 
-    def acquire(self) -> None:
-        with self.lock:
-            if self.owner_count == 0:
-                raise WorkerStoppedError()
-            self.owner_count += 1
-
     def release(self) -> None:
-        """Drop one owner; the last one sends Shutdown and joins the worker."""
-        with self.lock:
-            self.owner_count -= 1
-            if self.owner_count > 0:
-                return
+        """Send Shutdown and join the worker; runs once, when its handle closes or dies."""
         while self.thread.is_alive():
             try:  # blocking send, but never stuck behind a dead worker
                 self.commands.put(ShutdownCommand(), timeout=_SHUTDOWN_PUT_TIMEOUT_S)
@@ -133,114 +101,3 @@ def validate_generation_request(request: GenerationRequest, kv_capacity_tokens: 
         raise InvalidRequestError(
             f"prompt_tokens: {needed} tokens do not fit the {kv_capacity_tokens}-token KV cache"
         )
-
-
-def wait_for_reply(
-    reply: Future[T] | None,
-    check: Callable[[], None] | None,
-    deadline: float | None,
-    worker_thread: threading.Thread,
-) -> T:
-    """Block until the worker answers, re-checking ``check`` every poll and at the end.
-
-    ``check`` raises when the caller's cancellation or deadline fired; it runs once more
-    after the reply arrives, so a deadline that passed while waiting wins even over a
-    worker's answer.
-
-    Raises:
-        WorkerStoppedError: The worker died without answering.
-        Exception: Whatever the worker answered with, or ``check`` raised.
-    """
-    if reply is None:
-        raise RuntimeError("wait_for_reply needs a reply future")
-    while True:
-        if check is not None:
-            check()
-        timeout = CANCELLATION_POLL_INTERVAL_S
-        if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-        wait_futures([reply], timeout=timeout)
-        if reply.done():
-            break
-        if not worker_thread.is_alive() and not reply.done():
-            raise WorkerStoppedError("iteration scheduler stopped: no reply from the worker")
-    if check is not None:
-        check()
-    return reply.result()
-
-
-def generate_blocking(
-    worker: WorkerHandle,
-    request: GenerationRequest,
-    cancellation: CancellationToken | None,
-    on_token: Callable[[int], TokenControl] | None,
-    *,
-    resumed: bool,
-) -> GenerationResult:
-    """Submit ``request`` and drive its events to the end (``drive_generation_events``).
-
-    Raises:
-        RequestCancelledError: ``cancellation`` fired (a Cancel was sent).
-        WorkerError: The generation failed.
-    """
-    if threading.current_thread() is worker.thread:
-        raise RuntimeError("blocking scheduler calls cannot be made from its worker thread")
-    events: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
-    started = time.monotonic()
-    first_token_at: float | None = None
-    tokens: list[int] = []
-    stopped = False
-    worker.submit_generation(request, events.put)
-    while True:
-        event = _next_event(worker, request.request_id, events, cancellation)
-        if isinstance(event, TokenEvent) and stopped:
-            event.ack.send(TokenControl.STOP)  # produced before the worker saw our Stop
-        elif isinstance(event, TokenEvent):
-            first_token_at = first_token_at or time.monotonic()
-            tokens.append(event.token)
-            stopped = _answer_token(worker, request.request_id, event, on_token)
-        elif isinstance(event, CompleteEvent):
-            elapsed_ms = (time.monotonic() - started) * 1000.0
-            prompt_ms = 0.0 if resumed else (
-                (first_token_at - started) * 1000.0 if first_token_at else elapsed_ms)
-            reason = "stop" if stopped else event.finish_reason
-            return GenerationResult(tokens, reason, prompt_ms, max(0.0, elapsed_ms - prompt_ms))
-        elif event is not None:
-            raise event.error
-
-
-def _next_event(
-    worker: WorkerHandle,
-    req_id: str,
-    events: queue.SimpleQueue[GenerationEvent],
-    cancellation: CancellationToken | None,
-) -> GenerationEvent | None:
-    """One poll: raise on cancellation or a dead worker; None when nothing arrived."""
-    if cancellation is not None and cancellation.is_cancelled:
-        worker.cancel(req_id)
-        raise RequestCancelledError("request cancelled")
-    try:
-        return events.get(timeout=CANCELLATION_POLL_INTERVAL_S)
-    except queue.Empty:
-        if not worker.thread.is_alive() and events.empty():
-            raise WorkerStoppedError(
-                "iteration scheduler stopped before generation completed"
-            ) from None
-        return None
-
-
-def _answer_token(
-    worker: WorkerHandle,
-    req_id: str,
-    event: TokenEvent,
-    on_token: Callable[[int], TokenControl] | None,
-) -> bool:
-    """Ask ``on_token`` and answer the ack; True if the consumer said Stop."""
-    try:
-        control = on_token(event.token) if on_token is not None else TokenControl.CONTINUE
-    except BaseException:
-        event.ack.send(TokenControl.STOP)
-        worker.cancel(req_id)
-        raise
-    event.ack.send(control)
-    return control is TokenControl.STOP

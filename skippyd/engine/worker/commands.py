@@ -1,8 +1,8 @@
 """Plain types shared by the worker and its callers.
 
-Errors, generation requests, the events a generation receives, cancellation tokens and
-the result records of direct iterations and runtime operations. Nothing here touches a
-runtime or a thread.
+Errors, generation requests, the events a generation receives, the result records of
+direct iterations, the worker's status snapshot and the commands other threads send.
+Nothing here touches a runtime or a thread.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,10 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: How often blocking waits re-check cancellation, deadlines and worker liveness.
-CANCELLATION_POLL_INTERVAL_S = 0.010
+#: How long the worker waits for a command when nothing it holds can run.
+IDLE_POLL_INTERVAL_S = 0.010
 #: Seconds a client should wait before retrying an overloaded submit (HTTP Retry-After).
 QUEUE_FULL_RETRY_AFTER_S = 1.0
 
@@ -91,20 +87,6 @@ class InvalidRequestError(WorkerError, ValueError):
     status = 400
 
 
-class RequestCancelledError(WorkerError):
-    """The caller's cancellation token fired."""
-
-    kind = "cancelled"
-    status = 499
-
-
-class DeadlineExceededError(WorkerError):
-    """The request's deadline passed before it could run."""
-
-    kind = "timeout"
-    status = 504
-
-
 class WorkerBackendError(WorkerError):
     """The runtime failed, or the worker failed while holding the request."""
 
@@ -147,21 +129,6 @@ def worker_error_from_runtime(context: str, exc: RuntimeFailure) -> WorkerError:
         error = WorkerBackendError(message)
     error.__cause__ = exc
     return error
-
-
-class CancellationToken:
-    """A thread-safe, one-way cancellation flag shared between a caller and the worker."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def cancel(self) -> None:
-        """Request cancellation. Idempotent."""
-        self._event.set()
-
-    @property
-    def is_cancelled(self) -> bool:
-        return self._event.is_set()
 
 
 @dataclass(slots=True)
@@ -254,17 +221,6 @@ GenerationEvent = TokenEvent | CompleteEvent | ErrorEvent
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationResult:
-    """What the blocking :meth:`WorkerHandle.generate` helper returns."""
-
-    tokens: list[int]
-    finish_reason: str
-    prompt_ms: float
-    """Submit to first token (whole time if no token; 0 for resumes)."""
-    predicted_ms: float
-
-
-@dataclass(frozen=True, slots=True)
 class IterationOutcome:
     """One caller's share of a direct batched iteration (``SchedulerIterationOutcome``)."""
 
@@ -279,17 +235,6 @@ class IterationOutcome:
     run_ms: float
     """Time the batched runtime call took."""
     session_alignment: SessionAlignment | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RuntimeOutcome(Generic[T]):
-    """Result of a runtime operation run on the worker (``SchedulerRuntimeOutcome``)."""
-
-    value: T
-    queue_wait_ms: float
-    """Enqueue to start of execution."""
-    run_ms: float
-    """Time the operation held the runtime."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,17 +305,13 @@ class CancelCommand:
 
 @dataclass(slots=True)
 class RuntimeOperation:
-    """A closure ``fn(runtime)`` to run on the worker thread, in command order."""
+    """A closure ``fn(runtime)`` to run on the worker thread, in command order.
+
+    Nobody waits for its result: the worker logs what it raises.
+    """
 
     label: str
     fn: Callable[[Runtime], Any]
-    reply: Future[Any] | None = field(default_factory=Future)
-    """None for detached operations: nobody waits for the result."""
-    enqueued_at: float = field(default_factory=time.monotonic)
-
-    def run(self, runtime: Runtime) -> Any:
-        """Run the closure; exceptions propagate."""
-        return self.fn(runtime)
 
 
 class ShutdownCommand:

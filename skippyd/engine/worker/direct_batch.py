@@ -1,8 +1,8 @@
 """Direct iterations: validation, batching and execution.
 
 A direct iteration is caller-shaped work (explicit tokens or activation rows, explicit
-positions) that bypasses the planning policy: the stage link, speculative and prefill
-paths use it. The worker batches queued direct iterations into one runtime call per
+positions) that bypasses the planning policy: a later stage of a split pipeline runs
+what its upstream stage sends this way. The worker batches queued direct iterations into one runtime call per
 turn with :func:`take_direct_iteration_batch` and runs it with
 :func:`run_direct_iteration_batch`.
 """
@@ -30,11 +30,8 @@ from skippyd.engine.runtime.protocol import (
     SessionAlignment,
 )
 from skippyd.engine.worker.commands import (
-    CancellationToken,
-    DeadlineExceededError,
     InvalidRequestError,
     IterationOutcome,
-    RequestCancelledError,
     WorkerBackendError,
     WorkerError,
     worker_error_from_runtime,
@@ -143,21 +140,6 @@ def validate_direct_iteration(
         raise InvalidRequestError("scheduler iteration positions must be empty or token-major")
 
 
-def ensure_direct_iteration_active(
-    deadline: float | None, cancellation: CancellationToken | None
-) -> None:
-    """Raise if the caller gave up or the deadline passed.
-
-    Raises:
-        RequestCancelledError: The cancellation token fired.
-        DeadlineExceededError: ``time.monotonic()`` reached ``deadline``.
-    """
-    if cancellation is not None and cancellation.is_cancelled:
-        raise RequestCancelledError("request cancelled during scheduler iteration")
-    if deadline is not None and time.monotonic() >= deadline:
-        raise DeadlineExceededError("cache operation deadline exceeded during scheduler iteration")
-
-
 @dataclass(slots=True)
 class DirectIteration:
     """A queued direct iteration."""
@@ -171,9 +153,6 @@ class DirectIteration:
     phase: IterationPhase = IterationPhase.PREFILL
     target_token_count: int | None = None
     """Trim the session to this many tokens first if it is ahead."""
-    deadline: float | None = None
-    """``time.monotonic()`` instant after which the iteration must not run."""
-    cancellation: CancellationToken | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     reply: Future[IterationOutcome] = field(default_factory=Future)
 
@@ -182,10 +161,6 @@ class DirectIteration:
         if self.input_rows is not None:
             return int(self.input_rows.shape[0])
         return len(self.token_ids)
-
-    def ensure_active(self) -> None:
-        """See :func:`ensure_direct_iteration_active`."""
-        ensure_direct_iteration_active(self.deadline, self.cancellation)
 
     def make_runtime_request(self) -> IterationRequest:
         return IterationRequest(
@@ -253,19 +228,15 @@ def resolve_future(future: Future[Any], value: Any = None, error: BaseException 
 
 
 def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[DirectIteration, SessionAlignment | None]]:
-    """Drop inactive requests and align sessions; returns the runnable ones."""
+    """Align sessions that are ahead; returns the requests that can run."""
     runnable = []
     for item in batch:
         try:
-            item.ensure_active()
             alignment = None
             if item.target_token_count is not None:
                 alignment = runtime.align_session_to_token_count_if_ahead(
                     item.session_id, item.target_token_count
                 )
-        except WorkerError as exc:
-            resolve_future(item.reply, error=exc)
-            continue
         except RuntimeFailure as exc:
             error = worker_error_from_runtime(f"align session {item.session_id}", exc)
             resolve_future(item.reply, error=error)

@@ -1,11 +1,11 @@
 """``WorkerHandle``: the handle every caller uses to reach the worker thread.
 
 One worker per stage process owns one thread named ``skippy-iteration-scheduler``,
-the only code that calls the runtime. Callers never wait on the worker
-to accept work: commands go into a bounded queue with non-blocking puts, and a full
-queue is an immediate :class:`QueueFullError` (HTTP 429 with a retry hint). The handle
-can be cloned; the last owner to :meth:`WorkerHandle.close` stops the worker and
-joins it.
+the only code that calls the runtime. Callers never wait on the worker to accept work:
+commands go into a bounded queue with non-blocking puts, and a full queue is an
+immediate :class:`QueueFullError` (HTTP 429 with a retry hint). Results come back
+through callbacks (generations) and futures (direct iterations); no call here blocks on
+the worker. :meth:`WorkerHandle.close` stops the worker and joins it.
 """
 
 from __future__ import annotations
@@ -15,43 +15,23 @@ import logging
 import os
 import queue
 import threading
-import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any
 
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import IterationPhase, Runtime, SamplingConfig
-from skippyd.engine.worker.caller import (
-    HandleOwnership,
-    generate_blocking,
-    validate_generation_request,
-    wait_for_reply,
-)
+from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.worker.caller import WorkerThread, validate_generation_request
 from skippyd.engine.worker.commands import (
     CancelCommand,
-    CancellationToken,
-    CompleteEvent,
-    DeadlineExceededError,
-    ErrorEvent,
     GenerationEvent,
     GenerationRequest,
-    GenerationResult,
-    InvalidRequestError,
     IterationOutcome,
     QueueFullError,
-    RequestCancelledError,
     RuntimeOperation,
-    RuntimeOutcome,
     SubmitCommand,
-    TokenAck,
-    TokenControl,
-    TokenEvent,
-    WorkerError,
     WorkerStats,
     WorkerStoppedError,
 )
@@ -60,7 +40,6 @@ from skippyd.engine.worker.direct_batch import (
     SAFE_MODE_ENV,
     DirectIteration,
     effective_lane_count,
-    ensure_direct_iteration_active,
     resolve_pipeline_decode_groups,
     safe_mode_from_value,
     validate_direct_iteration,
@@ -74,16 +53,6 @@ from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "CancellationToken", "CompleteEvent", "DeadlineExceededError",
-    "ErrorEvent", "GenerationRequest", "GenerationResult", "InvalidRequestError",
-    "IterationOutcome", "WorkerHandle", "QueueFullError", "RequestCancelledError",
-    "RuntimeOutcome", "WorkerError", "GenerationEvent", "WorkerStats",
-    "WorkerStoppedError", "TokenAck", "TokenControl", "TokenEvent",
-]
-
-T = TypeVar("T")
 
 
 class WorkerHandle:
@@ -140,26 +109,14 @@ class WorkerHandle:
         )
         commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
         worker = WorkerLoop(runtime, config, commands, hub, settings, prefix_cache)
-        self._shared = HandleOwnership(worker, commands)
+        self._shared = WorkerThread(worker, commands)
         self._shared.thread.start()
         self._finalizer = weakref.finalize(self, self._shared.release)
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def clone(self) -> WorkerHandle:
-        """Another owner of the same worker; each clone must be closed (or dropped).
-
-        Raises:
-            WorkerStoppedError: The worker was already shut down.
-        """
-        self._shared.acquire()
-        duplicate = object.__new__(WorkerHandle)
-        duplicate._shared = self._shared
-        duplicate._finalizer = weakref.finalize(duplicate, self._shared.release)
-        return duplicate
-
     def close(self) -> None:
-        """Give up this owner; the last one stops and joins the worker. Idempotent."""
+        """Stop the worker (failing what it holds) and join its thread. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> WorkerHandle:
@@ -187,18 +144,6 @@ class WorkerHandle:
         """Why the worker died, or None while it is healthy."""
         return self._shared.worker.failure
 
-    @property
-    def health(self) -> dict[str, Any]:
-        """``{"status": "ok" | "failed" | "stopped", "failure": str | None}`` for /health."""
-        failure = self.failure
-        if failure is not None:
-            status = "failed"
-        elif self._shared.worker.closed.is_set() or not self._shared.thread.is_alive():
-            status = "stopped"
-        else:
-            status = "ok"
-        return {"status": status, "failure": failure}
-
     def stats(self) -> WorkerStats:
         """The worker's latest published snapshot, plus the live command queue figures."""
         return dataclasses.replace(
@@ -218,26 +163,16 @@ class WorkerHandle:
         """
         if not self._finalizer.alive or self._shared.worker.closed.is_set():
             raise WorkerStoppedError()
-        if not self._try_put(command):
-            # Nothing may keep the rejected command alive (its closure may hold resources).
-            del command
-            self._shared.count_queue_full()
-            raise QueueFullError()
-        if self._shared.worker.closed.is_set():
-            # The worker stopped between the check and the put: answer what is stranded.
-            self._shared.worker.fail_queued(WorkerStoppedError())
-
-    def _ensure_may_block(self) -> None:
-        """A blocking call from the worker thread would wait on itself forever."""
-        if threading.current_thread() is self._shared.thread:
-            raise RuntimeError("blocking scheduler calls cannot be made from its worker thread")
-
-    def _try_put(self, command: Command) -> bool:
         try:
             self._shared.commands.put_nowait(command)
         except queue.Full:
-            return False
-        return True
+            # Nothing may keep the rejected command alive (its closure may hold resources).
+            del command
+            self._shared.count_queue_full()
+            raise QueueFullError() from None
+        if self._shared.worker.closed.is_set():
+            # The worker stopped between the check and the put: answer what is stranded.
+            self._shared.worker.fail_queued(WorkerStoppedError())
 
     # -- planned generations -------------------------------------------------------------
 
@@ -268,122 +203,31 @@ class WorkerHandle:
         except WorkerStoppedError:
             pass  # a stopped worker already failed every request
 
-    def generate(
-        self,
-        prompt_tokens: Sequence[int],
-        max_tokens: int,
-        *,
-        request_id: str | None = None,
-        sampling: SamplingConfig | None = None,
-        priority: int = 0,
-        cancellation: CancellationToken | None = None,
-        on_token: Callable[[int], TokenControl] | None = None,
-    ) -> GenerationResult:
-        """Run a generation to completion, blocking.
-
-        Raises:
-            WorkerError: Any typed failure, including ``RequestCancelledError``.
-        """
-        request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens),
-                                    max_tokens, sampling, priority)
-        return generate_blocking(self, request, cancellation, on_token, resumed=False)
-
-    def resume_generation(
-        self,
-        request_id: str,
-        prompt_tokens: Sequence[int],
-        generated_tokens: Sequence[int],
-        max_tokens: int,
-        *,
-        sampling: SamplingConfig | None = None,
-        cancellation: CancellationToken | None = None,
-        on_token: Callable[[int], TokenControl] | None = None,
-    ) -> GenerationResult:
-        """Continue a generation whose runtime session the caller owns and cleans up."""
-        request = GenerationRequest(request_id, list(prompt_tokens), max_tokens, sampling,
-                                    generated_tokens=list(generated_tokens),
-                                    retain_runtime=True)
-        return generate_blocking(self, request, cancellation, on_token, resumed=True)
-
     # -- direct iterations ---------------------------------------------------------------
 
     def submit_iteration(self, iteration: DirectIteration) -> Future[IterationOutcome]:
         """Validate and queue a direct iteration; returns the worker's reply future.
 
-        A caller that awaits the future must re-check its deadline and cancellation
-        afterwards (:func:`ensure_direct_iteration_active`), as ``execute_iteration``
-        does: a deadline that passed while waiting wins over the reply.
-
         Raises:
-            InvalidRequestError: Bad shape; DeadlineExceededError /
-            RequestCancelledError: already inactive; QueueFullError; WorkerStoppedError.
+            InvalidRequestError: Bad shape (nothing was queued).
+            QueueFullError: The command queue is full.
+            WorkerStoppedError: The worker is stopped.
         """
         validate_direct_iteration(iteration.token_ids, iteration.positions,
                                   self._shared.worker.settings.max_direct_iteration_tokens,
                                   iteration.input_rows)
-        iteration.ensure_active()
         self._enqueue(iteration)
         return iteration.reply
 
-    def execute_iteration(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        positions: Sequence[int] = (),
-        sampling: SamplingConfig | None = None,
-        sample_last: bool = False,
-        phase: IterationPhase = IterationPhase.PREFILL,
-        *,
-        deadline: float | None = None,
-        cancellation: CancellationToken | None = None,
-    ) -> IterationOutcome:
-        """Run one direct iteration, batched with others, and wait for its outcome.
-
-        ``deadline`` is a ``time.monotonic()`` instant.
-        """
-        iteration = DirectIteration(session_id, token_ids, positions, sampling, None,
-                                    sample_last, phase, None, deadline, cancellation)
-        return self._run_direct(iteration)
-
-    def execute_frame_iteration(
-        self,
-        session_id: str,
-        target_token_count: int | None,
-        token_ids: Sequence[int],
-        positions: Sequence[int],
-        sampling: SamplingConfig | None,
-        input_rows: np.ndarray | None,
-        sample_last: bool,
-        *,
-        deadline: float | None = None,
-        cancellation: CancellationToken | None = None,
-    ) -> IterationOutcome:
-        """Run activation rows from upstream; trims the session first if it is ahead."""
-        iteration = DirectIteration(session_id, token_ids, positions, sampling, input_rows,
-                                    sample_last, IterationPhase.DECODE, target_token_count,
-                                    deadline, cancellation)
-        return self._run_direct(iteration)
-
-    def _run_direct(self, iteration: DirectIteration) -> IterationOutcome:
-        self._ensure_may_block()
-        reply = self.submit_iteration(iteration)
-        check = lambda: ensure_direct_iteration_active(  # noqa: E731
-            iteration.deadline, iteration.cancellation)
-        return wait_for_reply(reply, check, iteration.deadline, self._shared.thread)
-
     # -- runtime operations --------------------------------------------------------------
 
-    def execute_runtime(self, label: str, fn: Callable[[Runtime], T]) -> T:
-        """Run ``fn(runtime)`` on the worker, FIFO with other commands; return its value."""
-        return self.execute_runtime_timed(label, fn).value
-
-    def execute_runtime_timed(self, label: str, fn: Callable[[Runtime], T]) -> RuntimeOutcome[T]:
-        """Like :meth:`execute_runtime`, with queue-wait and run times."""
-        self._ensure_may_block()
-        operation = RuntimeOperation(label, fn)
-        self._enqueue(operation)
-        return wait_for_reply(operation.reply, None, None, self._shared.thread)
-
     def execute_runtime_detached(self, label: str, fn: Callable[[Runtime], Any]) -> None:
-        """Queue best-effort work and return at once; it stays FIFO with later commands."""
-        self._enqueue(RuntimeOperation(label, fn, reply=None))
+        """Queue ``fn(runtime)`` and return at once; it runs FIFO with later commands.
+
+        Nobody waits for the result: an exception ``fn`` raises is logged, never raised.
+
+        Raises:
+            QueueFullError: The command queue is full.
+            WorkerStoppedError: The worker is stopped.
+        """
+        self._enqueue(RuntimeOperation(label, fn))

@@ -20,13 +20,12 @@ from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.commands import (
-    CANCELLATION_POLL_INTERVAL_S,
+    IDLE_POLL_INTERVAL_S,
     WORKER_PANIC_MESSAGE,
     CancelCommand,
     ErrorEvent,
     LaneInfo,
     RuntimeOperation,
-    RuntimeOutcome,
     ShutdownCommand,
     SubmitCommand,
     WorkerBackendError,
@@ -216,7 +215,7 @@ class WorkerLoop:
         else:
             # Nothing admitted can run and only a command (cancel, submit) can change
             # that: wait for one instead of spinning.
-            self._wait_for_command(CANCELLATION_POLL_INTERVAL_S)
+            self._wait_for_command(IDLE_POLL_INTERVAL_S)
 
     def _run_direct_batch(self) -> None:
         batch = take_direct_iteration_batch(
@@ -229,20 +228,14 @@ class WorkerLoop:
         self._refresh_active_sessions()
 
     def run_runtime_operation(self, operation: RuntimeOperation) -> None:
-        """Run a closure on the runtime and reply to its caller, if one waits."""
+        """Run a caller's closure on the runtime; what it raises is logged, not fatal."""
         started = time.monotonic()
         try:
-            value, error = operation.run(self.runtime), None
-        except Exception as exc:  # the caller's error, delivered to the caller
-            value, error = None, exc
+            operation.fn(self.runtime)
+        except Exception as exc:  # the caller's error: nobody waits for it, so log it
+            logger.warning("runtime operation %s failed: %s", operation.label, exc)
         run_s = time.monotonic() - started
         self.num_runtime_operations += 1
-        if operation.reply is not None:
-            outcome = RuntimeOutcome(value, (started - operation.enqueued_at) * 1000.0,
-                                     run_s * 1000.0)
-            resolve_future(operation.reply, outcome, error)
-        elif error is not None:
-            logger.warning("detached runtime operation %s failed: %s", operation.label, error)
         self._refresh_active_sessions()
         self.telemetry.publish(SCHEDULER_RUNTIME_OPERATION, {
             "skippy.scheduler.operation": operation.label,
@@ -350,5 +343,4 @@ def fail_command(command: Command, error: WorkerError) -> None:
             logger.exception("event callback of %s failed", command.request.request_id)
     elif isinstance(command, DirectIteration):
         resolve_future(command.reply, error=error)
-    elif isinstance(command, RuntimeOperation) and command.reply is not None:
-        resolve_future(command.reply, error=error)
+

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from skippyd.engine.runtime.protocol import (
-    InvalidIterationError,
     IterationOutput,
     IterationPhase,
     IterationSample,
 )
-from skippyd.engine.worker.caller import wait_for_reply
-from skippyd.engine.worker.commands import (
-    CancellationToken,
-    DeadlineExceededError,
-    InvalidRequestError,
-    RequestCancelledError,
-    WorkerBackendError,
-)
+from skippyd.engine.worker.commands import InvalidRequestError, WorkerBackendError
 from skippyd.engine.worker.direct_batch import (
     DirectIteration,
     direct_coalesce_target,
@@ -48,66 +37,17 @@ def names(items) -> list[str]:
     return [item.name for item in items]
 
 
-def test_expired_direct_iteration_behind_blocked_worker_never_reaches_native_runtime(
-    runtime_factory, make_handle, blocked_worker
-):
-    runtime = runtime_factory()
-    worker = make_handle(runtime)
-    _, release = blocked_worker(worker)
-    deadline = time.monotonic() + 0.050
-    iteration = DirectIteration("s", [1, 2], sample_last=True, deadline=deadline)
-    reply = worker.submit_iteration(iteration)
-    with pytest.raises(DeadlineExceededError, match="deadline exceeded"):
-        worker.execute_iteration("s2", [3], deadline=deadline)
-    release.set()
-    error = reply.exception(timeout=WAIT_S)
-    assert isinstance(error, DeadlineExceededError)
-    assert "deadline exceeded" in error.message
-    assert runtime.calls == []
-    assert runtime.active_session_count() == 0
+def run(worker, session_id, token_ids, **fields):
+    """Submit one direct iteration and wait for its outcome."""
+    iteration = DirectIteration(session_id, token_ids, **fields)
+    return worker.submit_iteration(iteration).result(timeout=WAIT_S)
 
 
-def test_direct_iteration_rechecks_deadline_after_worker_reply():
-    worker_thread = threading.current_thread()
-    reply: Future = Future()
-    reply.set_exception(WorkerBackendError("worker said no"))
-    deadline = time.monotonic() - 0.001
-    check_calls = []
-
-    def check() -> None:
-        check_calls.append(1)
-        if len(check_calls) > 1 and time.monotonic() >= deadline:
-            raise DeadlineExceededError(
-                "cache operation deadline exceeded during scheduler iteration")
-
-    with pytest.raises(DeadlineExceededError, match="deadline exceeded"):
-        wait_for_reply(reply, check, deadline, worker_thread)
-    assert len(check_calls) == 2  # once before waiting, once after the reply
-
-
-def test_direct_iteration_deadline_wins_over_a_late_worker_reply(
-    runtime_factory, make_handle
-):
-    runtime = runtime_factory()
-    runtime.gate = threading.Event()
-    runtime.failures.append(InvalidIterationError("late failure"))
-    worker = make_handle(runtime)
-    with pytest.raises(DeadlineExceededError):
-        worker.execute_iteration("s", [1], deadline=time.monotonic() + 0.05)
-    assert runtime.entered.wait(WAIT_S)  # the worker started it; its reply comes too late
-    runtime.gate.set()
-
-
-def test_queued_direct_iteration_carries_cancellation_state(runtime_factory, make_handle):
-    token = CancellationToken()
-    iteration = DirectIteration("s", [1], cancellation=token)
-    iteration.ensure_active()
-    token.cancel()
-    with pytest.raises(RequestCancelledError, match="request cancelled"):
-        iteration.ensure_active()
+def test_a_malformed_direct_iteration_is_refused_before_queueing(runtime_factory,
+                                                                 make_handle):
     worker = make_handle(runtime_factory())
-    with pytest.raises(RequestCancelledError):
-        worker.execute_iteration("s", [1], cancellation=token)
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        worker.submit_iteration(DirectIteration("s", []))
     assert worker.stats().command_queue_depth == 0
 
 
@@ -212,17 +152,18 @@ def test_direct_and_planned_work_alternate_without_starvation(
     assert should_serve_direct(has_direct, has_planned, last_direct) is expected
 
 
-def test_frame_iteration_aligns_a_session_that_is_ahead(runtime_factory, make_handle):
+def test_a_direct_iteration_trims_a_session_that_is_ahead(runtime_factory, make_handle):
     runtime = runtime_factory()
     worker = make_handle(runtime)
-    first = worker.execute_iteration("s", [1, 2, 3, 4], sample_last=True)
+    first = run(worker, "s", [1, 2, 3, 4], sample_last=True)
     assert first.predicted == 104 and first.batch_size == 1 and first.session_alignment is None
-    outcome = worker.execute_frame_iteration("s", 2, [7], [2], None, None, True)
+    outcome = run(worker, "s", [7], positions=[2], sample_last=True,
+                  phase=IterationPhase.DECODE, target_token_count=2)
     assert outcome.session_alignment.before_token_count == 4
     assert outcome.session_alignment.after_token_count == 2
     assert outcome.predicted == 103  # the session is 3 tokens long after the trim + row
     assert runtime.calls[-1][0].phase is IterationPhase.DECODE
-    unsampled = worker.execute_iteration("s", [8])
+    unsampled = run(worker, "s", [8])
     assert unsampled.predicted == -1
 
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 from fake_runtime import EventRecorder
+from worker_support import barrier, generate, on_worker
 
 from skippyd.engine.runtime.protocol import DecodeFailedError
 from skippyd.engine.worker.commands import (
     CancelCommand,
-    CancellationToken,
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
     InvalidRequestError,
     QueueFullError,
-    RequestCancelledError,
     SubmitCommand,
     TokenControl,
     TokenEvent,
@@ -23,11 +22,6 @@ from skippyd.engine.worker.commands import (
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
 
 WAIT_S = 5.0
-
-
-def barrier(worker) -> None:
-    """Return once the worker finished the turn it was in (runtime ops are FIFO)."""
-    worker.execute_runtime("barrier", lambda _runtime: None)
 
 
 def drain_tokens(recorder: EventRecorder) -> tuple[list[int], object]:
@@ -129,47 +123,44 @@ def test_end_of_generation_stops_without_a_token_event(runtime_factory, make_han
     assert terminal == CompleteEvent("stop")
 
 
-def test_generate_helper_runs_to_max_tokens(runtime_factory, make_handle):
+def test_a_generation_runs_to_max_tokens(runtime_factory, make_handle):
     worker = make_handle(runtime_factory())
-    result = worker.generate([1, 2, 3], max_tokens=4)
+    result = generate(worker, [1, 2, 3], max_tokens=4)
     # The fake samples 100 + the session's length: prompt of 3, then one per decode.
     assert result.tokens == [103, 104, 105, 106]
     assert result.finish_reason == "length"
-    assert result.prompt_ms >= 0 and result.predicted_ms >= 0
 
 
 def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_handle):
     worker = make_handle(runtime_factory())
-    result = worker.generate([1, 2], max_tokens=50, on_token=lambda _t: TokenControl.STOP)
+    result = generate(worker, [1, 2], max_tokens=50, on_token=lambda _t: TokenControl.STOP)
     assert result.tokens == [102]
     assert result.finish_reason == "stop"
     barrier(worker)
     assert worker.stats().num_active == 0
 
 
-def test_cancellation_token_cancels_a_running_generation(runtime_factory, make_handle):
+def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, make_handle):
     runtime = runtime_factory()
     worker = make_handle(runtime)
-    token = CancellationToken()
-
-    def cancel_after_first(_token: int) -> TokenControl:
-        token.cancel()
-        return TokenControl.CONTINUE
-
-    with pytest.raises(RequestCancelledError, match="request cancelled"):
-        worker.generate([1, 2], max_tokens=1000, request_id="c", cancellation=token,
-                           on_token=cancel_after_first)
-    barrier(worker)
+    recorder = EventRecorder()
+    worker.submit_generation(GenerationRequest("c", [1, 2], max_tokens=1000), recorder)
+    first = recorder.next(WAIT_S)
+    assert isinstance(first, TokenEvent)
+    worker.cancel("c")
+    worker.cancel("c")  # idempotent
+    first.ack.send(TokenControl.CONTINUE)
     barrier(worker)
     assert worker.stats().num_cancelled == 1
-    assert runtime.session_token_count("c") is None
+    assert on_worker(worker, lambda rt: rt.session_token_count("c")) is None
+    assert all(isinstance(event, TokenEvent) for event in recorder.pending())  # no terminal
 
 
 def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, make_handle):
     runtime = runtime_factory(lane_count=3, kv_pool_tokens=64)
     worker = make_handle(runtime)
     # Another user of the context (a direct session) holds 30 cells the policy cannot see.
-    worker.execute_runtime("hold", lambda rt: rt.sessions.__setitem__("other", 30))
+    on_worker(worker, lambda rt: rt.sessions.__setitem__("other", 30))
     recorders = {name: EventRecorder() for name in ("a", "b")}
     for name, recorder in recorders.items():
         worker.submit_generation(GenerationRequest(name, [1, 2, 3, 4], max_tokens=20),
@@ -211,7 +202,7 @@ def test_runtime_failure_fails_held_generations_but_keeps_serving(runtime_factor
     assert isinstance(event, ErrorEvent) and isinstance(event.error, WorkerBackendError)
     assert "code -3" in event.error.message
     assert worker.failure is None
-    assert worker.generate([1], max_tokens=2).finish_reason == "length"
+    assert generate(worker, [1], max_tokens=2).finish_reason == "length"
 
 
 def test_full_waiting_queue_answers_with_overload(runtime_factory, make_handle,

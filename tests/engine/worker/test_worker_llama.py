@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fake_runtime import EventRecorder
+from worker_support import barrier, generate, on_worker
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
@@ -13,6 +14,7 @@ from skippyd.engine.worker.commands import (
     TokenControl,
     TokenEvent,
 )
+from skippyd.engine.worker.direct_batch import DirectIteration
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = {"a": [1, 10, 20, 30, 40], "b": [1, 50, 60], "c": [1, 70, 80, 90, 100, 110, 120]}
@@ -51,10 +53,10 @@ def test_scheduled_generation_matches_the_runtime_run_alone(tiny_model_path, lla
     with open_runtime(tiny_model_path) as reference:
         expected = solo_greedy(reference, "a", PROMPTS["a"])
     worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
-    result = worker.generate(PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
+    result = generate(worker, PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
     assert result.tokens == expected
     assert result.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
-    worker.execute_runtime("barrier", lambda _rt: None)
+    barrier(worker)
     assert llama_runtime.active_session_count() == 0
 
 
@@ -77,18 +79,21 @@ def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_h
     calls = llama_runtime.decode_calls - calls_before
     # One batched call per step: far fewer calls than tokens produced by three sessions.
     assert calls < total_tokens
-    worker.execute_runtime("barrier", lambda _rt: None)
+    barrier(worker)
     assert llama_runtime.active_session_count() == 0
 
 
 def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_handle):
     worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
-    first = worker.execute_iteration("s", PROMPTS["b"], sampling=GREEDY, sample_last=True)
+    first = worker.submit_iteration(DirectIteration(
+        "s", PROMPTS["b"], sampling=GREEDY, sample_last=True)).result(timeout=WAIT_S)
     assert first.predicted >= 0 and first.batch_size == 1
-    count = worker.execute_runtime("count", lambda rt: rt.session_token_count("s"))
+    count = on_worker(worker, lambda rt: rt.session_token_count("s"))
     assert count == len(PROMPTS["b"])
-    aligned = worker.execute_frame_iteration("s", 2, [first.predicted], [2], GREEDY, None,
-                                                True)
+    aligned = worker.submit_iteration(DirectIteration(
+        "s", [first.predicted], [2], GREEDY, sample_last=True, phase=IterationPhase.DECODE,
+        target_token_count=2)).result(timeout=WAIT_S)
     assert aligned.session_alignment.before_token_count == len(PROMPTS["b"])
     assert aligned.session_alignment.after_token_count == 2
-    worker.execute_runtime("drop", lambda rt: rt.drop_session("s"))
+    on_worker(worker, lambda rt: rt.drop_session("s"))
+    assert llama_runtime.active_session_count() == 0

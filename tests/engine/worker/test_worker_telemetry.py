@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from fake_runtime import EventRecorder, FakeRuntime
+from worker_support import barrier
 
 from skippyd.engine.worker.commands import (
     CompleteEvent,
@@ -14,6 +15,7 @@ from skippyd.engine.worker.commands import (
     TokenEvent,
     WorkerStats,
 )
+from skippyd.engine.worker.direct_batch import DirectIteration
 from skippyd.engine.worker.telemetry import (
     SCHEDULER_DIRECT_ITERATION,
     SCHEDULER_ITERATION,
@@ -108,8 +110,9 @@ def test_worker_publishes_iteration_direct_and_runtime_events(make_handle):
         assert isinstance(event, TokenEvent)
         event.ack.send(TokenControl.CONTINUE)
     assert recorder.next(WAIT_S) == CompleteEvent("length")
-    worker.execute_iteration("direct", [1, 2, 3])
-    worker.execute_runtime("probe", lambda _rt: None)
+    worker.submit_iteration(DirectIteration("direct", [1, 2, 3])).result(timeout=WAIT_S)
+    worker.execute_runtime_detached("probe", lambda _rt: None)
+    barrier(worker)
     events = subscription.drain()
     names = [event.name for event in events]
     assert names.count(SCHEDULER_ITERATION) == 2
@@ -140,8 +143,8 @@ def test_stats_snapshot_is_published_without_touching_the_worker(make_handle,
     assert isinstance(stats, WorkerStats)
     assert stats.command_queue_depth == 1
     release.set()
-    worker.execute_iteration("s", [1, 2])
-    worker.execute_runtime("barrier", lambda _rt: None)
+    worker.submit_iteration(DirectIteration("s", [1, 2])).result(timeout=WAIT_S)
+    barrier(worker)
     stats = worker.stats()
     assert stats.num_direct_iterations == 1
     assert stats.active_runtime_sessions == 1
