@@ -1,7 +1,7 @@
-"""The ``skippyd`` command line: serve, config, model, bench.
+"""The ``skippyd`` command line: serve, config, model, bench, top, status.
 
 Commands stay thin: they build a config, call one library function and map typed errors
-to an exit code with a message on stderr. Heavy imports happen inside the commands so
+to an exit code (:class:`skippyd.exitcodes.ExitCode`) with a message on stderr. Heavy imports happen inside the commands so
 ``skippyd --help`` and ``skippyd config check`` stay fast.
 """
 
@@ -25,6 +25,7 @@ from skippyd.config import (
     example_config_toml,
     load_config,
 )
+from skippyd.exitcodes import ExitCode
 
 app = typer.Typer(
     help="skippyd: a llama.cpp stage daemon with continuous batching and an OpenAI API.",
@@ -45,11 +46,9 @@ ConfigPath = Annotated[
     Path, typer.Argument(help="Stage config (TOML).", envvar="SKIPPYD_CONFIG", show_default=False)
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-EXIT_CONFIG = 2
-EXIT_MODEL = 3
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
+def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
     """Print ``message`` on stderr and return the Exit to raise."""
     stderr.print(f"[bold red]error:[/] {message}", highlight=False)
     return typer.Exit(code)
@@ -67,9 +66,9 @@ def load_checked_config(path: Path | None, **overrides) -> StageConfig:
         info = inspect_model(config.resolved_model_path)
         return check_layer_range(config, info.n_layer)
     except ConfigError as exc:
-        raise fail(f"invalid config {exc.source or ''}\n{exc}", EXIT_CONFIG) from None
+        raise fail(f"invalid config {exc.source or ''}\n{exc}", ExitCode.CONFIG) from None
     except ModelFileError as exc:
-        raise fail(str(exc), EXIT_MODEL) from None
+        raise fail(str(exc), ExitCode.MODEL) from None
 
 
 @app.callback(invoke_without_command=True)
@@ -117,7 +116,8 @@ ConfigOption = Annotated[Path | None, typer.Option(
 def top(
     socket: SocketOption = None,
     config: ConfigOption = None,
-    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    once: Annotated[bool, typer.Option(
+        "--once", help="Print one snapshot and exit, as `skippyd status` does.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Watch a running daemon live: queues, lanes, KV, cache, throughput, latency, events."""
@@ -128,7 +128,11 @@ def top(
 
 @app.command()
 def status(socket: SocketOption = None, config: ConfigOption = None, as_json: JsonFlag = False) -> None:
-    """Print a one-screen summary of a running daemon (exit 0 when it is healthy)."""
+    """Print a one-screen summary of a running daemon.
+
+    Exit 0 when it is healthy, 1 when it answers but is not serving, 6 when nothing
+    answers, 4 for a bad config.
+    """
     from skippyd.tui.status import run_status
 
     raise typer.Exit(run_status(socket, config, as_json))
@@ -176,7 +180,7 @@ def config_check(
         try:
             check_pipeline(ordered)
         except ConfigError as exc:
-            raise fail(f"the stages do not form one pipeline\n{exc}", EXIT_CONFIG) from None
+            raise fail(f"the stages do not form one pipeline\n{exc}", ExitCode.CONFIG) from None
         last = ordered[-1].stage
         stdout.print(f"[green]ok[/] pipeline: {len(ordered)} stages, layers "
                      f"{ordered[0].stage.layer_start}:{last.layer_end} of {last.model_id}")
@@ -206,7 +210,7 @@ def model_inspect(
     try:
         info = inspect_model(path)
     except ModelFileError as exc:
-        raise fail(str(exc), EXIT_MODEL) from None
+        raise fail(str(exc), ExitCode.MODEL) from None
     if as_json:
         typer.echo(json.dumps(info.to_dict(), indent=2))
         return
@@ -255,7 +259,7 @@ def model_slice(
             slice_model(path, start, end, output,
                         progress=lambda done, total: progress.update(task, completed=done, total=total))
         except ModelFileError as exc:
-            raise fail(str(exc), EXIT_MODEL) from None
+            raise fail(str(exc), ExitCode.MODEL) from None
     stdout.print(f"wrote {output} (layers {start}:{end} of {path.name})")
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from skippyd.cli import EXIT_CONFIG, EXIT_MODEL, app
+from skippyd.cli import app
 from skippyd.config import load_config
+from skippyd.exitcodes import ExitCode
 
 runner = CliRunner()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -30,7 +31,7 @@ def test_config_check_reports_every_error_with_its_key(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[runtime]\nlane_cout = 3\n[stage]\nindex = 1\nlayer_start = 12\nlayer_end = 10\n")
     result = runner.invoke(app, ["config", "check", str(path)])
-    assert result.exit_code == EXIT_CONFIG
+    assert result.exit_code == ExitCode.CONFIG
     assert 'runtime.lane_cout: unknown key (did you mean "lane_count"?)' in result.output
     assert "stage.layer_end: must be greater than layer_start (got 10 <= 12)" in result.output
 
@@ -39,7 +40,7 @@ def test_config_check_validates_layers_against_the_model(tmp_path, tiny_model_pa
     path = tmp_path / "stage.toml"
     path.write_text(f'[stage]\nmodel_path = "{tiny_model_path}"\nlayer_end = 9\n')
     result = runner.invoke(app, ["config", "check", str(path)])
-    assert result.exit_code == EXIT_CONFIG
+    assert result.exit_code == ExitCode.CONFIG
     assert "stage.layer_end" in result.output and "4" in result.output
 
 
@@ -62,7 +63,7 @@ def test_model_inspect_json(tiny_model_path):
 
 def test_model_inspect_missing_file(tmp_path):
     result = runner.invoke(app, ["model", "inspect", str(tmp_path / "nope.gguf")])
-    assert result.exit_code == EXIT_MODEL
+    assert result.exit_code == ExitCode.MODEL
     assert "not found" in result.output
 
 
@@ -73,7 +74,7 @@ def test_model_slice_writes_a_stage(tmp_path, tiny_model_path):
     result = runner.invoke(app, ["model", "inspect", str(out), "--json"])
     assert json.loads(result.output)["n_layer"] == 3
     bad = runner.invoke(app, ["model", "slice", str(tiny_model_path), "--layers", "3", "-o", str(out)])
-    assert bad.exit_code != 0
+    assert bad.exit_code == ExitCode.USAGE
 
 
 def test_config_check_of_several_stages_checks_the_pipeline(tmp_path):
@@ -86,7 +87,18 @@ def test_config_check_of_several_stages_checks_the_pipeline(tmp_path):
     smaller.write_text(examples[1].read_text().replace(
         "threads_batch = 1\n", "threads_batch = 1\nn_batch = 256\nn_ubatch = 256\n"))
     result = runner.invoke(app, ["config", "check", str(examples[0]), str(smaller)])
-    assert result.exit_code == EXIT_CONFIG
+    assert result.exit_code == ExitCode.CONFIG
     assert "do not form one pipeline" in result.output
     assert "stages[1].runtime.n_batch: must be at least stages[0].runtime.n_batch = 2048 " \
            "(got 256)" in " ".join(result.output.split())
+
+
+def test_usage_config_and_model_errors_have_distinct_codes(tmp_path):
+    assert len({int(code) for code in ExitCode}) == len(ExitCode)
+    usage = runner.invoke(app, ["config", "check", "--no-such-option"])
+    assert usage.exit_code == ExitCode.USAGE == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nlane_count = 0\n")
+    assert runner.invoke(app, ["config", "check", str(bad)]).exit_code == ExitCode.CONFIG == 4
+    missing = runner.invoke(app, ["model", "inspect", str(tmp_path / "none.gguf")])
+    assert missing.exit_code == ExitCode.MODEL == 5

@@ -38,6 +38,7 @@ from skippyd.bench.workload import (
     parse_concurrency,
     parse_range,
 )
+from skippyd.exitcodes import ExitCode
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,7 @@ app = typer.Typer(add_completion=False)
 stdout = Console(width=None if Console().is_terminal else 120)
 stderr = Console(stderr=True)
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
-
-def _fail(message: str, code: int) -> typer.Exit:
+def _fail(message: str, code: ExitCode) -> typer.Exit:
     stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
@@ -127,7 +124,7 @@ def bench(
         _run_lab(scenario, lab_runs, json_path)
         return
     if (config is None) == (url is None):
-        raise _fail("give exactly one target: --config PATH or --url URL", EXIT_USAGE)
+        raise _fail("give exactly one target: --config PATH or --url URL", ExitCode.USAGE)
     spec = _make_spec(concurrency, requests, prompt_tokens, output_tokens, shared_prefix,
                       rate, seed, temperature)
     endpoints = [(config, url, model, api_key), (None, vs, vs_model, vs_api_key)]
@@ -145,7 +142,7 @@ def _make_spec(concurrency: str, requests: int, prompt_tokens: str, output_token
             output_tokens=parse_range(output_tokens, "--output-tokens"),
             shared_prefix_words=shared_prefix, rate=rate, seed=seed, temperature=temperature)
     except WorkloadError as exc:
-        raise _fail(str(exc), EXIT_USAGE) from None
+        raise _fail(str(exc), ExitCode.USAGE) from None
 
 
 Endpoint = tuple[Path | None, str | None, str | None, str | None]
@@ -160,7 +157,7 @@ def _measure(spec: WorkloadSpec, endpoints: list[Endpoint], timeout_s: float) ->
             names = _names([url for url, _, _ in resolved], [e[0] for e in endpoints])
             return asyncio.run(_run(spec, names, resolved, timeout_s))
     except BenchError as exc:
-        raise _fail(str(exc), EXIT_FAILED) from None
+        raise _fail(str(exc), ExitCode.FAILURE) from None
 
 
 def _open_endpoint(stack: contextlib.ExitStack,
@@ -174,7 +171,7 @@ def _open_endpoint(stack: contextlib.ExitStack,
     try:
         api_key = load_config(config).http.api_key
     except ConfigError as exc:
-        raise _fail(f"invalid config {config}\n{exc}", EXIT_USAGE) from None
+        raise _fail(f"invalid config {config}\n{exc}", ExitCode.CONFIG) from None
     stderr.print(f"starting skippyd serve --config {config} …")
     server = stack.enter_context(skippyd_process(str(config)))
     return server.url, model, api_key
@@ -205,7 +202,7 @@ def _report(spec: WorkloadSpec, runs: list[TargetRun], json_path: Path | None,
     failed = [run.target.name for run, levels in zip(runs, metrics, strict=True)
               if not any(m.num_ok for m in levels)]
     if failed:
-        raise _fail(f"every request failed on {', '.join(failed)}", EXIT_FAILED)
+        raise _fail(f"every request failed on {', '.join(failed)}", ExitCode.FAILURE)
 
 
 def _run_lab(scenarios: list[str] | None, lab_runs: int | None, json_path: Path | None) -> None:
@@ -221,7 +218,7 @@ def _run_lab(scenarios: list[str] | None, lab_runs: int | None, json_path: Path 
     try:
         rows = run_lab(scenarios or None, bench_runs=runs)
     except UnknownScenarioError as exc:
-        raise _fail(str(exc), EXIT_USAGE) from None
+        raise _fail(str(exc), ExitCode.USAGE) from None
     stdout.print(lab_table(rows))
     if json_path is not None:
         json_path.write_text(json.dumps(lab_rows_to_json(rows), indent=2) + "\n",

@@ -53,6 +53,8 @@ MAX_LANES = 255
 MAX_SOCKET_PATH_BYTES = 107
 MIN_SECRET_CHARS = 16
 MIB = 1 << 20
+#: ``stage.id`` when the config does not set one.
+DEFAULT_STAGE_ID = "stage-0"
 _STAGE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -147,7 +149,7 @@ def _setting(
 class StageSection:
     """``[stage]``: the model this process serves and the layers ``[start, end)`` it owns."""
 
-    id: str = _setting("stage-0", check=_check_stage_id)
+    id: str = _setting(DEFAULT_STAGE_ID, check=_check_stage_id)
     """Stage name; names the default control socket and appears in telemetry."""
     index: int = _setting(0, lo=0)
     """Position in the pipeline; stage 0 takes tokens and serves HTTP."""
@@ -258,7 +260,7 @@ class ControlSection:
     """``[control]``: the local Unix socket that feeds ``skippyd top``."""
 
     socket: str = _setting(
-        factory=lambda: str(default_socket_path("stage-0")), check=_check_non_empty
+        factory=lambda: str(default_socket_path(DEFAULT_STAGE_ID)), check=_check_non_empty
     )
     """Socket path; defaults to :func:`default_socket_path` of ``stage.id``."""
     group: str | None = _setting(None, check=_check_non_empty)

@@ -4,8 +4,8 @@
 suits an asyncio program such as the ``skippyd top`` dashboard. Both connect by socket
 path, read the server's ``hello``, answer :meth:`status` with the snapshot dict, and after
 :meth:`subscribe` / :meth:`events` yield the pushed messages (``snapshot``, ``event`` and
-``dropped`` dicts, exactly as sent). :func:`resolve_socket_path` finds the socket the way
-``skippyd status`` does.
+``dropped`` dicts, exactly as sent). :func:`resolve_socket_path` finds the socket for
+``skippyd status`` and ``skippyd top`` alike.
 
 Example::
 
@@ -64,26 +64,44 @@ class ControlRequestError(ControlError):
         self.code = code
 
 
-def resolve_socket_path(socket_path: Path | None = None, config: Path | None = None) -> Path:
-    """Find the control socket: ``socket_path``, else the config's, else a default one.
+def resolve_socket_path(socket_path: Path | None = None, config: Path | None = None, *,
+                        wait: bool = False) -> Path:
+    """Find a stage's control socket; ``skippyd status``, ``top`` and ``top --once`` agree.
 
-    Without either argument, the default locations of the default stage are tried, then
-    any ``*.sock`` in the default socket directories when exactly one exists.
+    In order: ``socket_path`` itself; the config's ``control.socket`` (when that is the
+    default location and nothing listens there, the stage's other default locations are
+    probed too, since the daemon may run with another environment); without a config,
+    the default stage's default locations, then the only ``*.sock`` in the default
+    directories.
+
+    Args:
+        socket_path: ``--socket``, if given.
+        config: ``--config``, if given.
+        wait: For a client that waits for the daemon (the dashboard): when no socket
+            exists yet, return the preferred default location instead of failing.
 
     Raises:
         ConfigError: ``config`` does not load.
-        ControlConnectError: No socket can be found.
+        ControlConnectError: Several sockets exist and none is preferred, or (without
+            ``wait``) none exists.
     """
+    from skippyd.config import candidate_socket_paths, default_socket_path, load_config
+    from skippyd.config.schema import DEFAULT_STAGE_ID
+
     if socket_path is not None:
         return Path(socket_path)
-    from skippyd.config import candidate_socket_paths, default_config, load_config
-
+    stage_id = DEFAULT_STAGE_ID
     if config is not None:
-        return load_config(config).control.socket_path
-    candidates = candidate_socket_paths(default_config().stage.id)
-    for path in candidates:
-        if path.is_socket():
-            return path
+        loaded = load_config(config)
+        configured, stage_id = loaded.control.socket_path, loaded.stage.id
+        if configured.is_socket() or configured != default_socket_path(stage_id):
+            return configured
+    candidates = candidate_socket_paths(stage_id)
+    existing = next((path for path in candidates if path.is_socket()), None)
+    if existing is not None:
+        return existing
+    if config is not None:
+        return candidates[0]  # connecting names the missing socket
     found = sorted({p for c in candidates if c.parent.is_dir()
                     for p in c.parent.glob("*.sock") if p.is_socket()})
     if len(found) == 1:
@@ -91,6 +109,8 @@ def resolve_socket_path(socket_path: Path | None = None, config: Path | None = N
     if found:
         raise ControlConnectError("several control sockets found; pick one with --socket: "
                                   + ", ".join(map(str, found)))
+    if wait:
+        return candidates[0]
     raise ControlConnectError("no control socket found (is skippyd running?); looked in "
                               + ", ".join(str(c.parent) for c in candidates))
 

@@ -29,6 +29,7 @@ from skippyd.daemon.assembly import StageEngine, StartupError
 from skippyd.daemon.sdnotify import SystemdNotifier
 from skippyd.daemon.snapshot import snapshot_source
 from skippyd.daemon.split import slice_progress
+from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.requests import HttpLimits
@@ -37,7 +38,7 @@ from skippyd.http.routes import create_app
 logger = logging.getLogger(__name__)
 
 #: Exit code of a daemon that could not start (uvicorn's STARTUP_FAILURE).
-STARTUP_FAILURE = 3
+STARTUP_FAILURE = ExitCode.STARTUP
 #: How often the systemd STATUS line is refreshed when no watchdog asks for more.
 STATUS_INTERVAL_S = 5.0
 

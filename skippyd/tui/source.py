@@ -7,9 +7,6 @@ and telemetry events, and turns every pushed message into a typed item
 :class:`Dropped`, :class:`ServerError`). When the daemon goes away it yields
 :class:`Disconnected` with the delay before the next attempt and reconnects by itself
 with exponential backoff (:class:`Backoff`, 0.5 s doubling to 5 s).
-:func:`fetch_snapshot` asks once (``op: status``) for ``skippyd top --once``.
-:func:`resolve_socket_path` picks the socket from ``--socket``, a config or the
-default locations.
 
 The message shapes are those of ``docs/control-protocol.md``.
 """
@@ -17,7 +14,6 @@ The message shapes are those of ``docs/control-protocol.md``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -25,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.control.client import AsyncControlClient, ControlConnectError, ControlError
-from skippyd.control.client import resolve_socket_path as find_lone_socket
 from skippyd.control.protocol import MAX_INTERVAL_MS, MIN_INTERVAL_MS
 
 logger = logging.getLogger(__name__)
 
 #: Default snapshot period requested by ``skippyd top``.
 DEFAULT_INTERVAL_MS = 500
-#: Default time allowed to connect and receive the hello (and, for --once, the reply).
+#: Default time allowed to connect and receive the hello.
 DEFAULT_TIMEOUT_S = 5.0
 
 
@@ -224,65 +219,3 @@ class ControlFeed:
             if messages is not None:
                 await messages.aclose()
             await client.close()
-
-
-async def fetch_snapshot(path: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Ask the daemon for one snapshot (``op: status``).
-
-    Args:
-        path: The daemon's control socket.
-        timeout_s: Limit for connecting and for the reply, each.
-
-    Returns:
-        The raw snapshot object.
-
-    Raises:
-        ControlError: No daemon, an error reply, or no reply in time.
-    """
-    client = await AsyncControlClient.connect(path, timeout_s)
-    try:
-        reply = await client.request("status", timeout_s=timeout_s)
-    finally:
-        await client.close()
-    snapshot = reply.get("snapshot")
-    if not isinstance(snapshot, dict):
-        raise ControlConnectError(f"{path} answered status without a snapshot")
-    return snapshot
-
-
-def resolve_socket_path(socket: Path | None, config: Path | None) -> Path:
-    """Choose the control socket to watch.
-
-    In order: ``socket`` itself; the config's ``control.socket`` (when that socket is
-    missing but is the default location, the other default locations of the config's
-    stage are probed too, since the daemon may run with another environment); without
-    a config, the first existing default location of ``stage-0``, else the only socket
-    in the default directories (as ``skippyd status`` finds it). When nothing exists
-    yet, the preferred default location: the dashboard then waits for the daemon.
-
-    Args:
-        socket: ``--socket``, if given.
-        config: ``--config``, if given.
-
-    Raises:
-        ConfigError: The config cannot be loaded.
-    """
-    from skippyd.config import candidate_socket_paths, default_socket_path, load_config
-
-    if socket is not None:
-        return socket
-    stage_id = "stage-0"
-    if config is not None:
-        loaded = load_config(config)
-        configured = loaded.control.socket_path
-        stage_id = loaded.stage.id
-        if configured.is_socket() or configured != default_socket_path(stage_id):
-            return configured
-    candidates = candidate_socket_paths(stage_id)
-    existing = next((path for path in candidates if path.is_socket()), None)
-    if existing is not None:
-        return existing
-    if config is None:
-        with contextlib.suppress(ControlConnectError):
-            return find_lone_socket()
-    return candidates[0]

@@ -1,14 +1,16 @@
-"""``skippyd status``: one control-socket snapshot, rendered on one screen (or as JSON).
+"""``skippyd status`` and ``skippyd top --once``: one snapshot, on one screen or as JSON.
 
-:func:`render_status` turns a snapshot (schema in ``docs/control-protocol.md``) into a
-rich renderable; :func:`run_status` is the whole command: find the socket, ask for a
-snapshot, print it, and map the outcome to an exit code.
+:func:`run_status` is the whole command: find the socket, ask for a snapshot, print it,
+and map the outcome to an :class:`~skippyd.exitcodes.ExitCode`. :func:`render_status`
+turns a snapshot (schema in ``docs/control-protocol.md``) into a rich renderable; it
+reads every field tolerantly, so a snapshot from an older or newer daemon still renders.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,187 +20,218 @@ from rich.text import Text
 
 from skippyd.config import ConfigError
 from skippyd.control.client import ControlClient, ControlError, resolve_socket_path
-from skippyd.tui.fmt import fmt_bytes
+from skippyd.exitcodes import ExitCode
+from skippyd.tui.fmt import fmt_bytes, fmt_duration, fmt_ms, fmt_percent, number, section
 
 logger = logging.getLogger(__name__)
 
-#: Exit codes of ``skippyd status``.
-EXIT_OK = 0
-EXIT_NOT_SERVING = 1
-"""The daemon answered, but its health is not ``ok`` (loading, draining, failed)."""
-EXIT_UNREACHABLE = 2
-"""No socket found, no answer, or a bad config."""
+#: Limit for connecting and for the reply, each.
+DEFAULT_TIMEOUT_S = 5.0
 #: Busy lanes shown before the rest are summarised in one line.
 MAX_LANE_ROWS = 16
 _HEALTH_STYLE = {"ok": "bold green", "loading": "bold yellow", "draining": "bold yellow",
-                 "failed": "bold red"}
+                 "degraded": "bold yellow", "failed": "bold red"}
+_LATENCY_LABELS = {"ttft": "time to first token", "itl": "inter-token", "e2e": "end to end",
+                   "queue": "queue time"}
+
+Snapshot = Mapping[str, Any]
 
 
 def run_status(socket: Path | None, config: Path | None, as_json: bool, *,
-               console: Console | None = None) -> int:
+               out: Console | None = None, err: Console | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> ExitCode:
     """Print the status of a running stage.
 
     Args:
-        socket: The control socket (``--socket``); else taken from ``config``.
-        config: The stage config whose ``control.socket`` to use; else the defaults
-            are probed.
+        socket: The control socket (``--socket``); else found from ``config`` or the
+            default locations (:func:`~skippyd.control.client.resolve_socket_path`).
+        config: The stage config whose ``control.socket`` to use.
         as_json: Print the raw snapshot as JSON instead of the summary.
-        console: Where to print (stdout by default); errors go to stderr.
+        out: Where to print the snapshot (stdout by default).
+        err: Where to print errors (stderr by default).
+        timeout_s: Limit for connecting and for the reply.
 
     Returns:
-        :data:`EXIT_OK`, :data:`EXIT_NOT_SERVING` or :data:`EXIT_UNREACHABLE`.
+        ``OK`` for a healthy stage, ``FAILURE`` for one that answered but is not
+        serving, ``UNREACHABLE`` when nothing answered, ``CONFIG`` for a bad config.
     """
-    out = console or Console()
-    err = Console(stderr=True)
+    out = out or Console()
+    err = err or Console(stderr=True)
     try:
         path = resolve_socket_path(socket, config)
-        with ControlClient.connect(path) as client:
+        with ControlClient.connect(path, timeout_s) as client:
             snapshot = client.status()
-    except (ConfigError, ControlError) as exc:
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] invalid config {exc.source or ''}\n{exc}",
+                  highlight=False)
+        return ExitCode.CONFIG
+    except ControlError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        return EXIT_UNREACHABLE
+        return ExitCode.UNREACHABLE
     if as_json:
+        # NOTE: plain text, never highlighted or wrapped: scripts parse it.
         out.out(json.dumps(snapshot, indent=2), highlight=False)
     else:
         out.print(render_status(snapshot))
-    return EXIT_OK if snapshot.get("health", {}).get("status") == "ok" else EXIT_NOT_SERVING
+    healthy = section(snapshot, "health").get("status") == "ok"
+    return ExitCode.OK if healthy else ExitCode.FAILURE
 
 
-def render_status(snapshot: dict[str, Any]) -> RenderableType:
+def render_status(snapshot: Snapshot) -> RenderableType:
     """A one-screen summary of ``snapshot``; the link block only on a split stage."""
     parts = [_header(snapshot), Text(""), _lanes(snapshot), Text(""), _figures(snapshot),
              Text("")]
-    link = snapshot.get("link")
+    link = section(snapshot, "link")
     if link:
         parts += [_link(link), Text("")]
     return Group(*parts, _latency(snapshot))
 
 
-def _header(snap: dict[str, Any]) -> Text:
-    stage, health = snap["stage"], snap["health"]
-    roles = "+".join(r for r, on in (("first", stage["is_first"]), ("final", stage["is_final"]))
-                     if on) or "middle"
+def _header(snap: Snapshot) -> Text:
+    stage, health = section(snap, "stage"), section(snap, "health")
+    roles = "+".join(role for role, on in (("first", stage.get("is_first")),
+                                           ("final", stage.get("is_final"))) if on) or "middle"
+    status = str(health.get("status", "?"))
     text = Text.assemble(
-        ("skippyd ", "bold"), (f"stage {stage['id']}", "bold cyan"),
-        f"  #{stage['index']} layers {stage['layer_start']}:{stage['layer_end']} ({roles})  ",
-        (stage["model"], "magenta"), "\n", "health ",
-        (health["status"], _HEALTH_STYLE.get(health["status"], "bold")),
+        ("skippyd ", "bold"), (f"stage {stage.get('id', '?')}", "bold cyan"),
+        f"  #{stage.get('index', '?')} layers {stage.get('layer_start', '?')}:"
+        f"{stage.get('layer_end', '?')} ({roles})  ",
+        (str(stage.get("model", "?")), "magenta"), "\n", "health ",
+        (status, _HEALTH_STYLE.get(status, "bold")),
     )
     if health.get("reason"):
         text.append(f" ({health['reason']})")
-    text.append(f"   up {format_duration(snap['uptime_s'])}")
+    text.append(f"   up {fmt_duration(number(snap.get('uptime_s')))}")
     return text
 
 
-def _lanes(snap: dict[str, Any]) -> RenderableType:
-    busy = [row for row in snap["lanes"] if row["phase"] != "idle"]
+def _lanes(snap: Snapshot) -> RenderableType:
+    rows = [row for row in snap.get("lanes") or () if isinstance(row, Mapping)]
+    busy = [row for row in rows if row.get("phase") != "idle"]
+    lane_count = int(number(snap.get("lane_count"), len(rows)))
     if not busy:
-        return Text(f"lanes: all {snap['lane_count']} idle", style="bold")
-    table = Table(title=f"lanes: {len(busy)} busy of {snap['lane_count']}", title_justify="left",
+        return Text(f"lanes: all {lane_count} idle", style="bold")
+    table = Table(title=f"lanes: {len(busy)} busy of {lane_count}", title_justify="left",
                   expand=False, show_edge=False, pad_edge=False)
     for name, justify in (("lane", "right"), ("phase", "left"), ("request", "left"),
                           ("prompt", "right"), ("generated", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for row in busy[:MAX_LANE_ROWS]:
-        table.add_row(str(row["lane"]), row["phase"], _short(row["request_id"]),
-                      str(row["prompt_tokens"]), str(row["generated_tokens"]))
+        table.add_row(str(row.get("lane", "?")), str(row.get("phase", "?")),
+                      _short(str(row.get("request_id") or "-")),
+                      str(int(number(row.get("prompt_tokens")))),
+                      str(int(number(row.get("generated_tokens")))))
     if len(busy) > MAX_LANE_ROWS:
         table.add_row("…", f"{len(busy) - MAX_LANE_ROWS} more busy lanes", "", "", "")
     return table
 
 
-def _figures(snap: dict[str, Any]) -> Table:
-    q, kv, wave = snap["queues"], snap["kv"], snap["wave"]
-    tp, c, pc, sch = snap["throughput"], snap["counters"], snap["prefix_cache"], snap["scheduler"]
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    grid.add_row("queues", f"waiting {q['waiting']} · commands {q['commands']} · "
-                 f"direct {q['direct']}")
-    grid.add_row("kv cells", f"{kv['cells_used']}/{kv['cells_total']} ({kv['usage']:.1%})   "
-                 f"wave {wave['active_sessions']}/{wave['batch_size']}"
-                 + (" full" if wave["full"] else ""))
-    grid.add_row("throughput", f"prompt {tp['prompt_tok_s']:.1f} tok/s · generation "
-                 f"{tp['generation_tok_s']:.1f} tok/s (last {tp['window_s']:.0f} s)")
-    grid.add_row("requests", f"finished {c['finished']} · failed {c['failed']} · cancelled "
-                 f"{c['cancelled']} · rejected {c['rejected']} · preempted {c['preempted']}")
-    direct = c.get("direct_iterations", 0)  # absent from daemons older than this view
-    grid.add_row("tokens", f"prompt {c['prompt_tokens']} · generated {c['generation_tokens']}"
-                 f" · iterations {c['iterations']}"
-                 + (f" · direct iterations {direct}" if direct else ""))
-    grid.add_row("prefix cache", f"hits {pc['hits']} · misses {pc['misses']} "
-                 f"({pc['hit_rate']:.1%}) · matched tokens {pc['matched_tokens']}")
-    grid.add_row("scheduler", f"last step {sch['last_step_ms']:.2f} ms · overhead "
-                 f"{sch['last_overhead_ms']:.2f} ms · overhead ratio {sch['overhead_ratio']:.1%}")
+def _figures(snap: Snapshot) -> Table:
+    grid = _grid()
+    for label, value in _figure_rows(snap):
+        grid.add_row(label, value)
     return grid
 
 
-def _link(link: dict[str, Any]) -> Table:
+def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
+    q, kv, wave = section(snap, "queues"), section(snap, "kv"), section(snap, "wave")
+    tp, c = section(snap, "throughput"), section(snap, "counters")
+    pc, sch = section(snap, "prefix_cache"), section(snap, "scheduler")
+
+    def n(mapping: Mapping[str, Any], key: str) -> int:
+        return int(number(mapping.get(key)))
+
+    direct = n(c, "direct_iterations")
+    return [
+        ("queues", f"waiting {n(q, 'waiting')} · commands {n(q, 'commands')} · "
+                   f"direct {n(q, 'direct')}"),
+        ("kv cells", f"{n(kv, 'cells_used')}/{n(kv, 'cells_total')} "
+                     f"({fmt_percent(number(kv.get('usage')))})   wave "
+                     f"{n(wave, 'active_sessions')}/{n(wave, 'batch_size')}"
+                     + (" full" if wave.get("full") else "")),
+        ("throughput", f"prompt {number(tp.get('prompt_tok_s')):.1f} tok/s · generation "
+                       f"{number(tp.get('generation_tok_s')):.1f} tok/s "
+                       f"(last {number(tp.get('window_s')):.0f} s)"),
+        ("requests", f"finished {n(c, 'finished')} · failed {n(c, 'failed')} · cancelled "
+                     f"{n(c, 'cancelled')} · rejected {n(c, 'rejected')} · preempted "
+                     f"{n(c, 'preempted')}"),
+        ("tokens", f"prompt {n(c, 'prompt_tokens')} · generated {n(c, 'generation_tokens')}"
+                   f" · iterations {n(c, 'iterations')}"
+                   + (f" · direct iterations {direct}" if direct else "")),
+        ("prefix cache", f"hits {n(pc, 'hits')} · misses {n(pc, 'misses')} "
+                         f"({fmt_percent(number(pc.get('hit_rate')))}) · matched tokens "
+                         f"{n(pc, 'matched_tokens')} · evictions {n(pc, 'evictions')} · "
+                         f"resident {fmt_bytes(number(pc.get('bytes_resident')))} · host "
+                         f"{fmt_bytes(number(pc.get('bytes_host')))}"),
+        ("scheduler", f"last step {number(sch.get('last_step_ms')):.2f} ms · overhead "
+                      f"{number(sch.get('last_overhead_ms')):.2f} ms · overhead ratio "
+                      f"{fmt_percent(number(sch.get('overhead_ratio')))}"),
+    ]
+
+
+def _link(link: Mapping[str, Any]) -> Table:
     """Stage 0 reports its chain to the later stages; a later stage, its listener."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    chain = link.get("chain")
-    rows = _chain_rows(link, chain) if chain is not None else _listener_rows(link)
+    grid = _grid()
+    chain = section(link, "chain")
+    rows = _chain_rows(link, chain) if chain else _listener_rows(link)
     for label, value in rows:
         grid.add_row(label, value)
-    busy, uptime = link["busy_s"], link["uptime_s"]
-    share = f" ({busy / uptime:.1%})" if uptime > 0 else ""
+    busy, uptime = number(link.get("busy_s")), number(link.get("uptime_s"))
+    share = f" ({fmt_percent(busy / uptime)})" if uptime > 0 else ""
     grid.add_row("link busy", f"{busy:.2f} s of {uptime:.1f} s in llama.cpp{share}")
     return grid
 
 
-def _chain_rows(link: dict[str, Any], chain: dict[str, Any]) -> list[tuple[str, str]]:
-    state = Text("up", style="bold green") if chain["up"] else Text.assemble(
+def _chain_rows(link: Mapping[str, Any],
+                chain: Mapping[str, Any]) -> list[tuple[str, str | Text]]:
+    state = Text("up", style="bold green") if chain.get("up") else Text.assemble(
         ("down", "bold red"), f" ({chain['reason']})" if chain.get("reason") else "")
     return [
-        ("link", Text.assemble("chain ", state, f" · {chain['num_stages']} stages · epoch "
-                                                f"{chain['epoch']}")),
-        ("link traffic", f"sent {fmt_bytes(chain['bytes_out'])} · received "
-                         f"{fmt_bytes(chain['bytes_in'])} · batches {link['batches_sent']}"),
-        ("look-ahead", f"hits {link['lookahead_hits']} of {link['lookahead_steps']} steps · "
-                       f"retracted {link['lookahead_retracted']}"),
+        ("link", Text.assemble("chain ", state, f" · {int(number(chain.get('num_stages')))}"
+                               f" stages · epoch {int(number(chain.get('epoch')))}")),
+        ("link traffic", f"sent {fmt_bytes(number(chain.get('bytes_out')))} · received "
+                         f"{fmt_bytes(number(chain.get('bytes_in')))} · batches "
+                         f"{int(number(link.get('batches_sent')))}"),
+        ("look-ahead", f"hits {int(number(link.get('lookahead_hits')))} of "
+                       f"{int(number(link.get('lookahead_steps')))} steps · retracted "
+                       f"{int(number(link.get('lookahead_retracted')))}"),
     ]
 
 
-def _listener_rows(link: dict[str, Any]) -> list[tuple[str, str]]:
+def _listener_rows(link: Mapping[str, Any]) -> list[tuple[str, str | Text]]:
     return [
-        ("link", f"connections {link['connections']} ({link['chains']} open) · rejected "
-                 f"{link['rejected']} · active sessions {link['active_sessions']}"),
-        ("link traffic", f"received {fmt_bytes(link['bytes_in'])} · sent "
-                         f"{fmt_bytes(link['bytes_out'])} · batches {link['batches']}"),
+        ("link", f"connections {int(number(link.get('connections')))} "
+                 f"({int(number(link.get('chains')))} open) · rejected "
+                 f"{int(number(link.get('rejected')))} · active sessions "
+                 f"{int(number(link.get('active_sessions')))}"),
+        ("link traffic", f"received {fmt_bytes(number(link.get('bytes_in')))} · sent "
+                         f"{fmt_bytes(number(link.get('bytes_out')))} · batches "
+                         f"{int(number(link.get('batches')))}"),
     ]
 
 
-def _latency(snap: dict[str, Any]) -> Table:
-    table = Table(title=f"latency, ms (last {snap['throughput']['window_s']:.0f} s)",
-                  title_justify="left", show_edge=False, pad_edge=False)
+def _latency(snap: Snapshot) -> Table:
+    window = number(section(snap, "throughput").get("window_s"))
+    table = Table(title=f"latency, ms (last {window:.0f} s)", title_justify="left",
+                  show_edge=False, pad_edge=False)
     table.add_column("")
     for name in ("p50", "p95", "p99", "count"):
         table.add_column(name, justify="right")
-    labels = {"ttft": "time to first token", "itl": "inter-token", "e2e": "end to end",
-              "queue": "queue time"}
-    for key, label in labels.items():
-        row = snap["latency_ms"].get(key)
-        if row is not None:
-            table.add_row(label, *(_ms(row[p]) for p in ("p50", "p95", "p99")),
-                          str(row["count"]))
+    latency = section(snap, "latency_ms")
+    for key, label in _LATENCY_LABELS.items():
+        row = section(latency, key)
+        if row:
+            table.add_row(label, *(fmt_ms(row.get(p)) for p in ("p50", "p95", "p99")),
+                          str(int(number(row.get("count")))))
     return table
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    return grid
 
 
 def _short(request_id: str, width: int = 24) -> str:
     return request_id if len(request_id) <= width else request_id[:width - 1] + "…"
-
-
-def format_duration(seconds: float) -> str:
-    """``3723.4`` → ``"1h 02m 03s"``."""
-    total = int(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h {minutes:02d}m {secs:02d}s"
-    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"

@@ -16,9 +16,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from skippyd.bench.command import EXIT_FAILED, EXIT_USAGE, app
+from skippyd.bench.command import app
 from skippyd.bench.process import skippyd_process
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
+from skippyd.exitcodes import ExitCode
 
 runner = CliRunner()
 
@@ -120,7 +121,7 @@ def test_lab_writes_rows(tmp_path):
     assert all(row["requests"] > 0 and row["makespan_ms"] > 0 for row in rows)
     assert "scheduler lab" in result.stdout
     result = invoke("--lab", "--scenario", "no-such-scenario")
-    assert result.exit_code == EXIT_USAGE
+    assert result.exit_code == ExitCode.USAGE
     assert "unknown scheduler lab scenario 'no-such-scenario'" in result.output
 
 
@@ -135,20 +136,20 @@ def test_lab_writes_rows(tmp_path):
 ])
 def test_bad_options_fail_clearly(args, message):
     result = invoke("--url", "http://127.0.0.1:9/v1", *args)
-    assert result.exit_code == EXIT_USAGE
+    assert result.exit_code == ExitCode.USAGE
     assert message in " ".join(result.output.replace("│", " ").split())
 
 
 def test_target_must_be_given_once(config_path):
     for args in ([], ["--url", "http://127.0.0.1:9", "--config", str(config_path)]):
         result = invoke(*args)
-        assert result.exit_code == EXIT_USAGE
+        assert result.exit_code == ExitCode.USAGE
         assert "exactly one target" in result.output
 
 
 def test_unreachable_url_fails_without_a_traceback():
     result = invoke("--url", "http://127.0.0.1:9/v1", "-n", "1")
-    assert result.exit_code == EXIT_FAILED
+    assert result.exit_code == ExitCode.FAILURE
     assert "cannot reach http://127.0.0.1:9/v1" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
@@ -157,12 +158,12 @@ def test_config_errors_are_reported(tmp_path):
     bad_key = tmp_path / "bad-key.toml"
     bad_key.write_text("[runtime]\nlane_cout = 3\n")
     result = invoke("--config", str(bad_key))
-    assert result.exit_code == EXIT_USAGE
+    assert result.exit_code == ExitCode.CONFIG
     assert 'runtime.lane_cout: unknown key (did you mean "lane_count"?)' in result.output
     missing = tmp_path / "missing-model.toml"
     missing.write_text(f'[stage]\nmodel_path = "{tmp_path / "none.gguf"}"\n')
     result = invoke("--config", str(missing), "-n", "1")
-    assert result.exit_code == EXIT_FAILED
+    assert result.exit_code == ExitCode.FAILURE
     assert "skippyd exited with code" in result.output and "none.gguf" in result.output
 
 

@@ -31,9 +31,10 @@ from skippyd.control.server import ControlServer
 from skippyd.daemon.assembly import StageEngine
 from skippyd.daemon.snapshot import snapshot_source
 from skippyd.engine.worker.commands import QueueFullError
+from skippyd.exitcodes import ExitCode
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.routes import create_app
-from skippyd.tui.status import EXIT_OK, EXIT_UNREACHABLE, run_status
+from skippyd.tui.status import run_status
 
 WAIT_S = 30.0
 LANES = 4
@@ -175,9 +176,9 @@ async def test_requests_move_metrics_and_the_snapshot(stage: Stage) -> None:
     json.dumps(snapshot, allow_nan=False)  # plain JSON, no NaN
 
     console = Console(record=True, width=120)
-    code = await asyncio.to_thread(run_status, stage.control_path, None, False, console=console)
+    code = await asyncio.to_thread(run_status, stage.control_path, None, False, out=console)
     text = console.export_text()
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     assert "stage tiny" in text and "health ok" in text
     assert f"finished {num}" in text
 
@@ -185,11 +186,11 @@ async def test_requests_move_metrics_and_the_snapshot(stage: Stage) -> None:
 async def test_status_json_and_unreachable_socket(stage: Stage,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     code = await asyncio.to_thread(run_status, stage.control_path, None, True)
-    assert code == EXIT_OK
+    assert code == ExitCode.OK
     printed = json.loads(capsys.readouterr().out)
     assert printed["stage"]["id"] == "tiny" and printed["health"]["status"] == "ok"
     missing = stage.control_path.with_name("nobody.sock")
-    assert await asyncio.to_thread(run_status, missing, None, True) == EXIT_UNREACHABLE
+    assert await asyncio.to_thread(run_status, missing, None, True) == ExitCode.UNREACHABLE
     assert "cannot connect" in capsys.readouterr().err
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from skippyd.exitcodes import ExitCode
+
 UNITS = Path(__file__).resolve().parents[2] / "examples" / "systemd"
 
 
@@ -30,3 +32,5 @@ def test_unit_files_verify(unit, tmp_path):
                       "ProtectHome=yes", "PrivateTmp=yes", "Restart=on-failure",
                       "RuntimeDirectory=skippyd", "WatchdogSec="):
         assert directive in text
+    prevented = f"RestartPreventExitStatus={int(ExitCode.CONFIG)} {int(ExitCode.MODEL)}"
+    assert prevented in text

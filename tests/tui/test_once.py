@@ -1,4 +1,4 @@
-"""``skippyd top --once [--json]`` and ``run_top``'s socket and config handling."""
+"""``skippyd top --once`` is ``skippyd status``: one resolver, one renderer, one exit table."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from rich.console import Console
 from scripted_server import ScriptedServer, make_link, make_snapshot
 
-from skippyd.tui import EXIT_CONFIG, run_top
-from skippyd.tui.once import EXIT_UNREACHABLE, render_snapshot, run_once
+from skippyd.exitcodes import ExitCode
+from skippyd.tui import run_top
+from skippyd.tui.status import render_status, run_status
 
 SNAPSHOT = make_snapshot(
     stage={"id": "stage-3", "model": "tiny-model", "layer_start": 0, "layer_end": 4},
@@ -33,64 +34,70 @@ def output(console: Console) -> str:
     return console.file.getvalue()  # type: ignore[attr-defined]
 
 
-async def once(path: Path, as_json: bool) -> tuple[int, str, str]:
-    """run_once in a thread (it runs its own event loop), the server on this loop."""
+async def status(path: Path, as_json: bool) -> tuple[int, str, str]:
+    """run_status in a thread (it blocks), the server on this loop."""
     out, err = consoles()
-    code = await asyncio.to_thread(run_once, path, as_json, out=out, err=err, timeout_s=2.0)
+    code = await asyncio.to_thread(run_status, path, None, as_json, out=out, err=err,
+                                   timeout_s=2.0)
     return code, output(out), output(err)
 
 
-async def test_once_json_prints_the_raw_snapshot(server: ScriptedServer) -> None:
-    server.snapshot = SNAPSHOT
-    code, out, err = await once(server.path, as_json=True)
-    assert (code, err) == (0, "")
-    assert json.loads(out) == SNAPSHOT
+async def test_json_prints_the_raw_snapshot(server: ScriptedServer) -> None:
+    server.snapshot = make_snapshot()
+    code, out, err = await status(server.path, as_json=True)
+    assert (code, err) == (ExitCode.OK, "")
+    assert json.loads(out) == server.snapshot
     assert server.requests == [{"v": 1, "id": 1, "op": "status"}]
 
 
-async def test_once_renders_a_compact_summary(server: ScriptedServer) -> None:
+async def test_a_stage_that_is_not_serving_renders_and_exits_1(server: ScriptedServer) -> None:
     server.snapshot = SNAPSHOT
-    code, out, _ = await once(server.path, as_json=False)
-    assert code == 0
-    for text in ("stage-3 #0  tiny-model  layers 0-4", "failed (worker died)", "waiting 5",
-                 "100/400 cells (25.0%)", "p50 12.5  p95 40.0  p99 -  n 3", "req-a", "decode"):
+    code, out, _ = await status(server.path, as_json=False)
+    assert code == ExitCode.FAILURE == 1
+    for text in ("stage stage-3", "#0 layers 0:4", "tiny-model", "failed (worker died)",
+                 "waiting 5", "100/400 (25.0%)", "req-a", "decode", "1 busy of 2"):
         assert text in out, text
+    ttft = next(line for line in out.splitlines() if "time to first token" in line)
+    assert ttft.replace("│", " ").split()[-4:] == ["12.5", "40.0", "-", "3"]
 
 
-async def test_once_without_a_daemon_fails_clearly(socket_path: Path) -> None:
-    code, out, err = await once(socket_path, as_json=True)
-    assert code == EXIT_UNREACHABLE and out == ""
+async def test_without_a_daemon_it_fails_clearly(socket_path: Path) -> None:
+    code, out, err = await status(socket_path, as_json=True)
+    assert code == ExitCode.UNREACHABLE and out == ""
     assert "error:" in err and "cannot connect" in err
 
 
-def test_render_snapshot_adds_the_link_of_a_split_stage() -> None:
+def test_the_link_of_a_split_stage_is_shown_only_there() -> None:
     console = Console(file=io.StringIO(), width=120, color_system=None)
-    console.print(render_snapshot(make_snapshot(link=make_link(connections=2, bytes_in=4096))))
+    console.print(render_status(make_snapshot(link=make_link(connections=2, bytes_in=4096))))
     assert "link          connections 2 (1 open) · rejected 0 · active sessions 0" in output(console)
-    assert "received 4.0 KiB · sent 0 B · busy - (0.00 s)" in output(console)
+    assert "link traffic  received 4.0 KiB · sent 0 B" in output(console)
     console = Console(file=io.StringIO(), width=120, color_system=None)
-    console.print(render_snapshot(SNAPSHOT))
+    console.print(render_status(SNAPSHOT))
     assert "link" not in output(console)
 
 
-def test_render_snapshot_tolerates_missing_sections() -> None:
+def test_render_tolerates_missing_sections() -> None:
     console = Console(file=io.StringIO(), width=100, color_system=None)
-    console.print(render_snapshot({"uptime_s": 5}))
-    assert "? #?" in output(console) and "waiting 0" in output(console)
+    console.print(render_status({"uptime_s": 5, "lanes": [{"phase": "decode"}], "link": 3}))
+    text = output(console)
+    assert "stage ?" in text and "waiting 0" in text and "1 busy of 1" in text
 
 
-async def test_run_top_once_reads_the_config_socket(server: ScriptedServer, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+async def test_top_once_reads_the_config_socket(server: ScriptedServer, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     server.snapshot = SNAPSHOT
     config = tmp_path / "stage.toml"
     config.write_text(f'[stage]\nid = "stage-3"\n[control]\nsocket = "{server.path}"\n')
     code = await asyncio.to_thread(run_top, None, config, True, True)
-    assert code == 0
+    assert code == ExitCode.FAILURE  # the snapshot says "failed", as status would
     assert json.loads(capsys.readouterr().out) == SNAPSHOT
 
 
-def test_run_top_reports_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("once", [True, False])
+def test_a_bad_config_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        once: bool) -> None:
     config = tmp_path / "stage.toml"
     config.write_text("[runtime]\nlane_count = -1\n")
-    assert run_top(None, config, True, True) == EXIT_CONFIG
+    assert run_top(None, config, once, False) == ExitCode.CONFIG == 4
     assert "runtime.lane_count" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from scripted_server import make_snapshot
 
 from skippyd.control.server import ControlServer
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.tui.once import run_once
+from skippyd.tui.status import run_status
 from skippyd.tui.tables import EventLog, LatencyTable
 
 
@@ -69,6 +69,6 @@ async def test_dashboard_follows_the_real_control_server(stage: Stage) -> None:
 
 async def test_once_against_the_real_control_server(stage: Stage) -> None:
     out = Console(file=io.StringIO(), color_system=None)
-    code = await asyncio.to_thread(run_once, stage.path, True, out=out)
+    code = await asyncio.to_thread(run_status, stage.path, None, True, out=out)
     assert code == 0
     assert json.loads(out.file.getvalue()) == stage.snapshot

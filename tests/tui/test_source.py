@@ -1,4 +1,4 @@
-"""The control-socket client: parsing, subscribing, reconnecting, --once fetching."""
+"""The dashboard's control-socket feed, and finding the socket."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from scripted_server import ScriptedServer, make_snapshot
 
+from skippyd.control.client import resolve_socket_path
 from skippyd.tui.source import (
     Backoff,
     Connected,
-    ControlError,
     ControlFeed,
     Disconnected,
     Dropped,
@@ -23,8 +23,6 @@ from skippyd.tui.source import (
     FeedItem,
     ServerError,
     SnapshotReceived,
-    fetch_snapshot,
-    resolve_socket_path,
     to_item,
 )
 
@@ -152,21 +150,6 @@ async def test_feed_reconnects_after_a_garbage_line(server: ScriptedServer) -> N
     await items.aclose()
 
 
-async def test_fetch_snapshot(server: ScriptedServer) -> None:
-    server.snapshot = make_snapshot(kv={"cells_used": 10})
-    snapshot = await fetch_snapshot(server.path)
-    assert snapshot == server.snapshot
-    assert server.requests == [{"v": 1, "id": 1, "op": "status"}]
-
-
-async def test_fetch_snapshot_errors(socket_path: Path) -> None:
-    with pytest.raises(ControlError, match="cannot connect"):
-        await fetch_snapshot(socket_path)
-    async with ScriptedServer(socket_path, hello=False):
-        with pytest.raises(ControlError, match="no hello"):
-            await fetch_snapshot(socket_path, timeout_s=0.2)
-
-
 def test_resolve_socket_path_prefers_the_flag(tmp_path: Path) -> None:
     flag = tmp_path / "flag.sock"
     config = tmp_path / "missing.toml"  # never read when --socket is given
@@ -197,7 +180,8 @@ def test_resolve_socket_path_probes_default_locations(
     config = base / "stage.toml"
     config.write_text('[stage]\nid = "edge"\n')
     assert resolve_socket_path(None, config) == xdg / "skippyd" / "edge.sock"
-    assert resolve_socket_path(None, None) == xdg / "skippyd" / "stage-0.sock"
+    # the dashboard waits at the preferred location for a daemon not there yet
+    assert resolve_socket_path(None, None, wait=True) == xdg / "skippyd" / "stage-0.sock"
     with contextlib.closing(bind_socket(systemd / "edge.sock")):
         # the daemon ran with systemd's environment
         assert resolve_socket_path(None, config) == systemd / "edge.sock"

@@ -22,8 +22,9 @@ from skippyd.control.server import ControlServer
 from skippyd.daemon.snapshot import build_snapshot
 from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.exitcodes import ExitCode
 from skippyd.http.metrics import ServingMetrics
-from skippyd.tui.status import EXIT_NOT_SERVING, EXIT_UNREACHABLE, render_status, run_status
+from skippyd.tui.status import render_status, run_status
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def test_render_shows_busy_lanes_and_health() -> None:
     console.print(render_status(snap))
     text = console.export_text()
     assert "stage beta" in text and "layers 0:12" in text
-    assert "failed (worker panicked)" in text and "up 1h 02m" in text
+    assert "failed (worker panicked)" in text and "up 1h02m" in text
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
 
@@ -210,10 +211,10 @@ async def test_status_exits_1_when_the_stage_is_not_ok(short_dir: Path) -> None:
     await control.start()
     try:
         console = Console(record=True, width=120)
-        code = await asyncio.to_thread(run_status, control.path, None, False, console=console)
+        code = await asyncio.to_thread(run_status, control.path, None, False, out=console)
     finally:
         await control.close()
-    assert code == EXIT_NOT_SERVING
+    assert code == ExitCode.FAILURE
     assert "draining (shutting down)" in console.export_text()
 
 
@@ -255,9 +256,9 @@ def test_default_locations_are_probed(default_dirs: Path) -> None:
         resolve_socket_path()
 
 
-def test_status_with_a_bad_config_exits_2(short_dir: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_with_a_bad_config_is_a_config_error(short_dir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     config = short_dir / "bad.toml"
     config.write_text("[runtime]\nlane_count = 0\n")
-    assert run_status(None, config, False) == EXIT_UNREACHABLE
+    assert run_status(None, config, False) == ExitCode.CONFIG
     assert "runtime.lane_count" in capsys.readouterr().err
