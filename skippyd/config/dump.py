@@ -39,6 +39,7 @@ _COMMENTED: dict[str, Any] = {
     "runtime.threads": 8,
     "runtime.threads_batch": 8,
     "runtime.slice_cache_dir": "~/.cache/skippyd/slices",
+    "runtime.pipeline_decode_groups": 2,
     "http.api_key": "change-me",
     "http.model_alias": "my-model",
     "http.max_prompt_tokens": 4096,
@@ -60,6 +61,7 @@ _KEY_NOTES: dict[str, str] = {
     "stage.layer_end": "default: the model's last layer",
     "runtime.threads": "default: the CPUs available to the process",
     "runtime.threads_batch": "default: threads",
+    "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline",
     "http.max_prompt_tokens": "default: runtime.ctx_size",
     "control.socket": "default: $XDG_RUNTIME_DIR/skippyd/<stage id>.sock, else "
                       "$RUNTIME_DIRECTORY/<stage id>.sock, else a per-user temp dir",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from skippyd.config.defaults import available_cpus, default_socket_path, model_id_for
+from skippyd.config.environment import apply_environment
 from skippyd.config.errors import ConfigError, ConfigIssue, IssueCollector
 from skippyd.config.rules import check_rules
 from skippyd.config.schema import (
@@ -85,16 +86,21 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
     return config
 
 
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> StageConfig:
+def parse_config(data: Mapping[str, Any], source: str = "<config>",
+                 environ: Mapping[str, str] | None = None) -> StageConfig:
     """Validate a parsed TOML document (a dict of section tables).
+
+    The environment switches of :mod:`skippyd.config.environment` are folded in first.
 
     Args:
         data: The document, as ``tomllib`` returns it.
         source: Names the input in the raised error.
+        environ: Environment to read; defaults to ``os.environ``.
 
     Raises:
         ConfigError: Listing every problem found.
     """
+    data = apply_environment(data, environ)
     issues = IssueCollector()
     tables = _section_tables(data, issues)
     given = {name: _parse_table(name, table, issues) for name, table in tables.items()}

@@ -196,9 +196,14 @@ class RuntimeSection:
     flash_attn: FlashAttn = "auto"
     """Flash attention: let llama.cpp decide, force it on, or off."""
     safe_mode: bool = False
-    """Serialise every sequence (one per decode): a debugging fallback."""
+    """Serialise every sequence (one per decode): a debugging fallback; also turned on
+    by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
+    pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
+    """Groups a split pipeline cuts each decode step into, so every stage works on one
+    while the next computes another; ``None``: one per stage. Also set by
+    ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
     slice_cache_dir: str | None = _setting(None, check=_check_non_empty)
@@ -384,6 +389,20 @@ class StageConfig:
     def is_final(self) -> bool:
         """Whether this stage produces logits (it has no downstream)."""
         return self.downstream is None
+
+    @property
+    def planned_decode_groups(self) -> int | None:
+        """Decode groups this stage plans for, unless ``pipeline_decode_groups`` says.
+
+        Stage 0 of a split learns the chain's length at the handshake (``None`` here); a
+        later stage must coalesce at most one group: the final stage knows the length
+        (index + 1), a middle one assumes one stage after it. A whole model has one group.
+        """
+        if self.runtime.pipeline_decode_groups is not None:
+            return self.runtime.pipeline_decode_groups
+        if self.is_first:
+            return 1 if self.is_final else None
+        return self.stage.index + (1 if self.is_final else 2)
 
     @property
     def resolved_model_path(self) -> Path:

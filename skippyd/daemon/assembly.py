@@ -27,6 +27,7 @@ from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, inspect_model
 from skippyd.gguf.slice import cached_slice
@@ -113,26 +114,17 @@ class StageEngine:
         local = LlamaRuntime(runtime_options(self.config, path, reserved_seq_ids=reserved))
         self._split = make_split(self.config, local)
         self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime)
-        self._prefix_cache = self._make_prefix_cache(cache_settings)
-        rt = self.config.runtime
-        self._worker = WorkerHandle(
-            self._runtime,
-            queue_capacity=rt.queue_capacity,
-            continuous_batching=rt.continuous_batching,
-            safe_mode=rt.safe_mode,
-            n_batch=rt.n_batch,
-            n_ubatch=rt.n_ubatch,
-            recurrent_bytes_per_seq=self.info.recurrent_bytes(stage.layer_start, stage.layer_end),
-            exports=not self.config.is_final,
-            pipeline_decode_groups=None if self._split is None else self._split.decode_groups,
-            telemetry=self.telemetry,
-            prefix_cache=self._prefix_cache,
-        )
+        self._prefix_cache = self._make_prefix_cache(cache_settings, local)
+        settings = WorkerSettings.for_stage(
+            self.config, self._runtime,
+            self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
+        self._worker = WorkerHandle(self._runtime, settings, telemetry=self.telemetry,
+                                    prefix_cache=self._prefix_cache)
         self._start_split()
         self._set_state("ok", None)
         logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
-                    self.model_id, stage.layer_start, stage.layer_end, rt.lane_count,
-                    self._runtime.kv_pool_tokens)
+                    self.model_id, stage.layer_start, stage.layer_end,
+                    self._runtime.lane_count, self._runtime.kv_pool_tokens)
 
     def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
         """The prefix cache runs on an unsplit stage of an attention-only model."""
@@ -144,12 +136,14 @@ class StageEngine:
         return settings_from_config(self.config.kv_cache, supported=unsplit and attention_only,
                                     reason=reason)
 
-    def _make_prefix_cache(self, settings: PrefixCacheSettings | None) -> LivePrefixCache | None:
+    def _make_prefix_cache(self, settings: PrefixCacheSettings | None,
+                           local: LlamaRuntime) -> LivePrefixCache | None:
+        """The cache over the stage's own context, whose slot operations it needs."""
         if settings is None or self._split is not None:
             return None
         stage = self.config.stage
         return LivePrefixCache(
-            self._runtime, settings, stage_index=stage.index, publish=self.telemetry.publish,
+            local, settings, stage_index=stage.index, publish=self.telemetry.publish,
             namespace=f"{self.model_id}:{stage.layer_start}-{stage.layer_end}",
         )
 

@@ -14,8 +14,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from skippyd.config import StageConfig
+from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import PipelineRuntime
-from skippyd.engine.runtime.protocol import IterationOutput, IterationRequest, Runtime
+from skippyd.engine.runtime.protocol import (
+    IterationOutput,
+    IterationRequest,
+    Runtime,
+    RuntimeWrapper,
+)
+from skippyd.engine.worker.handle import WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink
 from skippyd.link.listener import (
     LISTENER_COUNTERS,
@@ -27,11 +34,11 @@ from skippyd.link.listener import (
 logger = logging.getLogger(__name__)
 
 
-class MeteredRuntime:
+class MeteredRuntime(RuntimeWrapper):
     """A runtime that adds up the time its iterations spend in llama.cpp (busy time)."""
 
-    def __init__(self, runtime: Any) -> None:
-        self.inner = runtime
+    def __init__(self, inner: Runtime) -> None:
+        super().__init__(inner)
         self.busy_s = 0.0
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
@@ -39,11 +46,8 @@ class MeteredRuntime:
         self.busy_s += output.compute_s
         return output
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
-
-def _facts(config: StageConfig, runtime: Any) -> StageFacts:
+def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
     stage, link, downstream = config.stage, config.link, config.downstream
     return StageFacts(
         stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
@@ -65,27 +69,27 @@ class SplitStage:
         runtime: What the stage's worker drives.
     """
 
-    def __init__(self, config: StageConfig, local: Any) -> None:
+    def __init__(self, config: StageConfig, local: LlamaRuntime) -> None:
         if not config.link.secret:
             raise ValueError("link.secret: required on a stage of a split pipeline")
         self.config = config
         self.started_at = time.monotonic()
         self._facts = _facts(config, local)
-        self._worker: Any = None
+        self._worker: WorkerHandle | None = None
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
         self.pipeline: PipelineRuntime | None = None
-        self.decode_groups = _planned_decode_groups(config)
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.kv_pool_tokens,
                 local.max_batch_tokens))
-            self.pipeline = PipelineRuntime(local, self.link)
-            self.runtime: Runtime | MeteredRuntime = self.pipeline
+            self.pipeline = PipelineRuntime(
+                local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
+            self.runtime: Runtime = self.pipeline
         else:
             self.runtime = MeteredRuntime(local)
 
-    def start(self, worker: Any) -> None:
+    def start(self, worker: WorkerHandle) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
 
         Raises:
@@ -151,21 +155,7 @@ class SplitStage:
         return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
 
 
-def _planned_decode_groups(config: StageConfig) -> int | None:
-    """Decode groups a later stage plans for.
-
-    Stage 0 cuts each call into one group per stage of the chain (it learns the length
-    at the handshake); a later stage's worker must coalesce no more than one such group,
-    or it would wait for sessions that are still on another stage. The final stage
-    knows the length (its index + 1); a middle stage assumes one stage after it.
-    ``SKIPPY_PIPELINE_DECODE_GROUPS`` overrides this on every stage.
-    """
-    if config.is_first:
-        return None
-    return config.stage.index + (1 if config.is_final else 2)
-
-
-def make_split(config: StageConfig, local: Any) -> SplitStage | None:
+def make_split(config: StageConfig, local: LlamaRuntime) -> SplitStage | None:
     """The split part of a stage, or None for a stage serving the whole model."""
     if config.is_first and config.is_final:
         return None

@@ -20,7 +20,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippyd.link.dialer import configure_socket
 from skippyd.link.framing import FrameSocket
@@ -40,6 +40,9 @@ from skippyd.link.wire import (
     LinkProtocolError,
     encode_frame,
 )
+
+if TYPE_CHECKING:
+    from skippyd.engine.worker.handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class StageLinkServer:
         status: Returns the stage's counters for STATUS replies.
     """
 
-    def __init__(self, facts: StageFacts, worker: Any,
+    def __init__(self, facts: StageFacts, worker: WorkerHandle | None,
                  status: Callable[[], dict[str, Any]]) -> None:
         self.facts = facts
         self.worker = worker

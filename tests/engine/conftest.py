@@ -6,11 +6,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from cache_helpers import N_BATCH, N_UBATCH, SETTINGS, open_runtime
+from cache_helpers import SETTINGS, open_runtime
 
 from skippyd.engine.prefix_cache import LivePrefixCache, PrefixCacheSettings
 from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 
@@ -32,8 +33,8 @@ def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[WorkerHandle, An
         hub = TelemetryHub()
         live = LivePrefixCache(runtime, settings, namespace="tiny:0-4",
                                publish=hub.publish) if cache else None
-        worker = WorkerHandle(runtime, queue_capacity=queue_capacity, n_batch=N_BATCH,
-                                       n_ubatch=N_UBATCH, telemetry=hub, prefix_cache=live)
+        settings = WorkerSettings.derive(runtime, queue_capacity=queue_capacity)
+        worker = WorkerHandle(runtime, settings, telemetry=hub, prefix_cache=live)
         opened.append((worker, runtime))
         return worker, live
 

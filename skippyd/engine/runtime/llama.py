@@ -197,6 +197,11 @@ class LlamaRuntime(CacheSlotsMixin):
         return self.options.n_batch
 
     @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens per graph run (``runtime.n_ubatch``)."""
+        return self.options.n_ubatch
+
+    @property
     def eog_tokens(self) -> tuple[int, ...]:
         return self._eog_tokens
 

@@ -26,7 +26,6 @@ the link's reader thread calls.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -51,10 +50,6 @@ from skippyd.engine.runtime.protocol import (
     RuntimeFailure,
     SessionAlignment,
 )
-from skippyd.engine.worker.direct_batch import (
-    PIPELINE_DECODE_GROUPS_ENV,
-    resolve_pipeline_decode_groups,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +66,8 @@ class PipelineRuntime:
         local: Stage 0's own runtime (first stage, not final).
         downstream: The link to stage 1; its reader thread calls ``on_result``,
             ``on_error`` and ``on_down`` of this object.
-        decode_groups: Groups per call; None means one per pipeline stage, unless
-            ``SKIPPY_PIPELINE_DECODE_GROUPS`` says otherwise.
+        decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
+            one per pipeline stage, as the handshake reports the chain's length.
         lookahead: Start the next decode step of a group as soon as its prediction
             arrives (see the module docstring).
     """
@@ -105,6 +100,14 @@ class PipelineRuntime:
     def kv_pool_tokens(self) -> int:
         return self.local.kv_pool_tokens
 
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.local.max_batch_tokens
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.local.micro_batch_tokens
+
     def active_session_count(self) -> int:
         return self.local.active_session_count()
 
@@ -113,10 +116,10 @@ class PipelineRuntime:
 
     def kv_cells_used(self) -> int:
         """Stage 0's own KV cells (every later stage holds the same sessions)."""
-        return self.local.kv_cells_used()  # type: ignore[attr-defined]
+        return self.local.kv_cells_used()
 
     def session_seq_id(self, session_id: str) -> int | None:
-        return self.local.session_seq_id(session_id)  # type: ignore[attr-defined]
+        return self.local.session_seq_id(session_id)
 
     def session_token_count(self, session_id: str) -> int | None:
         """Tokens of the session as the scheduler sees them (look-ahead excluded)."""
@@ -128,7 +131,7 @@ class PipelineRuntime:
 
     def close(self) -> None:
         """Free the local runtime (the link is closed by its owner)."""
-        self.local.close()  # type: ignore[attr-defined]
+        self.local.close()
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -233,8 +236,7 @@ class PipelineRuntime:
     def _num_groups(self) -> int:
         if self._decode_groups is not None:
             return max(1, self._decode_groups)
-        return resolve_pipeline_decode_groups(os.environ.get(PIPELINE_DECODE_GROUPS_ENV),
-                                              self._link.num_stages + 1)
+        return self._link.num_stages + 1
 
     def _ship(self, items: list[tuple[IterationRequest, int]],
               speculative: bool) -> tuple[list[InflightStep | None], float]:

@@ -1,9 +1,10 @@
 """The contract between the worker and a runtime.
 
 The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies
-:class:`Runtime`; the real one is ``llama.LlamaRuntime`` over llama.cpp, tests may use a
-scripted fake. Everything that crosses this boundary is a plain dataclass defined here, so
-the worker never imports llama.cpp.
+:class:`Runtime`: ``llama.LlamaRuntime`` over one llama.cpp context, stage 0's
+``pipeline.PipelineRuntime`` over a split pipeline, and wrappers built on
+:class:`RuntimeWrapper`; tests may use a scripted fake. Everything that crosses this
+boundary is a plain dataclass defined here, so the worker never imports llama.cpp.
 """
 
 from __future__ import annotations
@@ -170,26 +171,153 @@ class SessionAlignment:
 
 @runtime_checkable
 class Runtime(Protocol):
-    """What the worker needs from a runtime. Only the worker thread calls it."""
+    """What the worker drives: sessions in lanes over one KV pool, one batched call at a time.
+
+    A session is a named sequence of KV cells (a llama.cpp sequence id while it holds a
+    lane). Only the worker thread calls a runtime once the worker owns it. A method that
+    fails on purpose raises a :class:`RuntimeFailure` subclass and, unless it says
+    otherwise, leaves every session as it was.
+    """
 
     @property
-    def lane_count(self) -> int: ...
+    def lane_count(self) -> int:
+        """Sessions that may be active at once."""
 
     @property
-    def kv_pool_tokens(self) -> int: ...
+    def kv_pool_tokens(self) -> int:
+        """Cells of the KV pool every session shares."""
 
-    def active_session_count(self) -> int: ...
+    @property
+    def max_batch_tokens(self) -> int:
+        """Most tokens one :meth:`iteration_batch_sampled` call may carry (``n_batch``)."""
 
-    def ensure_session_active(self, session_id: str) -> None: ...
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens the model computes per graph run (``n_ubatch``): a prompt chunk of at
+        most this many tokens runs the graph once, and a stage that sends activations on
+        ships them per micro-batch."""
 
-    def session_token_count(self, session_id: str) -> int | None: ...
+    def active_session_count(self) -> int:
+        """Sessions that hold a lane now."""
 
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput: ...
+    def kv_cells_used(self) -> int:
+        """KV cells the active sessions hold (cells shared by several count once per
+        session, so this is an upper bound)."""
+
+    def session_token_count(self, session_id: str) -> int | None:
+        """Tokens in the session's KV, or None when the session is not active."""
+
+    def session_seq_id(self, session_id: str) -> int | None:
+        """The lane (llama.cpp sequence id) the session holds, or None."""
+
+    def ensure_session_active(self, session_id: str) -> None:
+        """Give the session a lane with empty KV unless it already has one.
+
+        Raises:
+            LanesBusyError: Every lane is taken.
+        """
+
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        """Run every request's rows in one batched model call, then sample.
+
+        Each request's rows go into its session at its explicit positions (the first one
+        at most the session's token count; what the session held from there on is
+        replaced), or after what it holds when positions are None; a session not yet
+        active gets a lane. When this raises an invalid-iteration, lanes-busy or no-KV-slot
+        error, no session changed; after any other failure the caller must treat the
+        sessions in the batch as lost.
+
+        Returns:
+            One output entry per request, in order (captured activation rows on a stage
+            that sends them on), and one sample per request with ``sample_last``.
+
+        Raises:
+            InvalidIterationError: A request is malformed (unknown token, a gap in
+                positions, a duplicate session); it names the request.
+            LanesBusyError: More new sessions than free lanes.
+            KvSlotUnavailableError: No room in the KV pool: back-pressure, retry later.
+            UnavailableError: A part that lives elsewhere (the rest of a pipeline) is
+                unreachable.
+            DecodeFailedError: The model call failed otherwise.
+        """
 
     def align_session_to_token_count_if_ahead(
         self, session_id: str, target: int
-    ) -> SessionAlignment | None: ...
+    ) -> SessionAlignment | None:
+        """Trim a session that holds more than ``target`` tokens; never extend one.
 
-    def trim_session(self, session_id: str, token_count: int) -> None: ...
+        Returns:
+            The token counts before and after, or None when nothing was trimmed.
+        """
 
-    def drop_session(self, session_id: str) -> None: ...
+    def trim_session(self, session_id: str, token_count: int) -> None:
+        """Drop the session's KV from position ``token_count`` on.
+
+        Raises:
+            InvalidIterationError: The session is not active.
+        """
+
+    def drop_session(self, session_id: str) -> None:
+        """Free the session's lane and cells; a session that is not active is ignored."""
+
+    def close(self) -> None:
+        """Free everything the runtime holds; idempotent. No call may follow."""
+
+
+class RuntimeWrapper:
+    """A :class:`Runtime` that passes every call to ``inner``.
+
+    Subclasses override what they add (timing, metering) and inherit the rest, so a
+    wrapper is a complete, typed runtime rather than an attribute forwarder.
+    """
+
+    def __init__(self, inner: Runtime) -> None:
+        self.inner = inner
+
+    @property
+    def lane_count(self) -> int:
+        return self.inner.lane_count
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.inner.kv_pool_tokens
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.inner.max_batch_tokens
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.inner.micro_batch_tokens
+
+    def active_session_count(self) -> int:
+        return self.inner.active_session_count()
+
+    def kv_cells_used(self) -> int:
+        return self.inner.kv_cells_used()
+
+    def session_token_count(self, session_id: str) -> int | None:
+        return self.inner.session_token_count(session_id)
+
+    def session_seq_id(self, session_id: str) -> int | None:
+        return self.inner.session_seq_id(session_id)
+
+    def ensure_session_active(self, session_id: str) -> None:
+        self.inner.ensure_session_active(session_id)
+
+    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        return self.inner.iteration_batch_sampled(requests)
+
+    def align_session_to_token_count_if_ahead(
+        self, session_id: str, target: int
+    ) -> SessionAlignment | None:
+        return self.inner.align_session_to_token_count_if_ahead(session_id, target)
+
+    def trim_session(self, session_id: str, token_count: int) -> None:
+        self.inner.trim_session(session_id, token_count)
+
+    def drop_session(self, session_id: str) -> None:
+        self.inner.drop_session(session_id)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -16,29 +16,33 @@ import threading
 import time
 from collections.abc import Sequence
 
-from skippyd.engine.runtime.protocol import IterationOutput, IterationRequest
+from skippyd.engine.runtime.protocol import (
+    IterationOutput,
+    IterationRequest,
+    Runtime,
+    RuntimeWrapper,
+)
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "SKIPPYD_FAULT"
 
 
-class WatchedRuntime:
-    """Delegates to ``inner`` and timestamps its batched iterations."""
+class WatchedRuntime(RuntimeWrapper):
+    """A :class:`Runtime` that timestamps the batched iterations of ``inner``.
 
-    def __init__(self, inner, *, fault: str | None = None) -> None:
-        self._inner = inner
+    Args:
+        inner: The runtime the worker drives.
+        fault: ``hang-iteration`` blocks every iteration forever (tests only); None
+            reads ``SKIPPYD_FAULT``.
+    """
+
+    def __init__(self, inner: Runtime, *, fault: str | None = None) -> None:
+        super().__init__(inner)
         self._started: float | None = None
         self._fault = fault if fault is not None else os.environ.get(FAULT_ENV)
         if self._fault:
             logger.warning("fault injection active: %s", self._fault)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    @property
-    def inner(self):
-        return self._inner
 
     def busy_for(self) -> float:
         """Seconds the current runtime call has been running (0 when idle)."""
@@ -50,6 +54,6 @@ class WatchedRuntime:
         try:
             if self._fault == "hang-iteration":
                 threading.Event().wait()
-            return self._inner.iteration_batch_sampled(requests)
+            return self.inner.iteration_batch_sampled(requests)
         finally:
             self._started = None

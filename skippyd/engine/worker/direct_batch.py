@@ -44,12 +44,6 @@ logger = logging.getLogger(__name__)
 MAX_NATIVE_ITERATION_TOKENS = 2048
 #: How long the worker waits for peers of a lone direct iteration.
 DIRECT_ITERATION_COALESCE_WINDOW_S = 0.002
-#: Environment override of the pipeline decode group count.
-PIPELINE_DECODE_GROUPS_ENV = "SKIPPY_PIPELINE_DECODE_GROUPS"
-#: Environment switch forcing one lane.
-SAFE_MODE_ENV = "SKIPPY_ITERATION_SCHEDULER_SAFE_MODE"
-
-_TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 
 Publish = Callable[[str, Mapping[str, Any]], None]
 
@@ -70,38 +64,9 @@ def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max
     return min(max(active_runtime_sessions, queued_direct), max_batch)
 
 
-def pipeline_decode_groups_from_value(value: str | None) -> int:
-    """Parse a positive integer group count; anything else means 1."""
-    try:
-        groups = int((value or "").strip())
-    except ValueError:
-        return 1
-    return groups if groups > 0 else 1
-
-
-def resolve_pipeline_decode_groups(env_value: str | None, planned: int | None) -> int:
-    """The environment wins when set, even if unusable; else the plan's value, else 1."""
-    if env_value is not None:
-        # NOTE: an unusable override means "ungrouped", not "use the plan".
-        return pipeline_decode_groups_from_value(env_value)
-    return planned if planned is not None and planned > 0 else 1
-
-
 def pipeline_group_batch_size(max_batch: int, groups: int) -> int:
     """Lanes per decode group, rounded up and at least 1."""
     return max(math.ceil(max_batch / max(groups, 1)), 1)
-
-
-def safe_mode_from_value(value: str | None) -> bool:
-    """True iff ``value`` is one of 1/true/yes/on, case-insensitively."""
-    return (value or "").strip().lower() in _TRUE_VALUES
-
-
-def effective_lane_count(lanes: int, safe_mode: bool, continuous_batching: bool) -> int:
-    """One lane in safe mode or without continuous batching, else ``lanes``."""
-    if safe_mode or not continuous_batching:
-        return 1
-    return lanes
 
 
 def validate_direct_iteration(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import weakref
@@ -35,20 +34,8 @@ from skippyd.engine.worker.commands import (
     WorkerStats,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.direct_batch import (
-    PIPELINE_DECODE_GROUPS_ENV,
-    SAFE_MODE_ENV,
-    DirectIteration,
-    effective_lane_count,
-    resolve_pipeline_decode_groups,
-    safe_mode_from_value,
-    validate_direct_iteration,
-)
-from skippyd.engine.worker.settings import (
-    build_scheduler_config,
-    kv_capacity_tokens,
-    make_worker_settings,
-)
+from skippyd.engine.worker.direct_batch import DirectIteration, validate_direct_iteration
+from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.thread_loop import Command, WorkerLoop
 
@@ -56,59 +43,32 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerHandle:
-    """Handle to the worker thread.
+    """Handle to the worker thread; starts it at once.
 
     Args:
         runtime: The runtime the worker will own; nobody else may call it afterwards.
-        queue_capacity: Generations allowed to wait for admission (at least 1).
-        continuous_batching: Batch many sessions per runtime call; off means one lane.
-        safe_mode: Force one lane; also enabled by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``.
-        n_batch: Native batch size (caps tokens per iteration).
-        n_ubatch: Native micro-batch size (prefill chunk, export cap).
-        recurrent_bytes_per_seq: Recurrent state of one sequence on this stage.
-        exports: The stage sends activations downstream.
-        pipeline_decode_groups: Planned decode groups; ``SKIPPY_PIPELINE_DECODE_GROUPS``
-            overrides it.
+        settings: How the worker is sized (:meth:`WorkerSettings.for_stage`).
         telemetry: Hub to publish to; a private one is created if None.
         prefix_cache: The stage's prefix cache over ``runtime``, driven by the worker.
 
     Raises:
-        ValueError: ``queue_capacity`` is below 1.
+        TypeError: ``runtime`` does not implement :class:`Runtime`.
     """
 
     def __init__(
         self,
         runtime: Runtime,
+        settings: WorkerSettings,
         *,
-        queue_capacity: int,
-        continuous_batching: bool = True,
-        safe_mode: bool = False,
-        n_batch: int | None = None,
-        n_ubatch: int | None = None,
-        recurrent_bytes_per_seq: int = 0,
-        exports: bool = False,
-        pipeline_decode_groups: int | None = None,
         telemetry: TelemetryHub | None = None,
         prefix_cache: LivePrefixCache | None = None,
     ) -> None:
-        if queue_capacity < 1:
-            raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
-        safe_mode = safe_mode or safe_mode_from_value(os.environ.get(SAFE_MODE_ENV))
-        lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
-        config = build_scheduler_config(lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq,
-                                        n_batch, n_ubatch, queue_capacity, exports)
-        groups = resolve_pipeline_decode_groups(os.environ.get(PIPELINE_DECODE_GROUPS_ENV),
-                                                pipeline_decode_groups)
-        settings = make_worker_settings(lanes, queue_capacity, n_batch, groups, config)
+        if not isinstance(runtime, Runtime):
+            raise TypeError(f"runtime: {type(runtime).__name__} does not implement Runtime")
         hub = telemetry if telemetry is not None else TelemetryHub()
-        publish_worker_start(
-            hub, safe_mode=safe_mode, command_queue_capacity=settings.command_queue_capacity,
-            max_active_sequences=config.max_active_sequences,
-            max_consecutive_prefill_iterations=config.max_consecutive_prefill_iterations,
-            mixed_prefill_decode=config.mixed_prefill_decode,
-        )
+        publish_worker_start(hub, settings)
         commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
-        worker = WorkerLoop(runtime, config, commands, hub, settings, prefix_cache)
+        worker = WorkerLoop(runtime, settings, commands, hub, prefix_cache)
         self._shared = WorkerThread(worker, commands)
         self._shared.thread.start()
         self._finalizer = weakref.finalize(self, self._shared.release)

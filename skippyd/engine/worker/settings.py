@@ -1,17 +1,20 @@
-"""How the worker derives its policy configuration from the runtime.
+"""How the worker is sized: derived once per stage from its config and its runtime.
 
 The policy scheduler is generic; the stage decides its limits from facts about the
-runtime: lanes, the shared KV cell pool, the model's recurrent state, the native batch
-sizes and whether the stage exports activations downstream.
+runtime (lanes, the shared KV cell pool, ``n_batch`` and ``n_ubatch`` as the context was
+built with them), about the model (recurrent state) and from the stage config (queue
+capacity, safe mode, continuous batching, whether it sends activations on, pipeline
+decode groups). :meth:`WorkerSettings.for_stage` is the one place that happens.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
+from skippyd.config import StageConfig
 from skippyd.engine.policy.config import UNLIMITED, MemoryComponent, SchedulerConfig
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.direct_batch import (
     MAX_NATIVE_ITERATION_TOKENS,
     pipeline_group_batch_size,
@@ -19,10 +22,6 @@ from skippyd.engine.worker.direct_batch import (
 
 logger = logging.getLogger(__name__)
 
-#: Default prefill chunk when the stage does not configure ``n_ubatch``.
-DEFAULT_PREFILL_CHUNK_TOKENS = 256
-#: llama-server's default micro-batch, the export cap without ``n_ubatch``.
-LLAMA_SERVER_DEFAULT_N_UBATCH = 512
 #: Decode headroom reserved at admission beyond the prompt.
 DECODE_BATCH_HEADROOM_TOKENS = 512
 #: Aging credit per turn a waiting request gains in the cache-aware order.
@@ -36,23 +35,26 @@ KV_COMPONENT = "kv-cells"
 RECURRENT_COMPONENT = "recurrent-state"
 
 
-def iteration_token_budget(exports: bool, budget: int, n_ubatch: int | None) -> int:
+def iteration_token_budget(exports: bool, budget: int, n_ubatch: int) -> int:
     """Cap an exporting stage's iterations at one native micro-batch.
 
     A stage with a downstream consumer ships every planned iteration as one activation
     frame; keeping it within one micro-batch lets the next stage start sooner.
     """
-    if not exports:
-        return budget
-    return min(budget, n_ubatch or LLAMA_SERVER_DEFAULT_N_UBATCH)
+    return min(budget, n_ubatch) if exports else budget
+
+
+def effective_lane_count(lanes: int, safe_mode: bool, continuous_batching: bool) -> int:
+    """One lane in safe mode or without continuous batching, else ``lanes``."""
+    return 1 if safe_mode or not continuous_batching else lanes
 
 
 def build_scheduler_config(
     lanes: int,
     kv_pool_tokens: int,
     recurrent_bytes_per_seq: int,
-    n_batch: int | None,
-    n_ubatch: int | None,
+    n_batch: int,
+    n_ubatch: int,
     queue_capacity: int,
     exports: bool = False,
 ) -> SchedulerConfig:
@@ -62,14 +64,14 @@ def build_scheduler_config(
         lanes: Scheduler lane count (1 in safe mode or without continuous batching).
         kv_pool_tokens: Cells of the shared KV pool.
         recurrent_bytes_per_seq: Recurrent state of one sequence over this stage's layers.
-        n_batch: Native batch size, if configured.
-        n_ubatch: Native micro-batch size, if configured.
+        n_batch: The runtime's batch size: the iteration budget (at most 2048).
+        n_ubatch: The runtime's micro-batch size: the prefill chunk, and the budget of
+            a stage that sends activations on.
         queue_capacity: Waiting-queue capacity.
         exports: The stage sends activations to a downstream stage.
     """
-    max_tokens = min(max(n_batch or MAX_NATIVE_ITERATION_TOKENS, 1), MAX_NATIVE_ITERATION_TOKENS)
-    max_tokens = iteration_token_budget(exports, max_tokens, n_ubatch)
-    chunk = min(max(n_ubatch or DEFAULT_PREFILL_CHUNK_TOKENS, 1), max_tokens)
+    max_tokens = min(max(n_batch, 1), MAX_NATIVE_ITERATION_TOKENS)
+    max_tokens = iteration_token_budget(exports, max_tokens, max(n_ubatch, 1))
     recurrent = recurrent_bytes_per_seq > 0
     components = [MemoryComponent(KV_COMPONENT, max(kv_pool_tokens, 1), 0, 1, 0)]
     if recurrent:
@@ -84,7 +86,7 @@ def build_scheduler_config(
         reserved_sequence_ids=0,
         max_waiting_sequences=max(queue_capacity, 1),
         max_tokens_per_iteration=max_tokens,
-        prefill_chunk_tokens=chunk,
+        prefill_chunk_tokens=min(max(n_ubatch, 1), max_tokens),
         # Recurrent models slow down badly with several prompt rows in one native call.
         max_prefill_sequences_per_iteration=1 if recurrent else UNLIMITED,
         max_consecutive_prefill_iterations=1,
@@ -113,27 +115,14 @@ def admission_tokens(prompt_tokens: int, max_tokens: int, kv_capacity: int) -> i
     return min(prompt_tokens + min(max_tokens, DECODE_BATCH_HEADROOM_TOKENS), kv_capacity)
 
 
-def recurrent_bytes_per_native_sequence(
-    model_path: str | os.PathLike[str] | None,
-    layer_start: int = 0,
-    layer_end: int | None = None,
-) -> int:
-    """Recurrent state one sequence keeps over ``[layer_start, layer_end)``; 0 if unknown."""
-    if model_path is None:
-        return 0
-    from skippyd.gguf.inspect import inspect_model  # deferred: reads the GGUF
-
-    try:
-        return inspect_model(model_path).recurrent_bytes(layer_start, layer_end)
-    except Exception as exc:  # any unreadable model means "no recurrent state known"
-        logger.warning("cannot read recurrent state size from %s: %s", model_path, exc)
-        return 0
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """Sizes the worker derives at construction."""
+    """Everything the worker is sized by; build it with :meth:`for_stage` or :meth:`derive`."""
 
+    policy: SchedulerConfig
+    """The normalized policy configuration."""
+    safe_mode: bool
+    """One lane, whatever the runtime has (reported at start)."""
     max_direct_batch_size: int
     """Most direct iterations in one runtime call: the scheduler lane count."""
     direct_group_batch_size: int
@@ -141,26 +130,56 @@ class WorkerSettings:
     max_direct_iteration_tokens: int
     """Token budget of one direct batch (and limit of one direct iteration)."""
     max_commands_per_turn: int
-    command_queue_capacity: int = MIN_COMMAND_QUEUE_CAPACITY
+    """Commands the worker handles per turn at most."""
+    command_queue_capacity: int
+    """Bound of the command queue: queue capacity plus lanes, at least 8."""
     iteration_interval_s: float = 0.0
+    """Pause between turns; 0 (the runtime call itself is the collection window)."""
 
+    @classmethod
+    def for_stage(cls, config: StageConfig, runtime: Runtime,
+                  recurrent_bytes_per_seq: int = 0) -> WorkerSettings:
+        """The settings of the worker of the stage ``config`` describes.
 
-def make_worker_settings(
-    lanes: int,
-    queue_capacity: int,
-    n_batch: int | None,
-    decode_groups: int,
-    config: SchedulerConfig,
-) -> WorkerSettings:
-    """Derive the worker's sizes from the scheduler lane count and queue capacity."""
-    capacity = max(queue_capacity + lanes, MIN_COMMAND_QUEUE_CAPACITY)
-    max_batch = max(lanes, 1)
-    return WorkerSettings(
-        max_direct_batch_size=max_batch,
-        direct_group_batch_size=pipeline_group_batch_size(max_batch, decode_groups),
-        max_direct_iteration_tokens=min(max(n_batch or MAX_NATIVE_ITERATION_TOKENS, 1),
-                                        MAX_NATIVE_ITERATION_TOKENS),
-        max_commands_per_turn=min(capacity, MAX_COMMANDS_PER_TURN),
-        command_queue_capacity=capacity,
-        iteration_interval_s=config.iteration_interval_s,
-    )
+        Args:
+            config: The stage config (environment switches already folded in).
+            runtime: The runtime the worker will drive; its lanes, KV pool and batch
+                sizes are the ones llama.cpp was built with.
+            recurrent_bytes_per_seq: Recurrent state of one sequence over the stage's
+                layers (0 for attention-only models).
+        """
+        rt = config.runtime
+        return cls.derive(runtime, queue_capacity=rt.queue_capacity, safe_mode=rt.safe_mode,
+                          continuous_batching=rt.continuous_batching,
+                          recurrent_bytes_per_seq=recurrent_bytes_per_seq,
+                          exports=not config.is_final,
+                          decode_groups=config.planned_decode_groups or 1)
+
+    @classmethod
+    def derive(cls, runtime: Runtime, *, queue_capacity: int, safe_mode: bool = False,
+               continuous_batching: bool = True, recurrent_bytes_per_seq: int = 0,
+               exports: bool = False, decode_groups: int = 1) -> WorkerSettings:
+        """The settings from explicit stage facts (:meth:`for_stage` reads them from a config).
+
+        Raises:
+            ValueError: ``queue_capacity`` is below 1.
+        """
+        if queue_capacity < 1:
+            raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
+        lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
+        policy = build_scheduler_config(
+            lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq, runtime.max_batch_tokens,
+            runtime.micro_batch_tokens, queue_capacity, exports)
+        capacity = max(queue_capacity + lanes, MIN_COMMAND_QUEUE_CAPACITY)
+        max_batch = max(lanes, 1)
+        return cls(
+            policy=policy,
+            safe_mode=safe_mode,
+            max_direct_batch_size=max_batch,
+            direct_group_batch_size=pipeline_group_batch_size(max_batch, decode_groups),
+            max_direct_iteration_tokens=min(max(runtime.max_batch_tokens, 1),
+                                            MAX_NATIVE_ITERATION_TOKENS),
+            max_commands_per_turn=min(capacity, MAX_COMMANDS_PER_TURN),
+            command_queue_capacity=capacity,
+            iteration_interval_s=policy.iteration_interval_s,
+        )

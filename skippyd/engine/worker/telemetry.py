@@ -19,7 +19,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from skippyd.engine.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -212,22 +215,15 @@ class TelemetryHub:
             self._subscribers = tuple(s for s in self._subscribers if s is not subscription)
 
 
-def publish_worker_start(
-    hub: TelemetryHub,
-    *,
-    safe_mode: bool,
-    command_queue_capacity: int,
-    max_active_sequences: int,
-    max_consecutive_prefill_iterations: int,
-    mixed_prefill_decode: bool,
-) -> None:
-    """Publish ``stage.scheduler_start``."""
+def publish_worker_start(hub: TelemetryHub, settings: WorkerSettings) -> None:
+    """Publish ``stage.scheduler_start``: how the worker was sized."""
     prefix = "skippy.scheduler."
     hub.publish(SCHEDULER_START, {
-        prefix + "safe_mode": safe_mode,
-        prefix + "command_queue_capacity": command_queue_capacity,
-        prefix + "max_active_sequences": max_active_sequences,
-        prefix + "max_consecutive_prefill_iterations": max_consecutive_prefill_iterations,
-        prefix + "mixed_prefill_decode": mixed_prefill_decode,
+        prefix + "safe_mode": settings.safe_mode,
+        prefix + "command_queue_capacity": settings.command_queue_capacity,
+        prefix + "max_active_sequences": settings.policy.max_active_sequences,
+        prefix + "max_consecutive_prefill_iterations":
+            settings.policy.max_consecutive_prefill_iterations,
+        prefix + "mixed_prefill_decode": settings.policy.mixed_prefill_decode,
         prefix + "cache_policy": CACHE_POLICY_NAME,
     })

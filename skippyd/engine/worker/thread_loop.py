@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 
-from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.commands import (
@@ -70,18 +69,18 @@ class WorkerLoop:
     def __init__(
         self,
         runtime: Runtime,
-        config: SchedulerConfig,
+        settings: WorkerSettings,
         commands: queue.Queue[Command],
         telemetry: TelemetryHub,
-        settings: WorkerSettings,
         prefix_cache: LivePrefixCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.settings = settings
         self.telemetry = telemetry
         self._commands = commands
-        self.planned = PlannedGenerations(runtime, config, telemetry.publish, self.fail_all,
-                                          self._refresh_active_sessions, prefix_cache)
+        self.planned = PlannedGenerations(runtime, settings.policy, telemetry.publish,
+                                          self.fail_all, self._refresh_active_sessions,
+                                          prefix_cache)
         self.direct: deque[DirectIteration] = deque()
         self.active_runtime_sessions = 0
         self.last_served_direct = False
@@ -309,12 +308,11 @@ class WorkerLoop:
             last_overhead_ms=max(0.0, self.planned.last_step_ms - self.planned.last_execution_ms),
             failure=self.failure,
             lanes=self._lane_rows(),
-            kv_cells_used=self._kv_cells_used(),
+            kv_cells_used=self.runtime.kv_cells_used(),
         )
 
     def _lane_rows(self) -> tuple[LaneInfo, ...]:
         scheduler = self.planned.scheduler
-        seq_id_of = getattr(self.runtime, "session_seq_id", None)
         rows = []
         for request_id in scheduler.snapshot().active_ids:
             sequence = scheduler.sequence(request_id)
@@ -324,14 +322,10 @@ class WorkerLoop:
                 phase = "decode"
             else:
                 phase = "recompute" if sequence.generated_tokens else "prefill"
-            lane = seq_id_of(request_id) if seq_id_of is not None else None
+            lane = self.runtime.session_seq_id(request_id)
             rows.append(LaneInfo(-1 if lane is None else lane, request_id, phase,
                                  len(sequence.prompt_tokens), len(sequence.generated_tokens)))
         return tuple(rows)
-
-    def _kv_cells_used(self) -> int:
-        used = getattr(self.runtime, "kv_cells_used", None)
-        return int(used()) if callable(used) else 0
 
 
 def fail_command(command: Command, error: WorkerError) -> None:

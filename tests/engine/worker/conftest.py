@@ -11,7 +11,7 @@ import pytest
 from fake_runtime import FakeRuntime
 
 from skippyd.engine.worker.handle import WorkerHandle
-from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.engine.worker.thread_loop import WorkerLoop
 
@@ -28,12 +28,18 @@ def runtime_factory(request: pytest.FixtureRequest) -> Callable[..., Any]:
 
 @pytest.fixture
 def make_handle() -> Iterator[Callable[..., WorkerHandle]]:
-    """Build worker handles that are closed (and their threads joined) after the test."""
+    """Build worker handles that are closed (and their threads joined) after the test.
+
+    Keyword arguments go to :meth:`WorkerSettings.derive` (``queue_capacity`` defaults to
+    8), except ``telemetry``.
+    """
     created: list[WorkerHandle] = []
 
-    def build(runtime: Any, **kwargs: Any) -> WorkerHandle:
-        kwargs.setdefault("queue_capacity", 8)
-        worker = WorkerHandle(runtime, **kwargs)
+    def build(runtime: Any, telemetry: TelemetryHub | None = None,
+              **facts: Any) -> WorkerHandle:
+        facts.setdefault("queue_capacity", 8)
+        worker = WorkerHandle(runtime, WorkerSettings.derive(runtime, **facts),
+                              telemetry=telemetry)
         created.append(worker)
         return worker
 
@@ -47,15 +53,10 @@ def make_handle() -> Iterator[Callable[..., WorkerHandle]]:
 def make_worker() -> Callable[..., WorkerLoop]:
     """Build a worker core without its thread, to drive turn by turn (like the original)."""
 
-    def build(runtime: Any, queue_capacity: int = 8, **config: Any) -> WorkerLoop:
-        lanes = runtime.lane_count
-        scheduler_config = build_scheduler_config(
-            lanes, runtime.kv_pool_tokens, config.pop("recurrent_bytes_per_seq", 0),
-            config.pop("n_batch", None), config.pop("n_ubatch", None), queue_capacity,
-        )
-        settings = make_worker_settings(lanes, queue_capacity, None, 1, scheduler_config)
+    def build(runtime: Any, queue_capacity: int = 8, **facts: Any) -> WorkerLoop:
+        settings = WorkerSettings.derive(runtime, queue_capacity=queue_capacity, **facts)
         commands: queue.Queue[Any] = queue.Queue(maxsize=settings.command_queue_capacity)
-        return WorkerLoop(runtime, scheduler_config, commands, TelemetryHub(), settings)
+        return WorkerLoop(runtime, settings, commands, TelemetryHub())
 
     return build
 

@@ -35,6 +35,8 @@ class FakeRuntime:
     Args:
         lane_count: Execution lanes (max concurrent sessions).
         kv_pool_tokens: Shared KV pool size in tokens.
+        n_batch: Most tokens per call (``max_batch_tokens``).
+        n_ubatch: Tokens per graph run (``micro_batch_tokens``).
         script: Tokens to sample per session, in order.
         eog_tokens: Tokens reported with ``is_eog``.
         default_token: Token sampled once a session's script is exhausted, as a function
@@ -47,6 +49,8 @@ class FakeRuntime:
         lane_count: int = 4,
         kv_pool_tokens: int = 4096,
         *,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
         script: dict[str, Iterable[int]] | None = None,
         eog_tokens: Iterable[int] = (),
         default_token: Callable[[IterationRequest, int], int] | None = None,
@@ -54,6 +58,9 @@ class FakeRuntime:
     ) -> None:
         self._lane_count = lane_count
         self._kv_pool_tokens = kv_pool_tokens
+        self._n_batch = n_batch
+        self._n_ubatch = n_ubatch
+        self.closed = False
         self.sessions: dict[str, int] = {}
         self.calls: list[list[IterationRequest]] = []
         self.script = {sid: deque(tokens) for sid, tokens in (script or {}).items()}
@@ -75,11 +82,28 @@ class FakeRuntime:
     def kv_pool_tokens(self) -> int:
         return self._kv_pool_tokens
 
+    @property
+    def max_batch_tokens(self) -> int:
+        return self._n_batch
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self._n_ubatch
+
     def active_session_count(self) -> int:
         return len(self.sessions)
 
+    def kv_cells_used(self) -> int:
+        return sum(self.sessions.values())
+
     def session_token_count(self, session_id: str) -> int | None:
         return self.sessions.get(session_id)
+
+    def session_seq_id(self, session_id: str) -> int | None:
+        return sorted(self.sessions).index(session_id) if session_id in self.sessions else None
+
+    def close(self) -> None:
+        self.closed = True
 
     # -- sessions ----------------------------------------------------------------------
 

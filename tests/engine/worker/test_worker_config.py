@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from fake_runtime import EventRecorder
 
+from skippyd.config import parse_config
 from skippyd.engine.policy import UNLIMITED
 from skippyd.engine.worker.commands import CompleteEvent, GenerationRequest, TokenEvent
 from skippyd.engine.worker.settings import (
     DECODE_BATCH_HEADROOM_TOKENS,
+    WorkerSettings,
     admission_tokens,
     build_scheduler_config,
     iteration_token_budget,
@@ -17,7 +19,7 @@ from skippyd.engine.worker.settings import (
 
 
 def test_activation_export_stages_cap_iteration_tokens_at_the_native_microbatch():
-    assert iteration_token_budget(True, 2048, None) == 512
+    assert iteration_token_budget(True, 2048, 256) == 256
     assert iteration_token_budget(True, 2048, 512) == 512
     assert iteration_token_budget(True, 128, 512) == 128
     assert iteration_token_budget(False, 2048, 512) == 2048
@@ -27,9 +29,8 @@ def test_activation_export_stages_cap_iteration_tokens_at_the_native_microbatch(
 def test_planned_prefills_share_the_export_microbatch_budget(
     runtime_factory, make_handle, blocked_worker, exports, tokens, works
 ):
-    runtime = runtime_factory(lane_count=4, kv_pool_tokens=4096)
-    worker = make_handle(runtime, queue_capacity=8, n_batch=2048, n_ubatch=512,
-                               exports=exports)
+    runtime = runtime_factory(lane_count=4, kv_pool_tokens=4096, n_batch=2048, n_ubatch=512)
+    worker = make_handle(runtime, queue_capacity=8, exports=exports)
     _, release = blocked_worker(worker)
     recorders = []
     for index in range(4):
@@ -71,13 +72,44 @@ def test_server_scheduler_config_uses_runtime_lanes_and_native_batch_limits():
     assert len(attention_only.memory_components) == 1
 
 
-def test_defaults_without_native_batch_settings():
-    config = build_scheduler_config(0, 0, 0, None, None, 0)
+def test_degenerate_sizes_are_clamped_to_one():
+    config = build_scheduler_config(0, 0, 0, 0, 0, 0)
     assert config.max_active_sequences == 1
     assert config.max_waiting_sequences == 1
-    assert config.max_tokens_per_iteration == 2048
-    assert config.prefill_chunk_tokens == 256
+    assert config.max_tokens_per_iteration == 1
+    assert config.prefill_chunk_tokens == 1
     assert kv_capacity_tokens(config) == 1
+
+
+def test_the_runtime_is_the_one_source_of_the_batch_sizes(runtime_factory):
+    runtime = runtime_factory(lane_count=3, kv_pool_tokens=1000, n_batch=4096, n_ubatch=96)
+    settings = WorkerSettings.derive(runtime, queue_capacity=5)
+    assert settings.policy.max_tokens_per_iteration == 2048  # the native cap
+    assert settings.policy.prefill_chunk_tokens == 96
+    assert settings.max_direct_iteration_tokens == 2048
+    assert kv_capacity_tokens(settings.policy) == 1000
+    exporting = WorkerSettings.derive(runtime, queue_capacity=5, exports=True)
+    assert exporting.policy.max_tokens_per_iteration == 96
+
+
+def test_settings_for_a_stage_follow_its_config(runtime_factory):
+    runtime = runtime_factory(lane_count=4)
+    config = parse_config({"runtime": {"lane_count": 4, "queue_capacity": 9}}, environ={})
+    settings = WorkerSettings.for_stage(config, runtime)
+    assert settings.policy.max_waiting_sequences == 9
+    assert settings.command_queue_capacity == 9 + 4
+    assert (settings.safe_mode, settings.policy.max_active_sequences) == (False, 4)
+    later = parse_config({"stage": {"index": 1, "layer_start": 2},
+                          "upstream": {"stage_id": "a", "stage_index": 0,
+                                       "endpoint": "127.0.0.1:9000"},
+                          "link": {"listen": "127.0.0.1:9001", "secret": "s" * 16},
+                          "runtime": {"lane_count": 4}}, environ={})
+    settings = WorkerSettings.for_stage(later, runtime)
+    assert later.planned_decode_groups == 2  # final stage 1 of 2
+    assert settings.direct_group_batch_size == 2
+    safe = parse_config({}, environ={"SKIPPY_ITERATION_SCHEDULER_SAFE_MODE": "on"})
+    settings = WorkerSettings.for_stage(safe, runtime)
+    assert settings.safe_mode and settings.policy.max_active_sequences == 1
 
 
 def test_admission_reserves_bounded_decode_headroom():

@@ -17,11 +17,11 @@ from skippyd.engine.worker.commands import InvalidRequestError, WorkerBackendErr
 from skippyd.engine.worker.direct_batch import (
     DirectIteration,
     direct_coalesce_target,
-    effective_lane_count,
     should_serve_direct,
     take_direct_iteration_batch,
     validate_direct_iteration,
 )
+from skippyd.engine.worker.settings import effective_lane_count
 
 WAIT_S = 5.0
 

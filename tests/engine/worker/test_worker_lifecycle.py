@@ -10,6 +10,8 @@ import pytest
 from fake_runtime import EventRecorder, FakeRuntime, wait_until
 from worker_support import barrier
 
+from skippyd.config import parse_config
+from skippyd.config.environment import SAFE_MODE_ENV
 from skippyd.engine.worker.commands import (
     ErrorEvent,
     GenerationRequest,
@@ -18,8 +20,8 @@ from skippyd.engine.worker.commands import (
     WorkerBackendError,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.direct_batch import SAFE_MODE_ENV, safe_mode_from_value
 from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
 
 WAIT_S = 5.0
@@ -36,27 +38,27 @@ def fill_command_queue(worker: WorkerHandle) -> int:
         count += 1
 
 
-@pytest.mark.parametrize(("value", "enabled"), [
-    ("1", True), ("true", True), ("TRUE", True), ("yes", True), ("on", True), (" On ", True),
-    ("0", False), ("false", False), ("off", False), ("", False), ("invalid", False),
-    (None, False),
-])
-def test_safe_mode_parser_is_explicit_and_case_insensitive(value, enabled):
-    assert safe_mode_from_value(value) is enabled
-
-
-def test_safe_mode_from_the_environment_forces_one_lane(make_handle, monkeypatch):
+def test_safe_mode_from_the_environment_forces_one_lane(monkeypatch):
     monkeypatch.setenv(SAFE_MODE_ENV, "yes")
+    runtime = FakeRuntime(lane_count=4)
+    settings = WorkerSettings.for_stage(parse_config({"runtime": {"lane_count": 4}}), runtime)
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    worker = make_handle(FakeRuntime(lane_count=4), telemetry=hub)
-    assert worker.config.max_active_sequences == 1
+    with WorkerHandle(runtime, settings, telemetry=hub) as worker:
+        assert worker.config.max_active_sequences == 1
     start = subscription.get(WAIT_S)
     assert start.name == SCHEDULER_START
     assert start.attributes["skippy.scheduler.safe_mode"] is True
-    assert start.attributes["skippy.scheduler.command_queue_capacity"] == 9  # 8 + 1 lane
+    assert start.attributes["skippy.scheduler.command_queue_capacity"] == 65  # 64 + 1 lane
     assert start.attributes["skippy.scheduler.cache_policy"] == (
         "weighted_lpm_aging_dfs_waiting_prefix")
+
+
+def test_a_runtime_that_is_not_one_is_refused():
+    runtime = FakeRuntime()
+    settings = WorkerSettings.derive(runtime, queue_capacity=1)
+    with pytest.raises(TypeError, match="does not implement Runtime"):
+        WorkerHandle(object(), settings)  # type: ignore[arg-type]
 
 
 def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_worker):
@@ -81,7 +83,8 @@ def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_w
 
 
 def test_dropping_the_last_handle_stops_the_worker():
-    worker = WorkerHandle(FakeRuntime(), queue_capacity=4)
+    runtime = FakeRuntime()
+    worker = WorkerHandle(runtime, WorkerSettings.derive(runtime, queue_capacity=4))
     thread = worker.thread
     del worker
     gc.collect()

@@ -52,7 +52,7 @@ def test_scheduled_generation_matches_the_runtime_run_alone(tiny_model_path, lla
                                                             make_handle):
     with open_runtime(tiny_model_path) as reference:
         expected = solo_greedy(reference, "a", PROMPTS["a"])
-    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    worker = make_handle(llama_runtime)
     result = generate(worker, PROMPTS["a"], MAX_TOKENS, sampling=GREEDY)
     assert result.tokens == expected
     assert result.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
@@ -62,7 +62,7 @@ def test_scheduled_generation_matches_the_runtime_run_alone(tiny_model_path, lla
 
 def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_handle,
                                                            blocked_worker):
-    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    worker = make_handle(llama_runtime)
     _, release = blocked_worker(worker)
     recorders = {name: EventRecorder() for name in PROMPTS}
     for name, prompt in PROMPTS.items():
@@ -84,7 +84,7 @@ def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_h
 
 
 def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_handle):
-    worker = make_handle(llama_runtime, n_batch=128, n_ubatch=32)
+    worker = make_handle(llama_runtime)
     first = worker.submit_iteration(DirectIteration(
         "s", PROMPTS["b"], sampling=GREEDY, sample_last=True)).result(timeout=WAIT_S)
     assert first.predicted >= 0 and first.batch_size == 1

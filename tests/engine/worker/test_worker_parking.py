@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 
 import pytest
-from cache_helpers import GREEDY, N_BATCH, N_UBATCH, SETTINGS, Collector, open_runtime, tokens
+from cache_helpers import GREEDY, SETTINGS, Collector, open_runtime, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.worker.commands import (
@@ -13,7 +13,7 @@ from skippyd.engine.worker.commands import (
     GenerationRequest,
     SubmitCommand,
 )
-from skippyd.engine.worker.settings import build_scheduler_config, make_worker_settings
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.engine.worker.thread_loop import WorkerLoop
 
@@ -24,10 +24,9 @@ SHARED = tokens(1, 150)
 def worker(tiny_model_path):
     """A worker core without its thread, one lane, over a runtime with cache slots."""
     runtime = open_runtime(tiny_model_path, lanes=1, slots=SETTINGS.slot_count(1))
-    config = build_scheduler_config(1, runtime.kv_pool_tokens, 0, N_BATCH, N_UBATCH, 8)
-    settings = make_worker_settings(1, 8, N_BATCH, 1, config)
+    settings = WorkerSettings.derive(runtime, queue_capacity=8)
     cache = LivePrefixCache(runtime, SETTINGS, namespace="tiny")
-    core = WorkerLoop(runtime, config, queue.Queue(), TelemetryHub(), settings, cache)
+    core = WorkerLoop(runtime, settings, queue.Queue(), TelemetryHub(), cache)
     yield core
     runtime.close()
 
