@@ -95,7 +95,7 @@ def serve(
     stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
                                 ctx_size=ctx_size, lane_count=lanes, threads=threads,
                                 log_level=log_level)
-    configure_logging(stage.telemetry.log_level)
+    configure_logging(stage.telemetry.log_level, stage.telemetry.log_format)
     raise typer.Exit(run_daemon(stage))
 
 

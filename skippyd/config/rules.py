@@ -34,7 +34,7 @@ def check_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         issues: Receives the problems; keys already in ``issues.bad`` are skipped.
     """
     for rule in (_layer_rules, _runtime_rules, _http_rules, _peer_rules, _link_rules,
-                 _control_rules):
+                 _control_rules, _metrics_rules):
         rule(config, present, issues)
 
 
@@ -139,6 +139,20 @@ def _control_rules(config: StageConfig, present: set[str], issues: IssueCollecto
     if size > MAX_SOCKET_PATH_BYTES and issues.clean("control.socket", "stage.id"):
         issues.add("control.socket", f"must be at most {MAX_SOCKET_PATH_BYTES} bytes for a "
                    f"Unix socket (got {size}); set a shorter path")
+
+
+def _metrics_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    listen = config.telemetry.metrics_listen
+    if listen is None or not issues.clean("telemetry.metrics_listen"):
+        return
+    port = parse_host_port(listen)[1]
+    others = {"http.listen": config.http.listen if config.http is not None else None,
+              "link.listen": config.link.listen}
+    for key, other in others.items():
+        if port != 0 and other is not None and issues.clean(key) \
+                and parse_host_port(other)[1] == port:
+            issues.add("telemetry.metrics_listen",
+                       f"must use another port than {key} (both use {port})")
 
 
 def check_pipeline(configs: Sequence[StageConfig]) -> None:

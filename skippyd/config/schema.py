@@ -29,6 +29,7 @@ CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_
 FlashAttn = Literal["auto", "enabled", "disabled"]
 TelemetryLevel = Literal["summary", "debug"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "text", "json"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
 
@@ -279,12 +280,27 @@ class ControlSection:
 
 @dataclass(frozen=True, slots=True)
 class TelemetrySection:
-    """``[telemetry]``: event detail and log verbosity."""
+    """``[telemetry]``: event detail, logs and the Prometheus listener."""
 
     level: TelemetryLevel = "summary"
     """``debug`` adds per-iteration events."""
     log_level: LogLevel = "info"
     """Threshold of the ``skippyd`` loggers."""
+    log_format: LogFormat = "auto"
+    """``auto``: journal priorities under systemd, colour on a terminal, else plain text;
+    ``text``: always plain text; ``json``: one JSON object per line."""
+    log_requests: bool = True
+    """Log one ``info`` line per finished request (tokens, queue time, TTFT, tok/s)."""
+    stats_interval_s: float = _setting(10.0, lo=0.0, hi=3600.0)
+    """Seconds between throughput lines while the stage is busy; 0 turns them off."""
+    metrics_listen: str | None = _setting(None, check=_check_listen)
+    """``host:port`` of a listener serving only ``/metrics`` and ``/health`` (no API key):
+    the way to scrape a later stage of a split pipeline, which has no HTTP API."""
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``metrics_listen`` split into host and port, or ``None``."""
+        return None if self.metrics_listen is None else parse_host_port(self.metrics_listen)
 
     @property
     def log_level_number(self) -> int:

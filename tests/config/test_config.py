@@ -560,3 +560,19 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
         check_pipeline([configs[0], small])
     assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
     assert "must be at least stages[0].runtime.lane_count = 4 (got 2)" in str(info.value)
+
+
+def test_telemetry_keys_for_logs_and_the_metrics_listener() -> None:
+    telemetry = parse_config({"telemetry": {
+        "log_format": "json", "log_requests": False, "stats_interval_s": 0,
+        "metrics_listen": "0.0.0.0:9190"}}).telemetry
+    assert telemetry.log_format == "json" and not telemetry.log_requests
+    assert telemetry.stats_interval_s == 0.0 and telemetry.metrics_address == ("0.0.0.0", 9190)
+    defaults = parse_config({}).telemetry
+    assert (defaults.log_format, defaults.log_requests, defaults.stats_interval_s,
+            defaults.metrics_listen) == ("auto", True, 10.0, None)
+    with pytest.raises(ConfigError) as info:
+        parse_config({"telemetry": {"log_format": "jsno", "metrics_listen": "127.0.0.1:8080"}})
+    assert info.value.keys == ["telemetry.log_format", "telemetry.metrics_listen"]
+    assert 'did you mean "json"' in str(info.value)
+    assert "another port than http.listen (both use 8080)" in str(info.value)
