@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.inspect import ModelFileError, inspect_model
-from skippyd.gguf.slice import cached_slice, slice_model
+from skippyd.gguf.inspect import ModelFileError, inspect_model, read_model_header
+from skippyd.gguf.slice import cached_slice, file_identity, slice_model
 
 
 def test_inspect_reports_the_model(tiny_model_path):
@@ -62,6 +64,25 @@ def test_slice_cache_writes_once(tiny_model_path, tmp_path):
     again = cached_slice(tiny_model_path, 0, 2, tmp_path)
     assert again == first and again.stat().st_mtime_ns == mtime
     assert cached_slice(tiny_model_path, 0, 4, tmp_path) == tiny_model_path  # whole model
+
+
+def test_slice_cache_key_is_the_header_the_size_and_the_mtime(tiny_model_path, tmp_path):
+    """A warm start reads the header only: hashing a big model's weights took minutes."""
+    source, cache = tmp_path / "model.gguf", tmp_path / "cache"
+    shutil.copyfile(tiny_model_path, source)
+    first = cached_slice(source, 0, 2, cache)
+    key, stat = file_identity(source), source.stat()
+    data = bytearray(source.read_bytes())
+    data[read_model_header(source).data_offset + 10] ^= 0xFF  # one weight byte
+    source.write_bytes(data)
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file_identity(source) == key  # the weights are not read
+    assert cached_slice(source, 0, 2, cache) == first
+
+    source.write_bytes(data)  # written again: a new mtime, a new slice
+    assert file_identity(source) != key
+    fresh = cached_slice(source, 0, 2, cache)
+    assert fresh != first and fresh.is_file()
 
 
 def test_failed_slice_leaves_no_half_file(tiny_model_path, tmp_path):
