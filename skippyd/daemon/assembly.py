@@ -113,7 +113,9 @@ class StageEngine:
             self.config.runtime.lane_count)
         local = LlamaRuntime(runtime_options(self.config, path, reserved_seq_ids=reserved))
         self._split = make_split(self.config, local)
-        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime)
+        progress = local.compute_progress
+        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime,
+                                       progress=None if progress is None else progress.count)
         self._prefix_cache = self._make_prefix_cache(cache_settings, local)
         settings = WorkerSettings.for_stage(
             self.config, self._runtime,
@@ -207,20 +209,30 @@ class StageEngine:
         runtime = self._runtime
         return 0.0 if runtime is None else runtime.busy_for()
 
+    def runtime_stalled_for(self) -> float:
+        """Seconds the current runtime call has gone without computing (0 when idle)."""
+        runtime = self._runtime
+        return 0.0 if runtime is None else runtime.stalled_for()
+
     def is_alive(self, hang_threshold_s: float) -> bool:
-        """The worker thread runs and no runtime call is stuck (the watchdog's question)."""
+        """The worker thread runs and no runtime call is stuck (the watchdog's question).
+
+        A call is stuck when llama.cpp computed nothing for ``hang_threshold_s``; a long
+        call that keeps computing (a big prefill on a CPU) is alive.
+        """
         worker = self._worker
         if worker is None or worker.failure is not None:
             return False
-        return worker.thread.is_alive() and self.runtime_busy_for() < hang_threshold_s
+        return worker.thread.is_alive() and self.runtime_stalled_for() < hang_threshold_s
 
     def health(self) -> tuple[HealthStatus, str | None]:
         worker = self._worker
         if self._state == "ok" and worker is not None and worker.failure is not None:
             return "failed", worker.failure
-        busy = self.runtime_busy_for()
-        if self._state == "ok" and busy >= self.hang_threshold_s:
-            return "failed", f"runtime call running for {busy:.0f} s (hung?)"
+        stalled = self.runtime_stalled_for()
+        if self._state == "ok" and stalled >= self.hang_threshold_s:
+            return "failed", (f"runtime call running for {self.runtime_busy_for():.0f} s,"
+                              f" no progress for {stalled:.0f} s (hung?)")
         split = self._split
         degraded = split.degraded() if split is not None else None
         if self._state == "ok" and degraded is not None:

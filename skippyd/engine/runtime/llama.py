@@ -25,6 +25,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
 from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
+from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
@@ -115,6 +116,10 @@ class LlamaRuntime(CacheSlotsMixin):
             else LayerOutputCapture(self.info.n_layer, self.info.n_embd)
         )
         self._ctx = self._new_context(options)
+        # Counts computed graph nodes, so a long call that progresses is not "hung".
+        self.compute_progress = make_compute_progress()
+        if self.compute_progress is not None:
+            self.compute_progress.install(self._ctx)
         self._mem = L.llama_get_memory(self._ctx)
         # llama.cpp pads the cell pool (to 256); the padded size is the real capacity.
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
@@ -412,6 +417,8 @@ class LlamaRuntime(CacheSlotsMixin):
     def _decode(self, requests, sessions, starts, new_ids) -> None:
         if self._capture is not None:
             self._capture.begin()
+        if self.compute_progress is not None:
+            self.compute_progress.reset()
         ret = L.llama_decode(self._ctx, self._batch)
         self.decode_calls += 1
         # A non-final stage stops the graph from its eval callback: llama.cpp reports that
