@@ -97,6 +97,8 @@ class PrefixCacheStats:
     misses: int = 0
     matched_tokens: int = 0
     """Prompt tokens restored instead of computed, summed over hits."""
+    queried_tokens: int = 0
+    """Prompt tokens looked up, summed over every lookup (vLLM's "queries")."""
     bytes_resident: int = 0
     bytes_host: int = 0
     evictions: int = 0
@@ -113,7 +115,8 @@ class PrefixCacheStats:
     def as_dict(self) -> dict[str, int | float]:
         """The status snapshot's ``prefix_cache`` section (exactly these keys)."""
         return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
-                "matched_tokens": self.matched_tokens, "bytes_resident": self.bytes_resident,
+                "matched_tokens": self.matched_tokens, "queried_tokens": self.queried_tokens,
+                "bytes_resident": self.bytes_resident,
                 "bytes_host": self.bytes_host, "evictions": self.evictions}
 
     def telemetry(self) -> dict[str, int | float]:
@@ -127,6 +130,7 @@ class _Counters:
     hits: int = 0
     misses: int = 0
     matched_tokens: int = 0
+    queried_tokens: int = 0
     evictions: int = 0
     records: int = 0
 
@@ -259,7 +263,8 @@ class EntryTable:
 
     # -- counters ----------------------------------------------------------------------
 
-    def count_lookup(self, restored_tokens: int) -> None:
+    def count_lookup(self, restored_tokens: int, prompt_tokens: int = 0) -> None:
+        self.counters.queried_tokens += prompt_tokens
         if restored_tokens > 0:
             self.counters.hits += 1
             self.counters.matched_tokens += restored_tokens
@@ -271,6 +276,7 @@ class EntryTable:
         counters = self.counters
         return PrefixCacheStats(
             hits=counters.hits, misses=counters.misses, matched_tokens=counters.matched_tokens,
+            queried_tokens=counters.queried_tokens,
             bytes_resident=sum(e.num_tokens for e in resident) * self.kv_bytes_per_token,
             bytes_host=self.host_bytes(), evictions=counters.evictions,
             entries_resident=len(resident), entries_host=len(self.entries) - len(resident),

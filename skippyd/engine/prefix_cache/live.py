@@ -151,7 +151,7 @@ class LivePrefixCache:
         match = self.table.match(prompt)  # no entry: 0 tokens
         restored = min(match.num_tokens, max(0, len(prompt) - 1))
         self._remember(req_id, restored)
-        self.table.count_lookup(restored)
+        self.table.count_lookup(restored, len(prompt))
         if match.entry is None or restored == 0:
             self._refresh("lookup", tokens=0)
             return None
