@@ -8,6 +8,7 @@ with 503 while the model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.daemon.split import SplitStage, make_split
+from skippyd.daemon.startup import StartupProgress
 from skippyd.engine.prefix_cache import (
     LivePrefixCache,
     PrefixCacheSettings,
@@ -83,6 +85,8 @@ class StageEngine:
         self.n_vocab = 0
         self.info: ModelInfo | None = None
         self._progress = progress
+        self.startup = StartupProgress()
+        """What :meth:`load` is doing, for systemd's start-up timeout and STATUS."""
         self._tokenizer: Tokenizer | None = None
         self._runtime: WatchedRuntime | None = None
         self._worker: WorkerHandle | None = None
@@ -101,17 +105,23 @@ class StageEngine:
             StartupError: the model cannot be served by this stage.
         """
         source = self.config.resolved_model_path
+        self.startup.step("reading the model header")
         self.info = inspect_model(source)
         stage = self.config.stage
+        self.startup.step(f"slicing layers {stage.layer_start}:{stage.layer_end}")
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,
-                            self.config.runtime.slice_cache_dir, progress=self._progress)
+                            self.config.runtime.slice_cache_dir, progress=self._slice_progress)
         if self.config.is_first:  # later stages of a split take rows, not text
+            self.startup.step("loading the tokenizer")
             self._tokenizer = Tokenizer(source)
             self.n_vocab = self._tokenizer.n_vocab
         cache_settings = self._prefix_cache_settings()
         reserved = 0 if cache_settings is None else cache_settings.slot_count(
             self.config.runtime.lane_count)
-        local = LlamaRuntime(runtime_options(self.config, path, reserved_seq_ids=reserved))
+        self.startup.step("loading the model")
+        options = runtime_options(self.config, path, reserved_seq_ids=reserved)
+        local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
+        self.startup.step("starting the worker")
         self._split = make_split(self.config, local)
         progress = local.compute_progress
         self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime,
@@ -127,6 +137,11 @@ class StageEngine:
         logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
                     self.model_id, stage.layer_start, stage.layer_end,
                     self._runtime.lane_count, self._runtime.kv_pool_tokens)
+
+    def _slice_progress(self, done: int, total: int) -> None:
+        self.startup.advance(done / total if total else 1.0)
+        if self._progress is not None:
+            self._progress(done, total)
 
     def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
         """The prefix cache runs on an unsplit stage of an attention-only model."""

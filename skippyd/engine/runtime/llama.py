@@ -16,7 +16,7 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +71,8 @@ class RuntimeOptions:
     final_stage: bool = True
     reserved_seq_ids: int = 0
     """Sequence ids beyond the lanes, kept for the prefix cache."""
+    load_progress: Callable[[float], None] | None = field(default=None, compare=False)
+    """Called with the share of the model's tensors loaded (0..1) while llama.cpp loads."""
 
     def validate(self) -> None:
         if not 1 <= self.lane_count <= LLAMA_MAX_SEQ - self.reserved_seq_ids:
@@ -110,7 +112,7 @@ class LlamaRuntime(CacheSlotsMixin):
         self.options = options
         self.info = inspect_model(options.model_path)
         self.n_embd = self.info.n_embd
-        self._model = self._load_model(options.model_path)
+        self._model = self._load_model(options.model_path, options.load_progress)
         self._capture = (
             None if options.final_stage
             else LayerOutputCapture(self.info.n_layer, self.info.n_embd)
@@ -135,9 +137,20 @@ class LlamaRuntime(CacheSlotsMixin):
 
     # -- lifecycle -------------------------------------------------------------------
     @staticmethod
-    def _load_model(path: str):
+    def _load_model(path: str, progress: Callable[[float], None] | None = None):
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
+        if progress is not None:
+            @L.llama_progress_callback
+            def on_progress(fraction: float, _user_data) -> bool:
+                try:
+                    progress(float(fraction))
+                except Exception:  # a reporting bug must not abort the load
+                    logger.exception("load progress callback failed")
+                return True
+
+            # Referenced by this frame until the load returns: llama.cpp calls it only then.
+            params.progress_callback = on_progress
         model = L.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
