@@ -26,9 +26,12 @@ import uvicorn
 from skippyd.config import StageConfig
 from skippyd.control.server import ControlServer, ControlSocketError
 from skippyd.daemon.assembly import StageEngine, StartupError
+from skippyd.daemon.metrics_listener import MetricsListener, open_metrics_listener
 from skippyd.daemon.sdnotify import SystemdNotifier
 from skippyd.daemon.snapshot import snapshot_source
 from skippyd.daemon.split import slice_progress
+from skippyd.daemon.startup import load_with_progress
+from skippyd.daemon.stats_log import log_throughput
 from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.metrics import ServingMetrics, metrics_route
@@ -155,11 +158,15 @@ class Daemon:
             return STARTUP_FAILURE  # could not bind: uvicorn logged why
         self.metrics.attach(self.engine.telemetry)
         control = await self._start_control()
-        if control is not None:
+        listener = await self._start_metrics() if control is not None else None
+        if control is not None and not self.server.should_exit:
             await self._load()
-        chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
+        chores = start_chores(self.engine, self.notifier, self.metrics)
         await serving
-        chores.cancel()
+        for chore in chores:
+            chore.cancel()
+        if listener is not None:
+            await listener.close()
         if control is not None:
             await control.close()
         self.metrics.detach()
@@ -175,11 +182,21 @@ class Daemon:
             self.server.should_exit = True
         return control
 
+    async def _start_metrics(self) -> MetricsListener | None:
+        try:
+            return await open_metrics_listener(self.engine, self.metrics)
+        except StartupError as exc:
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            self.exit_code = STARTUP_FAILURE
+            self.server.should_exit = True
+            return None
+
     async def _load(self) -> None:
         host, port = self.bound_address or self.config.http.address
         logger.info("listening on http://%s:%d (loading the model)", host, port)
         try:
-            await asyncio.to_thread(self.engine.load)
+            await load_with_progress(self.engine.load, self.engine.startup, self.notifier)
         except (StartupError, ModelFileError, OSError, ValueError) as exc:
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
@@ -217,18 +234,29 @@ class LinkStageDaemon:
             loop.add_signal_handler(sig, stop.set)
         self.metrics.attach(self.engine.telemetry)
         control = await open_control(self.engine, self.metrics)
+        listener: MetricsListener | None = None
         try:
-            if control is None or not await self._load():
+            if control is None:
                 return STARTUP_FAILURE
-            chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
+            listener = await open_metrics_listener(self.engine, self.metrics)
+            if not await self._load():
+                return STARTUP_FAILURE
+            chores = start_chores(self.engine, self.notifier, self.metrics)
             await stop.wait()
             logger.info("stage %s stopping", self.config.stage.id)
             self.notifier.stopping("stopping: closing the stage link")
-            chores.cancel()
+            for chore in chores:
+                chore.cancel()
             return 0
+        except StartupError as exc:  # the metrics listener could not bind
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            return STARTUP_FAILURE
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if listener is not None:
+                await listener.close()
             if control is not None:
                 await control.close()
             self.metrics.detach()
@@ -237,7 +265,7 @@ class LinkStageDaemon:
 
     async def _load(self) -> bool:
         try:
-            await asyncio.to_thread(self.engine.load)
+            await load_with_progress(self.engine.load, self.engine.startup, self.notifier)
         except (StartupError, ModelFileError, OSError, ValueError) as exc:
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
@@ -270,6 +298,15 @@ async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlS
         return None
     logger.info("control socket at %s", config.control.socket_path)
     return control
+
+
+def start_chores(engine: StageEngine, notifier: SystemdNotifier,
+                 metrics: ServingMetrics) -> list[asyncio.Task]:
+    """The periodic tasks of a serving stage: watchdog and STATUS, the throughput line."""
+    telemetry = engine.config.telemetry
+    return [asyncio.create_task(housekeeping(engine, notifier)),
+            asyncio.create_task(log_throughput(metrics, serves_http=engine.config.http is not None,
+                                               interval_s=telemetry.stats_interval_s))]
 
 
 async def housekeeping(engine: StageEngine, notifier: SystemdNotifier) -> None:
