@@ -137,11 +137,18 @@ def test_config_is_frozen() -> None:
         config.runtime.lane_count = 9  # type: ignore[misc]
 
 
-def test_socket_path_resolution_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_socket_path_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    system = tmp_path / "run-skippyd"
+    monkeypatch.setattr(config_defaults, "SYSTEM_RUNTIME_DIR", system)
     temp_sock = Path(tempfile.gettempdir()) / f"skippyd-{os.getuid()}" / "s.sock"
     both = {"XDG_RUNTIME_DIR": "/run/user/7", "RUNTIME_DIRECTORY": "/run/skippyd:/run/b"}
     assert candidate_socket_paths("s", both) == [
-        Path("/run/user/7/skippyd/s.sock"), Path("/run/skippyd/s.sock"), temp_sock]
+        Path("/run/user/7/skippyd/s.sock"), Path("/run/skippyd/s.sock"), temp_sock,
+        system / "s.sock"]
+    # A template instance's own runtime directory (RuntimeDirectory=skippyd/%i).
+    (system / "stage1").mkdir(parents=True)
+    (system / "stage1" / "s.sock").touch()
+    assert candidate_socket_paths("s", {})[-2:] == [system / "s.sock", system / "stage1" / "s.sock"]
     assert default_socket_path("s", {"RUNTIME_DIRECTORY": "/run/skippyd"}) == Path(
         "/run/skippyd/s.sock")
     assert default_socket_path("s", {}) == temp_sock

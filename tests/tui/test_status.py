@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from skippyd.config import defaults as config_defaults
 from skippyd.config import parse_config
 from skippyd.control.client import ControlConnectError, resolve_socket_path
 from skippyd.control.server import ControlServer
@@ -233,7 +234,17 @@ def default_dirs(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir / "xdg"))
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(short_dir / "tmp"))
+    monkeypatch.setattr(config_defaults, "SYSTEM_RUNTIME_DIR", short_dir / "run")
     return short_dir
+
+
+def test_a_system_service_instance_socket_is_found(default_dirs: Path) -> None:
+    # skippyd@stage1 (RuntimeDirectory=skippyd/%i) runs stage "stage-1" of a pipeline.
+    config = default_dirs / "stage1.toml"
+    config.write_text('[stage]\nid = "stage-1"\n')
+    instance = make_socket(default_dirs / "run" / "stage1" / "stage-1.sock")
+    assert resolve_socket_path(None, config) == instance
+    assert resolve_socket_path() == instance  # the only socket around
 
 
 def test_explicit_socket_and_config_socket_win(short_dir: Path) -> None:
