@@ -6,6 +6,8 @@ import errno
 import os
 import shutil
 
+import gguf
+import numpy as np
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
@@ -110,3 +112,27 @@ def test_tokenizer_round_trip_and_utf8_safe_streaming(tiny_model_path):
         assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<|user|>hi</s><|assistant|>"
     finally:
         tok.close()
+
+
+def test_a_header_larger_than_the_first_read_is_read_whole(tmp_path):
+    """A big tokenizer table pushes the header past the first MiB read."""
+    path = tmp_path / "big-header.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.merges", [f"merge-{i:07d} x" for i in range(150_000)])
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_array("llama.kept", list(range(3000)))
+    writer.add_tensor("blk.0.w", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_model_header(path)
+    reference = gguf.GGUFReader(str(path))
+    assert header.data_offset == reference.data_offset > 2 << 20
+    assert header.kv["tokenizer.ggml.merges"].length == 150_000
+    assert header.get("llama.kept") == list(range(3000))
+    assert [t.name for t in header.tensors] == ["blk.0.w"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: 3 << 20])
+    with pytest.raises(ModelFileError, match="not a readable GGUF"):
+        read_model_header(cut)
