@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False)
 # NOTE: a pipe gets 120 columns, not rich's default 80, so the tables stay readable in logs.
 stdout = Console(width=None if Console().is_terminal else 120)
-stderr = Console(stderr=True)
+stderr = Console(stderr=True, soft_wrap=True)
 
 def _fail(message: str, code: ExitCode) -> typer.Exit:
     stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)

@@ -273,3 +273,9 @@ def test_status_with_a_bad_config_is_a_config_error(short_dir: Path,
     config.write_text("[runtime]\nlane_count = 0\n")
     assert run_status(None, config, False) == ExitCode.CONFIG
     assert "runtime.lane_count" in capsys.readouterr().err
+    # Bracketed text in a message is not Rich markup, and a long line is not wrapped.
+    config.write_text('[stage]\nindex = 1\nlayer_start = 2\n[link]\nlisten = "127.0.0.1:9"\n'
+                      '[upstream]\nstage_id = "a"\nendpoint = "127.0.0.1:8"\n[http]\n')
+    assert run_status(None, config, False) == ExitCode.CONFIG
+    assert ("http: only the first stage serves HTTP (stage.index 1, layer_start 2);"
+            " remove [http]") in capsys.readouterr().err.splitlines()
