@@ -317,9 +317,7 @@ class KvCacheSection:
     payload: KvCachePayload = "auto"
     """What an entry holds: resident KV, KV plus recurrent state, or the full state."""
     max_entries: int = _setting(64, lo=0)
-    """Most cached prefixes."""
-    max_bytes: int = _setting(0, lo=0)
-    """Budget of resident entries; 0 means unbounded."""
+    """Most cached prefixes, in idle lanes and in host RAM together; 0 disables the cache."""
     host_ram_bytes: int = _setting(256 * MIB, lo=0)
     """Budget of the host-RAM tier: saved states plus their token index; 0 disables it."""
     min_tokens: int = _setting(64, lo=1)

@@ -46,9 +46,8 @@ class StartupError(Exception):
     """The stage could not start (bad model, unsupported topology...)."""
 
 
-def runtime_options(config: StageConfig, model_path: Path, *,
-                    reserved_seq_ids: int = 0) -> RuntimeOptions:
-    """The llama.cpp settings a stage config asks for (plus prefix-cache sequence ids)."""
+def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
+    """The llama.cpp settings a stage config asks for."""
     rt = config.runtime
     return RuntimeOptions(
         model_path=str(model_path),
@@ -63,7 +62,6 @@ def runtime_options(config: StageConfig, model_path: Path, *,
         flash_attn=rt.flash_attn,
         first_stage=config.is_first,
         final_stage=config.is_final,
-        reserved_seq_ids=reserved_seq_ids,
     )
 
 
@@ -82,6 +80,9 @@ class StageEngine:
         self.telemetry = telemetry or TelemetryHub()
         self.model_id = config.served_model_id
         self.ctx_size = config.runtime.ctx_size
+        """Most tokens one request can hold; its lane's KV once the model is loaded."""
+        self.kv_pool_tokens = config.runtime.ctx_size
+        """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
         self.n_vocab = 0
         self.info: ModelInfo | None = None
         self._progress = progress
@@ -116,10 +117,8 @@ class StageEngine:
             self._tokenizer = Tokenizer(source)
             self.n_vocab = self._tokenizer.n_vocab
         cache_settings = self._prefix_cache_settings()
-        reserved = 0 if cache_settings is None else cache_settings.slot_count(
-            self.config.runtime.lane_count)
         self.startup.step("loading the model")
-        options = runtime_options(self.config, path, reserved_seq_ids=reserved)
+        options = runtime_options(self.config, path)
         local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
         self.startup.step("starting the worker")
         self._split = make_split(self.config, local)
@@ -132,11 +131,13 @@ class StageEngine:
             self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
         self._worker = WorkerHandle(self._runtime, settings, telemetry=self.telemetry,
                                     prefix_cache=self._prefix_cache)
+        self.ctx_size = self._worker.max_session_tokens
+        self.kv_pool_tokens = self._runtime.kv_pool_tokens
         self._start_split()
         self._set_state("ok", None)
-        logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
-                    self.model_id, stage.layer_start, stage.layer_end,
-                    self._runtime.lane_count, self._runtime.kv_pool_tokens)
+        logger.info("stage %s ready: %s layers %d:%s, %d lanes of %d tokens (%d KV cells)",
+                    stage.id, self.model_id, stage.layer_start, stage.layer_end,
+                    self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
 
     def _slice_progress(self, done: int, total: int) -> None:
         self.startup.advance(done / total if total else 1.0)
@@ -155,7 +156,7 @@ class StageEngine:
 
     def _make_prefix_cache(self, settings: PrefixCacheSettings | None,
                            local: LlamaRuntime) -> LivePrefixCache | None:
-        """The cache over the stage's own context, whose slot operations it needs."""
+        """The cache over the stage's own context, whose lane operations it needs."""
         if settings is None or self._split is not None:
             return None
         stage = self.config.stage

@@ -138,7 +138,7 @@ class ServingMetrics:
             kwargs.setdefault("request_log", RequestLog(
                 getattr(engine, "cached_prompt_tokens", None),
                 enabled=config.telemetry.log_requests))
-        return cls(stats, kv_cells_total=lambda: engine.ctx_size,
+        return cls(stats, kv_cells_total=lambda: engine.kv_pool_tokens,
                    prefix_cache_stats=getattr(engine, "prefix_cache_stats", None),
                    link_status=getattr(engine, "link_status", None), **kwargs)
 

@@ -451,7 +451,7 @@ def full_config_data() -> dict[str, Any]:
                  "flash_attn": "enabled", "slice_cache_dir": "/var/cache/skippyd"},
         control={"group": "skippyd"},
         telemetry={"level": "debug", "log_level": "warning"},
-        kv_cache={"mode": "lookup-record", "payload": "full-state", "max_bytes": 1 << 30},
+        kv_cache={"mode": "lookup-record", "payload": "full-state", "max_entries": 9},
         link={"connect_timeout_s": 5},
         downstream={"stage_id": "stage-2", "endpoint": "10.0.0.3:9103"},
     )
@@ -500,7 +500,7 @@ def test_all_examples_load() -> None:
 def test_single_example() -> None:
     config = load_config(EXAMPLES / "single.toml")
     assert config.stage.model_path is None and config.is_first and config.is_final
-    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, 4096)
+    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, 8192)
 
 
 @pytest.mark.parametrize(("directory", "ranges"), [

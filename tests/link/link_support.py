@@ -48,7 +48,7 @@ def runtime_section(slice_dir: Path, threads: int) -> str:
     # count does not change the arithmetic, so outputs still compare bit for bit.
     return f"""
 [runtime]
-ctx_size = 2048
+ctx_size = 8192
 lane_count = {LANES}
 n_ubatch = {N_UBATCH}
 threads = {threads}

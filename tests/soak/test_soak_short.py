@@ -19,7 +19,7 @@ id = "soak"
 model_path = "{tiny_model_path}"
 
 [runtime]
-ctx_size = 2048
+ctx_size = 4096
 lane_count = 4
 threads = 2
 threads_batch = 2
@@ -66,7 +66,7 @@ layer_start = {start}
 layer_end = {end}
 
 [runtime]
-ctx_size = 2048
+ctx_size = 4096
 lane_count = 4
 threads = 1
 threads_batch = 1

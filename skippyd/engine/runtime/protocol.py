@@ -197,6 +197,10 @@ class Runtime(Protocol):
         most this many tokens runs the graph once, and a stage that sends activations on
         ships them per micro-batch."""
 
+    @property
+    def max_session_tokens(self) -> int:
+        """Most tokens one session can hold (prompt plus generated): its lane's KV."""
+
     def active_session_count(self) -> int:
         """Sessions that hold a lane now."""
 
@@ -210,11 +214,20 @@ class Runtime(Protocol):
     def session_seq_id(self, session_id: str) -> int | None:
         """The lane (llama.cpp sequence id) the session holds, or None."""
 
-    def ensure_session_active(self, session_id: str) -> None:
-        """Give the session a lane with empty KV unless it already has one.
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        """Give the session a lane unless it already has one.
+
+        Args:
+            session_id: The session.
+            lane: The idle lane to take (the prefix cache's choice); by default the
+                runtime picks one.
+            keep_tokens: Leading tokens of what that lane holds the session starts with
+                (a prefix restored in place); the rest of the lane is cleared.
 
         Raises:
             LanesBusyError: Every lane is taken.
+            InvalidIterationError: ``lane`` is not idle or holds fewer tokens.
         """
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
@@ -290,6 +303,10 @@ class RuntimeWrapper:
     def micro_batch_tokens(self) -> int:
         return self.inner.micro_batch_tokens
 
+    @property
+    def max_session_tokens(self) -> int:
+        return self.inner.max_session_tokens
+
     def active_session_count(self) -> int:
         return self.inner.active_session_count()
 
@@ -302,8 +319,9 @@ class RuntimeWrapper:
     def session_seq_id(self, session_id: str) -> int | None:
         return self.inner.session_seq_id(session_id)
 
-    def ensure_session_active(self, session_id: str) -> None:
-        self.inner.ensure_session_active(session_id)
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        self.inner.ensure_session_active(session_id, lane, keep_tokens)
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         return self.inner.iteration_batch_sampled(requests)

@@ -3,10 +3,9 @@
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
-  cached prefixes give their cells back first (the prefix cache's ``relieve_kv``); only
-  when none is left does a victim chosen by the policy's preemption rule (lowest
-  priority, latest admitted) give its KV back, and the rest of the plan
-  is retried.
+  a victim chosen by the policy's preemption rule (lowest priority, latest admitted) gives its KV back, and the rest of the plan is retried. (With a KV
+  stream per lane a session can only run out of its own lane, which the HTTP layer's
+  context check prevents; the path stays for runtimes that share one pool.)
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
   only the bad one fails.
@@ -134,8 +133,6 @@ class PlanExecutor:
         scheduler: The policy scheduler (for preemption under KV pressure).
         on_preempted: Frees the runtime state of a preempted request.
         fail_request: Fails one request with a typed error.
-        relieve_kv: Evicts cached prefixes so a batch of the given token count may fit;
-            True if it freed anything (then the same plan is retried).
     """
 
     def __init__(
@@ -144,10 +141,8 @@ class PlanExecutor:
         scheduler: Scheduler,
         on_preempted: Callable[[str], None],
         fail_request: Callable[[str, WorkerError], None],
-        relieve_kv: Callable[[int], bool] | None = None,
     ) -> None:
         self._runtime = runtime
-        self._relieve_kv = relieve_kv
         self._scheduler = scheduler
         self._on_preempted = on_preempted
         self._fail_request = fail_request
@@ -162,8 +157,6 @@ class PlanExecutor:
             try:
                 return self._run(plan)
             except KvSlotUnavailableError as exc:
-                if self._relieve_kv is not None and self._relieve_kv(plan.token_count):
-                    continue  # cache entries gave way: active requests keep their KV
                 plan = self._relieve_kv_pressure(plan, exc)
             except InvalidIterationError as exc:
                 if len(plan.work) > 1:

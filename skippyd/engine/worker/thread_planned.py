@@ -102,7 +102,9 @@ class PlannedGenerations:
         self.runtime = runtime
         self.scheduler = Scheduler(config)
         self.requests: dict[str, RequestState] = {}
-        self._kv_capacity = kv_capacity_tokens(self.scheduler.config)
+        # One session never holds more than its lane's KV, whatever the pool holds.
+        self._kv_capacity = min(kv_capacity_tokens(self.scheduler.config),
+                                runtime.max_session_tokens)
         self._publish = publish
         self._fail_everything = fail_everything
         self._on_sessions_dropped = on_sessions_dropped
@@ -110,8 +112,7 @@ class PlannedGenerations:
             prefix_cache, runtime, self.scheduler,
             lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
         self._executor = PlanExecutor(
-            runtime, self.scheduler, self._release_preempted, self.fail_request,
-            None if prefix_cache is None else prefix_cache.relieve_kv_pressure)
+            runtime, self.scheduler, self._release_preempted, self.fail_request)
         self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
@@ -317,10 +318,11 @@ class PlannedGenerations:
             if state.runtime_configured:
                 continue
             try:
-                self.runtime.ensure_session_active(work.sequence_id)
                 if self.prefix_flow is not None:
-                    self.prefix_flow.restore(work.sequence_id,
-                                             self.scheduler.config.prefill_chunk_tokens)
+                    self.prefix_flow.bind(work.sequence_id,
+                                          self.scheduler.config.prefill_chunk_tokens)
+                else:
+                    self.runtime.ensure_session_active(work.sequence_id)
             except RuntimeFailure as exc:
                 error = worker_error_from_runtime(
                     f"prepare scheduler session {work.sequence_id}", exc
