@@ -179,7 +179,8 @@ class RuntimeSection:
     """``[runtime]``: the llama.cpp context and the iteration scheduler."""
 
     ctx_size: int = _setting(4096, lo=16, hi=1 << 24)
-    """Shared KV cell pool in tokens, for all lanes together."""
+    """KV cells of all lanes together: each lane (one request) holds ``ctx_size /
+    lane_count`` tokens, as llama-server's ``-c`` does with ``-np`` slots."""
     lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
     """Concurrent sequences (llama.cpp sequence ids)."""
     n_batch: int = _setting(2048, lo=1, hi=1 << 16)
@@ -201,6 +202,12 @@ class RuntimeSection:
     by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
+    target_step_ms: float = _setting(250.0, lo=0.0, hi=60_000.0)
+    """While requests are decoding, prompts are prefilled in chunks sized so that one
+    iteration (their decode rows plus the chunk) takes about this long: running streams
+    keep getting a token every step instead of freezing for a whole prompt. Smaller
+    values smooth streams more and delay long prompts' first token; 0 prefills prompts
+    whole, between decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each decode step into, so every stage works on one
     while the next computes another; ``None``: one per stage. Also set by
