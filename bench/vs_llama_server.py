@@ -242,7 +242,7 @@ CEILING_CODE = """
 import json, sys, time
 from llama_cpp import llama_cpp as L
 from skippyd.bench.runtime import bare_decode_rate
-from skippyd.engine.runtime import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 model, threads = sys.argv[1], int(sys.argv[2])
 with LlamaRuntime(RuntimeOptions(model, lane_count=8, ctx_size=8192, n_batch=2048,
                                  n_ubatch=512, threads=threads)) as rt:

@@ -206,11 +206,12 @@ class LivePrefixCache:
     def place(self, req_id: str) -> Placement:
         """Choose the idle lane a request's session starts in.
 
-        The lane of the request's own leased entry when it is idle and current (the
-        prefix is then restored in place, after what the lane holds beyond it was
-        saved); otherwise the lowest idle lane holding no current entry, else the lowest
-        idle lane, whose entries are first saved to host RAM. A lane given away this
-        way keeps no KV.
+        Always the lowest idle lane: busy lanes then stay contiguous, and llama.cpp runs
+        a batch of consecutive lanes as one micro-batch (a gap costs a second graph run
+        every step). When that lane holds the request's leased prefix, the prefix is
+        restored in place (after what the lane holds beyond it was saved); otherwise the
+        lane's entries are first saved to host RAM, and the session starts empty (its
+        prefix is then copied or loaded by :meth:`restore`).
 
         Raises:
             RuntimeError: No lane is idle (the caller places only when one is).
@@ -218,19 +219,18 @@ class LivePrefixCache:
         idle = self.runtime.idle_lanes()
         if not idle:
             raise RuntimeError("place() needs an idle lane")
+        lowest = idle[0]
         lease = self._leases.get(req_id)
         entry = None if lease is None else self.table.entries.get(lease.entry_id)
-        if (entry is not None and entry.lane in idle and self._is_current(entry)):
+        if entry is not None and entry.lane == lowest and self._is_current(entry):
             self.table.touch(entry)
             lane = entry.lane
             # The lane may hold more than the lease (a conversation that went on past a
             # shared system prompt): what the trim cuts off goes to host RAM first.
             self._vacate(lane, keep_tokens=len(lease.tokens))
             return Placement(lane, len(lease.tokens))
-        free = [lane for lane in idle if not self._current_entries(lane)]
-        lane = (free or idle)[0]
-        self._vacate(lane)
-        return Placement(lane)
+        self._vacate(lowest)
+        return Placement(lowest)
 
     def restore(self, req_id: str, session_id: str) -> bool:
         """Put the request's leased prefix into ``session_id``'s KV, unless it is there.
@@ -300,9 +300,6 @@ class LivePrefixCache:
         return entry
 
     # -- giving lanes up ------------------------------------------------------------------
-
-    def _current_entries(self, lane: int) -> list[CacheEntry]:
-        return [entry for entry in self.table.in_lane(lane) if self._is_current(entry)]
 
     def _vacate(self, lane: int, keep_tokens: int = 0) -> None:
         """Before an idle lane is reused from ``keep_tokens`` on: keep its longest current

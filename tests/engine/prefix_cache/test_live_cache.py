@@ -141,12 +141,26 @@ def test_a_longer_record_supersedes_its_unpinned_prefix_in_the_same_lane(runtime
     assert cache.stats().records == 2
 
 
-def test_a_new_request_prefers_an_idle_lane_without_entries(runtime):
+def test_a_new_request_takes_the_lowest_idle_lane_and_its_entry_moves_to_host(runtime):
+    # Busy lanes stay contiguous (one micro-batch): lane 0 is taken although lane 1 is
+    # empty, and what lane 0 held survives in host RAM.
     cache, _ = make_cache(runtime)
     entry = record_from_lane(runtime, cache, "a", PREFIX)
     placement, restored = start(runtime, cache, "miss")
-    assert placement.lane != entry.lane and not restored
-    assert entry.tier is Tier.RESIDENT  # untouched
+    assert placement.lane == 0 and not restored
+    assert entry.tier is Tier.HOST
+    assert cache.lease("again", PREFIX + SUFFIX) is not None
+
+
+def test_a_hit_whose_lane_is_not_the_lowest_idle_one_is_copied_down(runtime, expected):
+    cache, _ = make_cache(runtime)
+    runtime.ensure_session_active("blocker")  # lane 0
+    entry = record_from_lane(runtime, cache, "a", PREFIX)  # lane 1
+    runtime.drop_session("blocker")  # lane 0 is idle again, and lower
+    assert cache.lease("req", PREFIX + SUFFIX) is not None
+    placement, restored = start(runtime, cache, "req")
+    assert placement.lane == 0 and restored and entry.lane == 1
+    assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
 
 
 def test_an_in_place_hit_on_part_of_a_lane_saves_the_rest_first(runtime, expected):
