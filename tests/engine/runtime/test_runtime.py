@@ -17,6 +17,7 @@ from skippyd.engine.runtime.protocol import (
     SamplingConfig,
     SessionAlignment,
 )
+from skippyd.engine.runtime.sampling import SamplerChain
 from skippyd.engine.runtime.tokenizer import Tokenizer
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -236,3 +237,36 @@ def test_non_final_stage_cannot_sample(tiny_model_path, tokenizer):
         out = rt.iteration_batch_sampled([IterationRequest("a", [5, 6, 7])])
         assert out.output_rows[0].shape == (3, 64)
         assert out.output_rows[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("best", ["plain", "end-of-generation", "tie"])
+def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokenizer,
+                                                               ignore_eos, best):
+    toks = prompt(tokenizer, "the cat sat on the mat")
+    runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=GREEDY,
+                                                      sample_last=True)])
+    row = len(toks) - 1
+    # Shape the row's logits in place (the sampler reads the context's own buffer).
+    logits = np.ctypeslib.as_array(
+        ctypes.cast(L.llama_get_logits_ith(runtime.context, row), ctypes.POINTER(ctypes.c_float)),
+        shape=(runtime.n_vocab,))
+    eog = sorted(runtime.eog_tokens)
+    if best == "end-of-generation":
+        logits[eog[0]] = logits.max() + 5.0
+    elif best == "tie":
+        logits[[7, 9]] = logits.max() + 1.0  # the first highest wins, both ways
+    config = SamplingConfig(temperature=0.0, ignore_eos=ignore_eos)
+    fast = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
+    chain = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
+    chain._argmax = False  # force the llama.cpp chain the argmax stands in for
+    try:
+        picked = fast.sample(runtime.context, row)
+        assert picked == chain.sample(runtime.context, row)
+        if best == "end-of-generation":
+            assert (picked in eog) is not ignore_eos
+        if best == "tie":
+            assert picked == 7
+    finally:
+        fast.close()
+        chain.close()
