@@ -20,6 +20,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -337,6 +338,17 @@ def status_line(engine: StageEngine) -> str:
 
 def run_daemon(config: StageConfig) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; returns the exit code."""
-    if config.http is None:  # a later stage of a split pipeline: only the stage link
-        return asyncio.run(LinkStageDaemon(config).serve())
-    return asyncio.run(Daemon(config).serve())
+    daemon = LinkStageDaemon(config) if config.http is None else Daemon(config)
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(daemon.serve())
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (it is a dependency on Linux and macOS),
+    else asyncio's own: every token a stream sends passes through the loop, and uvloop
+    does a wake-up and a socket write in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -42,6 +42,7 @@ from skippyd.engine.worker.telemetry import (
     TelemetryHub,
 )
 from skippyd.http.prometheus import StageCollector, metrics_route
+from skippyd.http.relay import relay_for
 from skippyd.http.request_log import RequestLog
 from skippyd.http.request_timer import RequestTimer, rejection_reason
 from skippyd.http.windows import MAX_WINDOW_SAMPLES, Window, drop_before
@@ -225,17 +226,17 @@ class ServingMetrics:
         """Follow ``hub``'s events from now on. Call on the running event loop."""
         if self._subscription is not None:
             raise RuntimeError("ServingMetrics is already attached to a telemetry hub")
-        loop = asyncio.get_running_loop()
+        relay = relay_for(asyncio.get_running_loop())
         subscription: Subscription | None = None
 
-        def pop_one() -> None:
-            event = subscription.get(0) if subscription is not None else None
-            if event is not None:
+        def take_all(_: object) -> None:
+            for event in subscription.drain() if subscription is not None else ():
                 self.observe_event(event)
 
         def notify() -> None:  # worker thread: must never block
+            # Through the loop's relay: the same wake-up as the step's tokens.
             with contextlib.suppress(RuntimeError):  # loop closed: nobody reads metrics
-                loop.call_soon_threadsafe(pop_one)
+                relay.post(take_all, None)
 
         subscription = hub.subscribe(EVENT_BUFFER, notify)
         self._subscription = subscription

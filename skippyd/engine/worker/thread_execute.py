@@ -86,26 +86,39 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
     )
 
 
+_PREFIX = "skippy.scheduler."
+#: (attribute key, IterationTelemetry field) of the counters every step reports.
+_STEP_FIELDS = tuple((_PREFIX + name, name) for name in (
+    "iteration", "admitted", "preempted", "prefill_tokens", "recompute_tokens",
+    "decode_tokens", "prefix_hits", "prefix_misses"))
+_COMPONENT_KEYS: dict[str, tuple[str, str, str]] = {}
+
+
+def _component_keys(name: str) -> tuple[str, str, str]:
+    keys = _COMPONENT_KEYS.get(name)
+    if keys is None:
+        component = f"{_PREFIX}component.{name}."
+        keys = _COMPONENT_KEYS[name] = (component + "used_bytes",
+                                        component + "available_bytes",
+                                        component + "free_bytes")
+    return keys
+
+
 def step_attributes(step: IterationTelemetry, step_ms: float,
                     execution_ms: float) -> dict[str, Any]:
     """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
-    prefix = "skippy.scheduler."
-    attributes: dict[str, Any] = {
-        prefix + name: getattr(step, name)
-        for name in ("iteration", "admitted", "preempted", "prefill_tokens",
-                     "recompute_tokens", "decode_tokens", "prefix_hits", "prefix_misses")
-    }
-    attributes[prefix + "running"] = step.active_sequences
-    attributes[prefix + "waiting"] = step.waiting_sequences
-    attributes[prefix + "step_ms"] = step_ms
-    attributes[prefix + "execution_ms"] = execution_ms
-    attributes[prefix + "overhead_ms"] = max(0.0, step_ms - execution_ms)
+    attributes: dict[str, Any] = {key: getattr(step, name) for key, name in _STEP_FIELDS}
+    attributes[_PREFIX + "running"] = step.active_sequences
+    attributes[_PREFIX + "waiting"] = step.waiting_sequences
+    attributes[_PREFIX + "step_ms"] = step_ms
+    attributes[_PREFIX + "execution_ms"] = execution_ms
+    attributes[_PREFIX + "overhead_ms"] = max(0.0, step_ms - execution_ms)
     available = dict(step.component_available_bytes)
     for name, used in step.component_used_bytes:
-        component = f"{prefix}component.{name}."
-        attributes[component + "used_bytes"] = used
-        attributes[component + "available_bytes"] = available.get(name, 0)
-        attributes[component + "free_bytes"] = max(0, available.get(name, 0) - used)
+        used_key, available_key, free_key = _component_keys(name)
+        attributes[used_key] = used
+        attributes[available_key] = available.get(name, 0)
+        attributes[free_key] = max(0, available.get(name, 0) - used)
     return attributes
 
 
