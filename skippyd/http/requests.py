@@ -26,6 +26,7 @@ _MAX_SEED = 2**64 - 1
 #: OpenAI's range for presence/frequency penalties and logit-bias values.
 _PENALTY_RANGE = (-2.0, 2.0)
 _BIAS_RANGE = (-100.0, 100.0)
+_MAY_BE_ZERO = frozenset({"max_stop_strings", "max_logit_bias"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,11 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"HttpLimits.{name}: must be > 0 (got {getattr(self, name)})")
+            # 0 stop strings or logit-bias entries is a policy: the field is refused.
+            lowest = 0 if name in _MAY_BE_ZERO else 1
+            if getattr(self, name) < lowest:
+                raise ValueError(f"HttpLimits.{name}: must be >= {lowest} "
+                                 f"(got {getattr(self, name)})")
         if self.max_logit_bias > MAX_LOGIT_BIAS:
             raise ValueError(
                 f"HttpLimits.max_logit_bias: at most {MAX_LOGIT_BIAS} (got {self.max_logit_bias})"
@@ -137,6 +141,44 @@ def parse_chat_request(
     reject_unsupported(body, chat=True)
     messages = parse_messages(body.get("messages"))
     return ChatParams(messages=messages, params=_parse_generation(body, limits, n_vocab))
+
+
+def find_invalid_text(body: Any) -> str | None:
+    """The path of the first string, key or value, that is not valid Unicode text.
+
+    JSON may spell lone UTF-16 surrogates (``"\\ud800"``); Python decodes them into
+    strings that cannot be encoded, tokenized or echoed back, so a body carrying one is
+    refused up front, naming where it is.
+
+    Returns:
+        A field path such as ``messages[0].content``, or None when all text is valid.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # iterative: a deeply nested body must not exhaust the stack
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = key if _is_text(key) else key.encode("utf-8", "backslashreplace").decode()
+                child = f"{path}.{name}" if path else name
+                if name is not key:
+                    return f"{child} (the key)"
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _require_object(body: Any) -> dict[str, Any]:
