@@ -358,7 +358,11 @@ class LinkSection:
     """``host:port`` to accept stage connections on; required on every later stage."""
     secret: str | None = _setting(None, check=_check_secret)
     """Secret shared by the pipeline's stages; required when a peer is set."""
-    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=1 << 32)
+    status_secret: str | None = _setting(None, check=_check_secret)
+    """A read-only credential: it opens STATUS connections (monitoring), nothing else."""
+    max_chains: int = _setting(1, lo=1, hi=64)
+    """Upstream chains a later stage serves at once; a second stage 0 is refused."""
+    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=(1 << 32) - 1)
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 _MAX_SEED = 2**64 - 1
+_MAX_INT32 = 2**31 - 1
 #: OpenAI's range for presence/frequency penalties and logit-bias values.
 _PENALTY_RANGE = (-2.0, 2.0)
 _BIAS_RANGE = (-100.0, 100.0)
@@ -260,7 +261,7 @@ def _parse_sampling(
     body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
 ) -> SamplingConfig:
     defaults = SamplingConfig()
-    top_k = _opt_int(body, "top_k", -1)
+    top_k = _opt_int(body, "top_k", -1, _MAX_INT32)
     seed = _opt_int(body, "seed", -1, _MAX_SEED)
 
     def pick(value: float | None, default: float) -> float:
