@@ -163,14 +163,16 @@ class _GuardedConnection:
         self._wait_for_head(self.guard.limits.header_timeout_s, "header_timeouts")
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is Phase.WAITING:
+        waiting = self._phase is Phase.WAITING
+        super().data_received(data)  # type: ignore[misc]
+        self._follow_cycle()
+        if waiting and self._phase is Phase.WAITING:
+            # Still no complete head after these bytes (a body sent along with its head
+            # has moved the phase on, and is not counted).
             self._head_bytes += len(data)
             if self._head_bytes > self.guard.limits.max_head_bytes:
                 self.guard.counters["heads_too_large"] += 1
                 self._abort(_HEAD_TOO_LARGE)
-                return
-        super().data_received(data)  # type: ignore[misc]
-        self._follow_cycle()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]

@@ -217,3 +217,13 @@ def test_the_cap_is_fitted_to_the_open_files_limit() -> None:
             assert fit_fd_limit(hard) == hard - 256  # beyond the hard limit: clamped
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_large_body_sent_with_its_head_is_not_a_large_head(fake, protocol):
+    body = b'{"prompt": "x", "user": "' + b"u" * 200_000 + b'", "max_tokens": 2}'
+    async with guarded(fake, protocol, max_head_bytes=1024) as (address, guard):
+        async with httpx.AsyncClient(timeout=WAIT_S) as client:
+            response = await client.post(f"http://{address[0]}:{address[1]}/v1/completions",
+                                         content=body)
+    assert response.status_code == 200, response.text
+    assert guard.counters["heads_too_large"] == 0
