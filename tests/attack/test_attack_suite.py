@@ -132,7 +132,8 @@ def test_a_thousand_idle_connections_beside_eight_clients(daemon):
 def test_health_probes_never_fail_under_connection_attacks(daemon):
     address = _address(daemon)
     heads = Drippers(address, 16, SLOW_HEAD, every_s=0.2)
-    bodies = Drippers(address, 16, slow_body_request(), every_s=0.2)
+    head, body = slow_body_request()
+    bodies = Drippers(address, 16, body, every_s=0.2, prefix=head)
     idle = IdleFlood(address, 300)
     probe = ProbeLoop(daemon.base_url, every_s=0.2)
     with running(heads, bodies, idle, probe):
