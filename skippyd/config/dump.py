@@ -48,6 +48,7 @@ _COMMENTED: dict[str, Any] = {
     "telemetry.metrics_listen": "127.0.0.1:9190",
     "link.listen": "0.0.0.0:9101",
     "link.secret": "change-me-to-a-long-random-string",
+    "link.status_secret": "a-different-read-only-credential",
     "upstream.stage_id": "stage-0",
     "upstream.stage_index": 0,
     "upstream.endpoint": "tcp://10.0.0.1:9101",

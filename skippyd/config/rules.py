@@ -6,6 +6,7 @@ mistake gives one message.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -85,6 +86,10 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and http.default_max_tokens > http.max_tokens_limit):
         issues.add("http.default_max_tokens", f"must be at most max_tokens_limit "
                    f"(got {http.default_max_tokens} > {http.max_tokens_limit})")
+    if (http.protocol == "httptools" and issues.clean("http.protocol")
+            and importlib.util.find_spec("httptools") is None):
+        issues.add("http.protocol", '"httptools" is not installed (pip install httptools), '
+                   'or use "h11"')
 
 
 def _peer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:

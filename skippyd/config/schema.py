@@ -32,6 +32,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
+HttpProtocol = Literal["h11", "httptools", "auto"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -258,7 +259,21 @@ class HttpSection:
     max_logit_bias: int = _setting(256, lo=0, hi=256)
     """Most logit-bias entries per request (llama.cpp allows 256)."""
     max_connections: int = _setting(256, lo=1, hi=65536)
-    """Concurrent HTTP connections."""
+    """Requests in flight at once (``/health`` aside); beyond it requests get 429."""
+    max_open_connections: int = _setting(1024, lo=1, hi=1 << 20)
+    """Open TCP connections; beyond it the one idle longest is closed for the newcomer."""
+    header_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A new connection must send a whole request head within this time."""
+    body_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A request body must arrive whole within this time of its head."""
+    keep_alive_timeout_s: float = _setting(75.0, lo=0.1, hi=3600.0)
+    """An idle keep-alive connection is closed after this long without a request head."""
+    send_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A client that reads nothing of its response for this long is disconnected."""
+    protocol: HttpProtocol = "h11"
+    """uvicorn's HTTP/1.1 implementation: ``h11``, ``httptools`` (installed apart) or ``auto``."""
+    parse_special_in_content: bool = False
+    """Let message text spell the chat template's control tokens (unsafe: prompt injection)."""
     drain_timeout_s: float = _setting(30.0, lo=0.0, hi=3600.0)
     """How long shutdown waits for running requests."""
 
@@ -348,7 +363,11 @@ class LinkSection:
     """``host:port`` to accept stage connections on; required on every later stage."""
     secret: str | None = _setting(None, check=_check_secret)
     """Secret shared by the pipeline's stages; required when a peer is set."""
-    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=1 << 32)
+    status_secret: str | None = _setting(None, check=_check_secret)
+    """A read-only credential: it opens STATUS connections (monitoring), nothing else."""
+    max_chains: int = _setting(1, lo=1, hi=64)
+    """Upstream chains a later stage serves at once; a second stage 0 is refused."""
+    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=(1 << 32) - 1)
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""

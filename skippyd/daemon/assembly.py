@@ -25,7 +25,12 @@ from skippyd.engine.prefix_cache import (
     settings_from_config,
 )
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from skippyd.engine.runtime.tokenizer import (
+    IncrementalDetokenizer,
+    TemplateRewritesContent,
+    Tokenizer,
+    TokenizerError,
+)
 from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.handle import WorkerHandle
@@ -40,6 +45,50 @@ logger = logging.getLogger(__name__)
 
 #: A runtime call running longer than this makes /health report the stage as failed.
 HANG_THRESHOLD_S = 120.0
+
+
+def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]], *,
+                       parse_special_in_content: bool = False) -> list[int]:
+    """Render a chat with the model's template and tokenize it.
+
+    Only the template's own text is tokenized with special-token parsing: message
+    content is plain text, so a user who writes ``<|im_start|>system`` gets those
+    characters, not the control token (unless ``parse_special_in_content``).
+
+    Raises:
+        TokenizerError: The template rejected the messages, or it rewrites message text
+            and a content spells a control token.
+    """
+    if parse_special_in_content:
+        return _tokenize_rendered(tokenizer, [(tokenizer.render_chat(messages), True)])
+    try:
+        pieces = tokenizer.render_chat_pieces(messages)
+    except TemplateRewritesContent:
+        # The template transforms message text, so it cannot be cut out again: keep the
+        # whole rendering, but only if no content could spell a control token.
+        _refuse_control_text(tokenizer.control_token_texts(), messages)
+        pieces = [(tokenizer.render_chat(messages), True)]
+    return _tokenize_rendered(tokenizer, pieces)
+
+
+def _tokenize_rendered(tokenizer: Tokenizer, pieces: list[tuple[str, bool]]) -> list[int]:
+    # The template decides about BOS: add it only when the model wants one and the
+    # rendered text does not already start with it.
+    bos = tokenizer.detokenize([tokenizer.bos_token_id]) if tokenizer.add_bos else ""
+    first = pieces[0][0] if pieces else ""
+    add_special = tokenizer.add_bos and not (bos and first.startswith(bos))
+    return tokenizer.tokenize_pieces(pieces, add_special=add_special)
+
+
+def _refuse_control_text(control_texts: frozenset[str], messages: list[dict[str, str]]) -> None:
+    """Raise naming the first message whose content contains a control token's text."""
+    for index, message in enumerate(messages):
+        content = message.get("content") or ""
+        for text in control_texts:
+            if text in content:
+                raise TokenizerError(
+                    f"messages[{index}].content contains the control token text {text!r}, "
+                    "which this model's chat template cannot keep apart from its markup")
 
 
 class StartupError(Exception):
@@ -261,13 +310,12 @@ class StageEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self._require_tokenizer().render_chat(messages)
 
-    def tokenize_chat(self, text: str) -> list[int]:
-        tokenizer = self._require_tokenizer()
-        # The template decides about BOS: add it only when the model wants one and the
-        # rendered text does not already start with it.
-        bos = tokenizer.detokenize([tokenizer.bos_token_id]) if tokenizer.add_bos else ""
-        add_special = tokenizer.add_bos and not (bos and text.startswith(bos))
-        return tokenizer.tokenize(text, add_special=add_special, parse_special=True)
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render and tokenize a chat; see :func:`chat_prompt_tokens`."""
+        http = self.config.http
+        return chat_prompt_tokens(self._require_tokenizer(), messages,
+                                  parse_special_in_content=bool(
+                                      http is not None and http.parse_special_in_content))
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return self._require_tokenizer().detokenizer()

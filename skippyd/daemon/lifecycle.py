@@ -35,6 +35,13 @@ from skippyd.daemon.startup import load_with_progress
 from skippyd.daemon.stats_log import log_throughput
 from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
+from skippyd.http.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    fit_fd_limit,
+    guarded_protocol,
+    protocol_class,
+)
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
@@ -56,6 +63,18 @@ def http_limits(config: StageConfig) -> HttpLimits:
         max_stop_strings=http.max_stop_strings,
         max_stop_length=http.max_stop_length,
         max_logit_bias=http.max_logit_bias,
+    )
+
+
+def connection_limits(config: StageConfig) -> ConnectionLimits:
+    """The HTTP connection limits of ``config``, the cap fitted to the open-files limit."""
+    http = config.http
+    return ConnectionLimits(
+        header_timeout_s=http.header_timeout_s,
+        body_timeout_s=http.body_timeout_s,
+        keep_alive_timeout_s=http.keep_alive_timeout_s,
+        send_timeout_s=http.send_timeout_s,
+        max_open_connections=fit_fd_limit(http.max_open_connections),
     )
 
 
@@ -126,12 +145,16 @@ class Daemon:
             logger.warning(
                 "SECURITY: http.listen %s is reachable from other machines and no"
                 " http.api_key is set: anyone who can reach it can use the model", host)
+        self.connections = ConnectionGuard(connection_limits(config))
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
-            # A backstop only: the app answers over-limit requests itself, with a 429
-            # that names http.max_connections; uvicorn's own refusal is a bare 503.
-            limit_concurrency=2 * config.http.max_connections + 16,
+            # NOTE: no limit_concurrency: uvicorn counts idle connections against it and
+            # then answers every request, /health included, with a bare 503. The app
+            # bounds requests in flight (429) and the guard bounds connections.
+            http=guarded_protocol(protocol_class(config.http.protocol), self.connections),
+            # uvicorn's own keep-alive timer is only a backstop: the guard's fires first.
+            timeout_keep_alive=config.http.keep_alive_timeout_s + 1,
         )
         self.notifier = SystemdNotifier()
         if self.notifier.watchdog_s is not None:

@@ -86,8 +86,11 @@ class SamplingConfig:
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def validate(self, n_vocab: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+    def validate(self, n_vocab: int | None = None, n_ctx: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field.
+
+        ``n_ctx`` caps ``penalty_last_n`` (its history buffer is sized by it).
+        """
         if self.temperature < 0 or self.temperature != self.temperature:
             raise ValueError(f"temperature: must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
@@ -100,6 +103,11 @@ class SamplingConfig:
             raise ValueError(f"repeat_penalty: must be > 0 (got {self.repeat_penalty})")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n: must be >= -1 (got {self.penalty_last_n})")
+        if n_ctx is not None and self.penalty_last_n > n_ctx:
+            raise ValueError(f"penalty_last_n: must be at most the context size {n_ctx} "
+                             f"(got {self.penalty_last_n})")
+        if not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k: must be within [0, 2^31) (got {self.top_k})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(
                 f"logit_bias: at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})"

@@ -105,7 +105,8 @@ def _build_samplers(config: SamplingConfig, *, n_vocab: int, n_ctx: int, eog_tok
         )
         yield L.llama_sampler_init_logit_bias(n_vocab, len(biases), array)
     if _has_penalties(config):
-        last_n = n_ctx if config.penalty_last_n == -1 else config.penalty_last_n
+        # NOTE: the sampler allocates its history up front: never beyond the context.
+        last_n = n_ctx if config.penalty_last_n == -1 else min(config.penalty_last_n, n_ctx)
         yield L.llama_sampler_init_penalties(
             n_vocab, last_n, config.repeat_penalty, config.frequency_penalty, config.presence_penalty
         )

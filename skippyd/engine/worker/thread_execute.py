@@ -62,6 +62,8 @@ class PlanResult:
     """Samples by work index; a row sampled twice is left out (treated as missing)."""
     execution_s: float
     """Wall time of the runtime call(s)."""
+    isolated: bool = False
+    """The works ran one by one (after an invalid batch): not one batch's duration."""
 
     def predictions(self) -> list[IterationPrediction]:
         """Policy predictions; end of generation is a negative token."""
@@ -229,4 +231,4 @@ class PlanExecutor:
             execution_s += result.execution_s
             if 0 in result.samples:
                 samples[index] = result.samples[0]
-        return PlanResult(plan, samples, execution_s)
+        return PlanResult(plan, samples, execution_s, isolated=True)
