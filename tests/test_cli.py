@@ -168,8 +168,9 @@ def test_shell_completion_installs_and_completes(tmp_path):
     # The console script, as a user runs it: completion is keyed on the program name.
     command = [str(Path(sys.executable).with_name("skippyd"))]
     env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
-    result = subprocess.run([*command, "--install-completion", "bash"], env=env,
-                            capture_output=True, text=True, timeout=60)
+    # Typer asks the process tree which shell runs it, so run it from bash, as a user would.
+    result = subprocess.run(["bash", "-c", '"$0" --install-completion; exit $?', *command],
+                            env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     script = (tmp_path / ".bash_completions" / "skippyd.sh").read_text()
     assert "_SKIPPYD_COMPLETE=complete_bash" in script
