@@ -24,12 +24,15 @@ from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
+from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
+from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, token_logprob
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
     InvalidIterationError,
     IterationOutput,
+    IterationPhase,
     IterationRequest,
     IterationSample,
     KvSlotUnavailableError,
@@ -93,6 +96,9 @@ class _Session:
     history: list[int] = field(default_factory=list)
     """Token ids in KV order (first stage, or a token sideband on later stages)."""
     sampler: SamplerChain | None = None
+    prompt_carry: tuple[int, np.ndarray] | None = None
+    """(position, logits) of a prefill chunk's last row, whose next token the following
+    chunk brings (``prompt_logprobs`` sessions only)."""
 
 
 class LlamaRuntime(CacheSlotsMixin):
@@ -119,6 +125,7 @@ class LlamaRuntime(CacheSlotsMixin):
         # llama.cpp pads the cell pool (to 256); the padded size is the real capacity.
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
         vocab = L.llama_model_get_vocab(self._model)
+        self._vocab = vocab
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self._eog_tokens = tuple(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
         self._batch = L.llama_batch_init(
@@ -397,11 +404,12 @@ class LlamaRuntime(CacheSlotsMixin):
                     ctypes.addressof(batch.embd.contents) + row * self.n_embd * 4,
                     rows.ctypes.data, rows.nbytes,
                 )
+            outputs = all_outputs or (self.options.final_stage and _wants_prompt_logprobs(request))
             for i in range(n):
                 batch.pos[row + i] = start + i
                 batch.n_seq_id[row + i] = 1
                 batch.seq_id[row + i][0] = session.seq_id
-                batch.logits[row + i] = all_outputs
+                batch.logits[row + i] = outputs
             if request.sample_last:
                 batch.logits[row + n - 1] = True
             sample_rows.append(row + n - 1)
@@ -442,21 +450,79 @@ class LlamaRuntime(CacheSlotsMixin):
                 if session.sampler is not None:
                     session.sampler.observe(tokens)
             output.output_rows.append(None if captured is None else captured[row : row + n])
+            if self.options.final_stage and _wants_prompt_logprobs(request):
+                output.prompt_logprobs[index] = self._prompt_logprobs(session, request, row, start)
             row += n
             if request.sample_last:
-                token = self._sample(session, request, sample_rows[index])
-                output.samples.append(
-                    IterationSample(index, token, is_eog=token in self._eog_tokens)
-                )
+                output.samples.append(self._sample_row(index, session, request, sample_rows[index]))
         return output
+
+    def _sample_row(self, index: int, session: _Session, request: IterationRequest,
+                    row: int) -> IterationSample:
+        token = self._sample(session, request, row)
+        config = request.sampling
+        logprob = None
+        if config is not None and config.logprobs is not None:
+            logprob = token_logprob(row_logits(self._ctx, row, self.n_vocab), token,
+                                    config.logprobs)
+        return IterationSample(index, token, is_eog=token in self._eog_tokens, logprob=logprob)
+
+    def _prompt_logprobs(self, session: _Session, request: IterationRequest, row: int,
+                         start: int) -> list:
+        assert request.sampling is not None and request.sampling.prompt_logprobs is not None
+        entries, session.prompt_carry = prompt_row_logprobs(
+            self._ctx, row, list(request.token_ids), start, self.n_vocab,
+            request.sampling.prompt_logprobs, session.prompt_carry)
+        return entries
 
     def _sample(self, session: _Session, request: IterationRequest, row: int) -> int:
         config = request.sampling or _GREEDY
         if session.sampler is None or session.sampler.config != config:
             self._reset_sampler(session)
-            session.sampler = SamplerChain(
-                config, n_vocab=self.n_vocab, n_ctx=self.n_ctx,
-                eog_tokens=self._eog_tokens,
-            )
+            try:
+                session.sampler = SamplerChain(
+                    config, n_vocab=self.n_vocab, n_ctx=self.n_ctx,
+                    eog_tokens=self._eog_tokens, vocab=self._vocab,
+                )
+                session.sampler.replay_grammar(session.history)
+            except GrammarError as exc:
+                # The request was checked before it was queued; ending it beats aborting
+                # every other session of the batch.
+                logger.error("session %s: %s; ending its generation", request.session_id, exc)
+                self._reset_sampler(session)
+                return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
         return session.sampler.sample(self._ctx, row)
+
+    # -- forks (n > 1 choices share one prompt) ------------------------------------------
+    def fork_session(self, src_session_id: str, dst_session_id: str,
+                     num_tokens: int | None = None) -> None:
+        """Make ``dst`` hold ``src``'s first ``num_tokens`` tokens (all by default).
+
+        The whole sequence is copied (``llama_memory_seq_cp`` over every position: in a
+        unified cache that shares cells, across KV streams it copies the stream at the
+        next decode), then ``dst`` is trimmed to ``num_tokens``.
+
+        Raises:
+            InvalidIterationError: ``src`` is unknown, holds too few tokens or is ``dst``.
+            LanesBusyError: ``dst`` is new and no lane is free.
+        """
+        src = self._require(src_session_id)
+        count = src.token_count if num_tokens is None else num_tokens
+        if src_session_id == dst_session_id or not 0 < count <= src.token_count:
+            raise InvalidIterationError(
+                f"fork_session: cannot copy {count} tokens of {src_session_id} (holding"
+                f" {src.token_count}) into {dst_session_id}")
+        self.ensure_session_active(dst_session_id)
+        dst = self._sessions[dst_session_id]
+        L.llama_memory_seq_rm(self._mem, dst.seq_id, -1, -1)
+        L.llama_memory_seq_cp(self._mem, src.seq_id, dst.seq_id, -1, -1)
+        if count < src.token_count:
+            L.llama_memory_seq_rm(self._mem, dst.seq_id, count, -1)
+        self._set_history(dst, src.history[:count])
+
+
+def _wants_prompt_logprobs(request: IterationRequest) -> bool:
+    sampling = request.sampling
+    return (sampling is not None and sampling.prompt_logprobs is not None
+            and request.phase is IterationPhase.PREFILL and bool(request.token_ids))

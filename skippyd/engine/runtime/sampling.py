@@ -1,7 +1,9 @@
 """Per-session sampler chains over llama.cpp's sampler API (DESIGN.md item 1).
 
 A chain samples from the logits of one batch row (``llama_sampler_sample(chain, ctx, i)``)
-and remembers the session's tokens for the penalties. Only the worker thread uses it.
+and remembers the session's tokens for the penalties. A session with a grammar samples
+through :func:`~skippyd.engine.runtime.constrained.sample_constrained` instead, on a
+candidate array of its own. Only the worker thread uses it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.constrained import Candidates, GrammarSampler, sample_constrained
 from skippyd.engine.runtime.protocol import SamplingConfig
 
 
@@ -38,10 +41,12 @@ class SamplerChain:
         n_vocab: int,
         n_ctx: int,
         eog_tokens: Sequence[int],
+        vocab: int | None = None,
     ) -> None:
         self.config = config
         self.tracks_history = _has_penalties(config)
         self._pending_sampled: int | None = None
+        self._eog_token = eog_tokens[0] if eog_tokens else 0
         params = L.llama_sampler_chain_default_params()
         params.no_perf = True
         self._chain = L.llama_sampler_chain_init(params)
@@ -49,6 +54,22 @@ class SamplerChain:
             raise MemoryError("llama_sampler_chain_init failed")
         for sampler in _build_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx, eog_tokens=eog_tokens):
             L.llama_sampler_chain_add(self._chain, sampler)
+        self._grammar: GrammarSampler | None = None
+        self._candidates: Candidates | None = None
+        if config.grammar is not None:
+            if vocab is None:
+                raise ValueError("a grammar needs the model's vocabulary")
+            self._grammar = GrammarSampler(vocab, config.grammar)
+            self._candidates = Candidates(n_vocab)
+
+    def replay_grammar(self, history: Sequence[int]) -> None:
+        """Bring a new grammar up to date with tokens generated before it existed.
+
+        Raises:
+            GrammarError: The tokens do not fit the grammar.
+        """
+        if self._grammar is not None:
+            self._grammar.replay(history[self.config.grammar_start:])
 
     def observe(self, tokens: Iterable[int]) -> None:
         """Tell the penalties about tokens that entered the session's KV."""
@@ -64,11 +85,19 @@ class SamplerChain:
 
     def sample(self, ctx: int, row: int) -> int:
         """Sample from the logits of batch row ``row`` (that row must be an output)."""
-        token = int(L.llama_sampler_sample(self._chain, ctx, row))
+        if self._grammar is None:
+            token = int(L.llama_sampler_sample(self._chain, ctx, row))
+        else:
+            assert self._candidates is not None
+            token = sample_constrained(self._chain, self._grammar, self._candidates, ctx, row,
+                                       self._eog_token)
         self._pending_sampled = token
         return token
 
     def close(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
         if self._chain:
             L.llama_sampler_free(self._chain)
             self._chain = None

@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.constrained import check_grammar
 from skippyd.engine.runtime.llama_ext import ensure_backend
 
 
@@ -97,6 +98,14 @@ class Tokenizer:
 
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self._vocab, token))
+
+    def check_grammar(self, text: str) -> None:
+        """Parse a GBNF grammar against this vocabulary (thread-safe: a private sampler).
+
+        Raises:
+            GrammarError: llama.cpp cannot parse it.
+        """
+        check_grammar(self._vocab, text)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """Render messages with the model's own chat template (Jinja, sandboxed)."""
