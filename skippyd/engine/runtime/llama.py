@@ -25,6 +25,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
 from skippyd.engine.runtime.constrained import GrammarError
+from skippyd.engine.runtime.forks import SessionForkMixin
 from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
 from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, token_logprob
 from skippyd.engine.runtime.protocol import (
@@ -101,7 +102,7 @@ class _Session:
     chunk brings (``prompt_logprobs`` sessions only)."""
 
 
-class LlamaRuntime(CacheSlotsMixin):
+class LlamaRuntime(CacheSlotsMixin, SessionForkMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
     Prefix-cache slots (the sequence ids reserved beyond the lanes) are moved by the
@@ -493,33 +494,6 @@ class LlamaRuntime(CacheSlotsMixin):
                 return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
         return session.sampler.sample(self._ctx, row)
-
-    # -- forks (n > 1 choices share one prompt) ------------------------------------------
-    def fork_session(self, src_session_id: str, dst_session_id: str,
-                     num_tokens: int | None = None) -> None:
-        """Make ``dst`` hold ``src``'s first ``num_tokens`` tokens (all by default).
-
-        The whole sequence is copied (``llama_memory_seq_cp`` over every position: in a
-        unified cache that shares cells, across KV streams it copies the stream at the
-        next decode), then ``dst`` is trimmed to ``num_tokens``.
-
-        Raises:
-            InvalidIterationError: ``src`` is unknown, holds too few tokens or is ``dst``.
-            LanesBusyError: ``dst`` is new and no lane is free.
-        """
-        src = self._require(src_session_id)
-        count = src.token_count if num_tokens is None else num_tokens
-        if src_session_id == dst_session_id or not 0 < count <= src.token_count:
-            raise InvalidIterationError(
-                f"fork_session: cannot copy {count} tokens of {src_session_id} (holding"
-                f" {src.token_count}) into {dst_session_id}")
-        self.ensure_session_active(dst_session_id)
-        dst = self._sessions[dst_session_id]
-        L.llama_memory_seq_rm(self._mem, dst.seq_id, -1, -1)
-        L.llama_memory_seq_cp(self._mem, src.seq_id, dst.seq_id, -1, -1)
-        if count < src.token_count:
-            L.llama_memory_seq_rm(self._mem, dst.seq_id, count, -1)
-        self._set_history(dst, src.history[:count])
 
 
 def _wants_prompt_logprobs(request: IterationRequest) -> bool:
