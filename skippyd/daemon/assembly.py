@@ -23,11 +23,12 @@ from skippyd.engine.prefix_cache import (
     settings_from_config,
 )
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from skippyd.engine.runtime.schema import schema_to_grammar
+from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.handle import WorkerHandle
-from skippyd.engine.worker.settings import WorkerSettings
+from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, inspect_model
 from skippyd.gguf.slice import cached_slice
@@ -106,7 +107,7 @@ class StageEngine:
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,
                             self.config.runtime.slice_cache_dir, progress=self._progress)
         if self.config.is_first:  # later stages of a split take rows, not text
-            self._tokenizer = Tokenizer(source)
+            self._tokenizer = self._open_tokenizer(source)
             self.n_vocab = self._tokenizer.n_vocab
         cache_settings = self._prefix_cache_settings()
         reserved = 0 if cache_settings is None else cache_settings.slot_count(
@@ -125,6 +126,15 @@ class StageEngine:
         logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
                     self.model_id, stage.layer_start, stage.layer_end,
                     self._runtime.lane_count, self._runtime.kv_pool_tokens)
+
+    def _open_tokenizer(self, source: Path) -> Tokenizer:
+        http = self.config.http
+        path = None if http is None else http.chat_template_file
+        try:
+            template = None if path is None else Path(path).read_text(encoding="utf-8")
+            return Tokenizer(source, chat_template=template)
+        except (OSError, UnicodeDecodeError, TokenizerError) as exc:
+            raise StartupError(f"http.chat_template_file: {exc}") from exc
 
     def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
         """The prefix cache runs on an unsplit stage of an attention-only model."""
@@ -227,11 +237,61 @@ class StageEngine:
             return "degraded", degraded
         return self._state, self._reason
 
+    @property
+    def max_context_tokens(self) -> int:
+        """What one sequence may hold: the KV the worker admits against."""
+        worker = self._worker
+        return self.ctx_size if worker is None else kv_capacity_tokens(worker.config)
+
+    @property
+    def local_sampling(self) -> bool:
+        """This process samples (not stage 0 of a split pipeline)."""
+        return self.config.is_final
+
+    @property
+    def chat_template(self) -> str | None:
+        tokenizer = self._tokenizer
+        return None if tokenizer is None else tokenizer.chat_template
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``/props`` and ``/v1/models``."""
+        stage, info, tokenizer = self.config.stage, self.info, self._tokenizer
+        facts: dict[str, Any] = {
+            "lane_count": self.config.runtime.lane_count,
+            "layer_start": stage.layer_start,
+            "layer_end": stage.layer_end or (info.n_layer if info else None),
+            "n_layer": info.n_layer if info else None,
+            "model_path": str(self.config.resolved_model_path),
+        }
+        if tokenizer is not None:
+            facts["bos_token"] = tokenizer.detokenize([tokenizer.bos_token_id])
+            facts["eos_token"] = tokenizer.detokenize([tokenizer.eos_token_id])
+        return facts
+
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return self._require_tokenizer().tokenize(text, add_special=add_special)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self._require_tokenizer().render_chat(messages)
+    def render_chat(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        return self._require_tokenizer().render_chat(
+            messages, tools=tools, template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._require_tokenizer().detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._require_tokenizer().token_bytes(token)
+
+    def check_grammar(self, grammar: str) -> None:
+        self._require_tokenizer().check_grammar(grammar)
+
+    def schema_grammar(self, schema: dict[str, Any], root: str | None = None) -> str:
+        grammar = schema_to_grammar(schema, root)
+        self._require_tokenizer().check_grammar(grammar)
+        return grammar
 
     def tokenize_chat(self, text: str) -> list[int]:
         tokenizer = self._require_tokenizer()

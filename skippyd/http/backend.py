@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest
 
@@ -40,27 +40,72 @@ class IncrementalDetokenizer(Protocol):
 class ServingBackend(Protocol):
     """What the OpenAI app needs from the serving side.
 
-    ``tokenize``, ``render_chat`` and ``tokenize_chat`` run in a thread pool (several at
-    once: they must be thread-safe); every other method is called on the event-loop
-    thread and must not block. ``submit``'s ``on_event`` is called on the worker thread.
+    ``tokenize``, ``render_chat``, ``tokenize_chat``, ``detokenize``, ``check_grammar``
+    and ``schema_grammar`` run in a thread pool (several at once: they must be
+    thread-safe); every other method is called on the event-loop thread and must not
+    block. ``submit``'s ``on_event`` is called on the worker thread.
     """
 
     model_id: str
     """The name reported in ``/v1/models`` and in every response's ``model``."""
-    ctx_size: int
-    """Context limit of one sequence, in tokens (prompt + completion)."""
     n_vocab: int
     """Vocabulary size; token ids in prompts and ``logit_bias`` must be below it."""
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Context limit of one sequence, in tokens (prompt + completion): what a request's
+        budget is clamped against."""
+        ...
+
+    @property
+    def local_sampling(self) -> bool:
+        """Tokens are sampled in this process, so grammars and log-probabilities are
+        available (not on a split pipeline, whose final stage samples)."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template in use (the model's, or the configured override)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``/props`` and ``/v1/models``: ``lane_count``, ``layer_start``,
+        ``layer_end``, ``n_layer``, ``model_path``, ``bos_token``, ``eos_token``."""
+        ...
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants."""
         ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """Apply the model's chat template with the generation prompt appended.
+    def render_chat(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """Apply the chat template, with the generation prompt appended unless told not to.
 
         Raises:
             ValueError: The messages do not fit the template (e.g. bad role order).
+        """
+        ...
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (control tokens render as nothing)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token renders to (fast and thread-safe: called on the loop)."""
+        ...
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise ``ValueError`` when llama.cpp cannot parse this GBNF grammar."""
+        ...
+
+    def schema_grammar(self, schema: dict[str, Any], root: str | None = None) -> str:
+        """A GBNF grammar for a JSON Schema; ``root`` wraps the value (rule ``call``).
+
+        Raises:
+            ValueError: A keyword the grammar cannot enforce; its ``path`` attribute
+                says where in the schema.
         """
         ...
 

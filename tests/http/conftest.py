@@ -9,6 +9,7 @@ sends a token, waits (bounded) for its acknowledgement, and stops on ``STOP`` or
 from __future__ import annotations
 
 import codecs
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -98,19 +99,51 @@ class FakeBackend:
         self.generations: dict[str, Generation] = {}
         self.cancel_calls: list[str] = []
         self.rendered: list[list[dict[str, str]]] = []
+        self.render_calls: list[dict] = []
+        self.local_sampling = True
+        self.chat_template: str | None = None
         self._threads: list[threading.Thread] = []
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.ctx_size
+
+    def describe(self) -> dict:
+        return {"lane_count": 4, "layer_start": 0, "layer_end": 30, "n_layer": 30,
+                "model_path": "/models/fake.gguf", "bos_token": "<s>", "eos_token": "</s>"}
 
     # -- ServingBackend ----------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool) -> list[int]:
         return ([BOS] if add_special else []) + byte_tokens(text)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict], *, tools=None, template_kwargs=None,
+                    add_generation_prompt: bool = True) -> str:
         if any(m["role"] == "bad" for m in messages):
             raise ValueError("roles must alternate")
         self.rendered.append(messages)
+        self.render_calls.append({"tools": tools, "template_kwargs": template_kwargs})
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return f"{turns}<assistant>"
+        opening = (template_kwargs or {}).get("opening", "")
+        return f"{turns}<assistant>{opening}" if add_generation_prompt else turns
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return bytes(t - 1 for t in tokens if t != BOS).decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token == BOS else bytes([token - 1])
+
+    def check_grammar(self, grammar: str) -> None:
+        if "::=" not in grammar:
+            raise ValueError("llama.cpp could not parse the grammar")
+
+    def schema_grammar(self, schema: dict, root: str | None = None) -> str:
+        if "minimum" in json.dumps(schema):
+            error = ValueError("properties.age.minimum: the keyword 'minimum' is not supported")
+            error.path = "properties.age.minimum"
+            error.reason = "the keyword 'minimum' is not supported"
+            raise error
+        return f"root ::= {root or 'call'}\ncall ::= {json.dumps(json.dumps(schema))}"
 
     def tokenize_chat(self, text: str) -> list[int]:
         return self.tokenize(text, add_special=True)

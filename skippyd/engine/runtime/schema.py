@@ -51,11 +51,13 @@ class SchemaError(ValueError):
         self.reason = reason
 
 
-def schema_to_grammar(schema: Any) -> str:
+def schema_to_grammar(schema: Any, root: str | None = None) -> str:
     """Convert a JSON Schema to a GBNF grammar whose start rule is ``root``.
 
     Args:
         schema: The decoded schema (a JSON object).
+        root: A GBNF expression for the start rule around the value, which it names
+            ``call`` (a tool call's wrapping); None makes the value itself the start.
 
     Returns:
         The grammar text.
@@ -68,7 +70,13 @@ def schema_to_grammar(schema: Any) -> str:
                                 raw_pattern=False)
     try:
         resolved = converter.resolve_refs(copy.deepcopy(schema), "input")
-        converter.visit(resolved, "")
+        if root is None:
+            converter.visit(resolved, "")
+        else:
+            # A fresh converter names the value's rule "call", as asked.
+            if converter.visit(resolved, "call") != "call":
+                raise ValueError("the schema's rule could not be named 'call'")
+            converter._add_rule("root", root)
     except (AssertionError, ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise SchemaError("", f"cannot be turned into a grammar: {exc}") from None
     return converter.format_grammar()

@@ -28,7 +28,12 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """Thread-safe tokenizer over a vocabulary-only load of a GGUF model."""
 
-    def __init__(self, model_path: str | os.PathLike) -> None:
+    def __init__(self, model_path: str | os.PathLike, *, chat_template: str | None = None) -> None:
+        """Load the vocabulary; ``chat_template`` replaces the model's own template.
+
+        Raises:
+            TokenizerError: The vocabulary cannot be loaded or the template compiled.
+        """
         ensure_backend()
         params = L.llama_model_default_params()
         params.vocab_only = True
@@ -42,8 +47,12 @@ class Tokenizer:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         self._lock = threading.Lock()
-        self.chat_template = self._metadata("tokenizer.chat_template")
-        self._template = _compile_template(self.chat_template) if self.chat_template else None
+        self.chat_template = chat_template or self._metadata("tokenizer.chat_template")
+        try:
+            self._template = _compile_template(self.chat_template) if self.chat_template else None
+        except jinja2.TemplateSyntaxError as exc:
+            self.close()
+            raise TokenizerError(f"the chat template does not compile: {exc}") from exc
 
     def close(self) -> None:
         if self._model:
@@ -107,18 +116,34 @@ class Tokenizer:
         """
         check_grammar(self._vocab, text)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own chat template (Jinja, sandboxed)."""
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """Render messages with the chat template (Jinja, sandboxed).
+
+        Args:
+            messages: The conversation.
+            add_generation_prompt: Open the assistant's turn at the end.
+            tools: Tool definitions for templates that render them (``tools`` variable).
+            template_kwargs: Extra template variables (``enable_thinking``…).
+
+        Raises:
+            TokenizerError: No template, or the template failed (a message it refuses).
+        """
         if self._template is None:
             raise TokenizerError("the model has no chat template; use /v1/completions")
         try:
             return self._template.render(
+                **(template_kwargs or {}),
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.detokenize([self.bos_token_id]) if self.bos_token_id >= 0 else "",
                 eos_token=self.detokenize([self.eos_token_id]) if self.eos_token_id >= 0 else "",
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+            # A template indexing into a message it does not expect raises plain Python
+            # errors: they are the messages' fault as much as a raise_exception is.
             raise TokenizerError(f"chat template failed: {exc}") from exc
 
 
