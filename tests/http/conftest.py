@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from skippyd.engine.runtime.protocol import TokenLogprob
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     QueueFullError,
     TokenAck,
     TokenControl,
@@ -36,6 +38,11 @@ WAIT_S = 10.0
 def byte_tokens(text: str) -> list[int]:
     """Tokens of ``text`` in the fake vocabulary (no BOS)."""
     return [byte + 1 for byte in text.encode("utf-8")]
+
+
+def fake_logprob(token: int, k: int) -> TokenLogprob:
+    """A deterministic log-probability: the token itself at -0.25, alternatives after it."""
+    return TokenLogprob(token, -0.25, tuple((token + i, -0.25 * (i + 1)) for i in range(k)))
 
 
 class ByteDetokenizer:
@@ -194,6 +201,12 @@ class FakeBackend:
 
     def _drive(self, generation: Generation, on_event: Callable[[GenerationEvent], None]) -> str:
         request = generation.request
+        sampling = request.sampling
+        if sampling is not None and sampling.prompt_logprobs is not None:
+            on_event(PromptLogprobsEvent(tuple(
+                (position, fake_logprob(token, sampling.prompt_logprobs))
+                for position, token in enumerate(request.prompt_tokens) if position)))
+        k = None if sampling is None else sampling.logprobs
         for index, token in enumerate(self.script):
             if index == self.error_after:
                 on_event(ErrorEvent(WorkerBackendError("decode failed")))
@@ -206,7 +219,7 @@ class FakeBackend:
                 return "cancelled" if generation.cancelled.wait(WAIT_S) else "hold-timeout"
             ack = RecordingAck()
             generation.acks.append(ack)
-            on_event(TokenEvent(token, ack))
+            on_event(TokenEvent(token, ack, None if k is None else fake_logprob(token, k)))
             if not ack.answered.wait(WAIT_S):
                 return "ack-timeout"
             if ack.poll() is TokenControl.STOP:
