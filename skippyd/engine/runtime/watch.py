@@ -49,10 +49,6 @@ class WatchedRuntime(RuntimeWrapper):
         started = self._started
         return 0.0 if started is None else time.monotonic() - started
 
-    def fork_session(self, src_session_id: str, dst_session_id: str,
-                     num_tokens: int | None = None) -> None:
-        self._inner.fork_session(src_session_id, dst_session_id, num_tokens)
-
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         self._started = time.monotonic()
         try:

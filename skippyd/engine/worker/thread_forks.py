@@ -20,10 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore
-from skippyd.engine.runtime.protocol import (
-    IterationRequest,
-    Runtime,
-)
+from skippyd.engine.runtime.protocol import IterationRequest, Runtime, can_fork
 from skippyd.engine.worker.thread_cache import Admission
 
 logger = logging.getLogger(__name__)
@@ -49,7 +46,8 @@ class ChoiceForks:
 
     def __init__(self, runtime: Runtime, chunk_tokens: int) -> None:
         self._runtime = runtime
-        self._fork: Callable[..., None] | None = getattr(runtime, "fork_session", None)
+        self._fork: Callable[..., None] | None = (
+            runtime.fork_session if can_fork(runtime) else None)  # type: ignore[attr-defined]
         self._chunk_tokens = max(1, chunk_tokens)
         self._groups: dict[str, _Group] = {}
         self._leader_of: dict[str, str] = {}

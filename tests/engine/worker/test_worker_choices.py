@@ -10,40 +10,42 @@ import dataclasses
 from collections import Counter
 
 import pytest
-from cache_helpers import GREEDY, N_BATCH, N_UBATCH, SETTINGS, Collector, open_runtime, tokens
+from cache_helpers import GREEDY, SETTINGS, Collector, open_runtime, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.protocol import RuntimeWrapper, SamplingConfig
 from skippyd.engine.worker.commands import (
     GenerationRequest,
     PromptLogprobsEvent,
     TokenEvent,
 )
 from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 PROMPT = tokens(5, 80)
 
 
-class CountingRuntime:
+class CountingRuntime(RuntimeWrapper):
     """The real runtime, counting the tokens each session computed."""
 
     def __init__(self, inner) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.computed: Counter[str] = Counter()
         self.forks: list[tuple[str, str, int | None]] = []
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    def __getattr__(self, name: str):
+        # The prefix cache's slot calls (copy_session_to_slot, session_history...).
+        return getattr(self.inner, name)
 
     def iteration_batch_sampled(self, requests):
         for request in requests:
             self.computed[request.session_id] += request.num_tokens
-        return self._inner.iteration_batch_sampled(requests)
+        return self.inner.iteration_batch_sampled(requests)
 
     def fork_session(self, src, dst, num_tokens=None):
         self.forks.append((src, dst, num_tokens))
-        self._inner.fork_session(src, dst, num_tokens)
+        self.inner.fork_session(src, dst, num_tokens)
 
 
 @pytest.fixture
@@ -57,8 +59,8 @@ def stack(tiny_model_path):
         hub = TelemetryHub()
         live = (LivePrefixCache(counting, SETTINGS, namespace="tiny:0-4", publish=hub.publish)
                 if cache else None)
-        worker = WorkerHandle(counting, queue_capacity=8, n_batch=N_BATCH, n_ubatch=N_UBATCH,
-                              telemetry=hub, prefix_cache=live)
+        settings = WorkerSettings.derive(counting, queue_capacity=8)
+        worker = WorkerHandle(counting, settings, telemetry=hub, prefix_cache=live)
         opened.append((worker, runtime))
         return worker, counting
 
