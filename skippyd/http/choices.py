@@ -154,7 +154,7 @@ class Choice:
                                           logprobs=logprobs))
 
     def _piece_events(self, shape: ResponseShape, pieces: list[str]) -> list[bytes]:
-        if self._shaping.score_only:
+        if self._shaping.score_only or not pieces:  # held text: its logprobs wait for it
             return []
         if self._shaping.logprobs is not None:  # one chunk per wake-up, with its tokens
             chunk = self._piece_chunk(shape, "".join(pieces))
