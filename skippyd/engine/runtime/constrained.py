@@ -1,12 +1,19 @@
 """Grammar-constrained sampling over llama.cpp's grammar sampler.
 
 llama.cpp's grammar sampler checks every candidate token against the grammar; over a
-vocabulary of tens of thousands of tokens that costs far more than the rest of the
-chain. So, as llama.cpp's own common sampler does, a constrained session first samples
-*without* the grammar and only asks the grammar about that one token; only when the
-grammar rejects it are all candidates filtered and the chain applied again. Most tokens
+vocabulary of tens of thousands of tokens that costs milliseconds, far more than the rest
+of the chain. So, as llama.cpp's own common sampler does, a constrained session first
+samples *without* the grammar and only asks the grammar about that one token. Most tokens
 of a structured answer are the model's own first choice, so most steps pay one
-single-token check. Every sampled token is then accepted by the grammar and the chain.
+single-token check.
+
+When the grammar refuses the token, the sample is drawn again from the grammar-filtered
+candidates. If the choosing samplers can keep at most ``k`` tokens (greedy: 1, ``top_k``:
+k), only the most likely few of them are filtered first: when at least ``k`` of those
+pass, they are exactly the ``k`` best tokens the grammar allows, so the draw is the same
+as after filtering the whole vocabulary, at a small fraction of the cost. Otherwise the
+whole vocabulary is filtered. Every sampled token is then accepted by the grammar and the
+chains.
 
 Only the worker thread uses these objects (the HTTP side only parses a grammar once with
 :func:`check_grammar`, on a vocabulary of its own).
@@ -18,6 +25,7 @@ import ctypes
 import logging
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from llama_cpp import llama_cpp as L
@@ -26,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: ``llama_token_data`` laid out as numpy sees it (int32 id, float logit, float p).
 TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+#: Candidates filtered first, per token the choosing samplers can keep (at least 64).
+_NARROW_FACTOR = 4
+_NARROW_MIN = 64
 
 
 class GrammarError(ValueError):
@@ -76,10 +87,22 @@ class Candidates:
     def apply(self, sampler: int) -> None:
         L.llama_sampler_apply(sampler, ctypes.byref(self.array))
 
-    def any_allowed(self) -> bool:
-        """Whether some candidate still has a finite logit (the grammar left a choice)."""
+    def num_allowed(self) -> int:
+        """Candidates with a finite logit (what the grammar and the biases left)."""
         size = int(self.array.size)
-        return bool(np.isfinite(self._data["logit"][:size]).any())
+        return int(np.isfinite(self._data["logit"][:size]).sum())
+
+    def narrow(self, keep: int) -> bool:
+        """Keep only the ``keep`` highest logits; False (unchanged) when that is all."""
+        size = int(self.array.size)
+        if keep >= size:
+            return False
+        data = self._data[:size]
+        top = np.argpartition(data["logit"], size - keep)[size - keep:]
+        self._data[:keep] = data[top]  # fancy indexing copies before the write
+        self.array.size = keep
+        self.array.sorted = False
+        return True
 
     def selected_token(self) -> int:
         array = self.array
@@ -147,25 +170,60 @@ class GrammarSampler:
         self.close()
 
 
-def sample_constrained(chain: int, grammar: GrammarSampler, candidates: Candidates,
-                       ctx: int, row: int, fallback_token: int) -> int:
-    """Sample from row ``row`` with ``chain``, constrained by ``grammar``; accept the token.
+@dataclass(frozen=True, slots=True)
+class ConstrainedSampler:
+    """What one constrained draw needs: the session's two chains, grammar and buffer."""
+
+    adjusting: int
+    """The chain that changes logits (biases, penalties)."""
+    choosing: int
+    """The chain that picks (greedy, or truncation, temperature and the draw)."""
+    grammar: GrammarSampler
+    candidates: Candidates
+    kept_tokens: int | None
+    """Most tokens ``choosing`` can keep (1, ``top_k``), or None when unbounded."""
+
+
+def sample_constrained(sampler: ConstrainedSampler, ctx: int, row: int,
+                       fallback_token: int) -> int:
+    """Sample from row ``row`` under the grammar and accept the token everywhere.
 
     Returns ``fallback_token`` (an end-of-generation token) without accepting it when the
     grammar admits no token at all: generation then ends instead of emitting text the
     grammar forbids.
     """
+    candidates, grammar = sampler.candidates, sampler.grammar
     candidates.load(ctx, row)
-    candidates.apply(chain)
+    candidates.apply(sampler.adjusting)
+    candidates.apply(sampler.choosing)
     token = candidates.selected_token()
     if not grammar.allows(token):
-        candidates.load(ctx, row)
-        candidates.apply(grammar.sampler)
-        if not candidates.any_allowed():
+        resampled = _resample(sampler, ctx, row)
+        if resampled is None:
             logger.warning("the grammar admits no token here: ending the generation")
             return fallback_token
-        candidates.apply(chain)
-        token = candidates.selected_token()
+        token = resampled
     grammar.accept(token)
-    L.llama_sampler_accept(chain, token)
+    L.llama_sampler_accept(sampler.adjusting, token)
+    L.llama_sampler_accept(sampler.choosing, token)
     return token
+
+
+def _resample(sampler: ConstrainedSampler, ctx: int, row: int) -> int | None:
+    """Draw from the candidates the grammar allows; None when it allows none."""
+    candidates = sampler.candidates
+    kept = sampler.kept_tokens
+    candidates.load(ctx, row)
+    candidates.apply(sampler.adjusting)
+    if kept is not None and candidates.narrow(max(_NARROW_MIN, _NARROW_FACTOR * kept)):
+        candidates.apply(sampler.grammar.sampler)
+        if candidates.num_allowed() >= kept:
+            candidates.apply(sampler.choosing)
+            return candidates.selected_token()
+        candidates.load(ctx, row)
+        candidates.apply(sampler.adjusting)
+    candidates.apply(sampler.grammar.sampler)
+    if candidates.num_allowed() == 0:
+        return None
+    candidates.apply(sampler.choosing)
+    return candidates.selected_token()

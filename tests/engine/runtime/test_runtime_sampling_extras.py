@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -195,3 +196,41 @@ def test_a_fork_is_checked_and_leaves_the_source_alone(runtime, tokenizer):
     runtime.drop_session("dst")
     assert runtime.session_history("src") == tuple(prompt)
     assert runtime.session_token_count("src") == len(prompt)
+
+
+@pytest.mark.parametrize("config", [
+    SamplingConfig(temperature=0.0),
+    SamplingConfig(temperature=1.0, top_k=5, seed=7),
+    SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3),
+    SamplingConfig(temperature=0.7, top_k=3, seed=1, repeat_penalty=1.3, logit_bias=((100, 5.0),)),
+])
+def test_filtering_the_best_candidates_first_draws_what_filtering_all_draws(
+        runtime, tokenizer, config):
+    """The resample after a refused token: narrowed first or over the whole vocabulary,
+    the same token comes out (fresh chains with the same seed each time)."""
+    from skippyd.engine.runtime.constrained import ConstrainedSampler, _resample
+    from skippyd.engine.runtime.sampling import SamplerChain
+
+    prompt = tokenizer.tokenize("the cat and the dog")
+    runtime.iteration_batch_sampled([IterationRequest("a", prompt, sample_last=True)])
+    grammars = ('root ::= [a-m]+', 'root ::= "dog" | "cat" | [x-z]', 'root ::= [^e]+')
+
+    def draw(grammar: str, narrowing: bool) -> int | None:
+        chain = SamplerChain(dataclasses.replace(config, grammar=grammar),
+                             n_vocab=runtime.n_vocab, n_ctx=runtime.n_ctx,
+                             eog_tokens=runtime.eog_tokens, vocab=runtime._vocab)
+        chain.observe(prompt)
+        sampler = ConstrainedSampler(chain._chain, chain._choosing, chain._grammar,
+                                     chain._candidates,
+                                     sampler_bound(config) if narrowing else None)
+        try:
+            return _resample(sampler, runtime.context, len(prompt) - 1)
+        finally:
+            chain.close()
+
+    for grammar in grammars:
+        assert draw(grammar, True) == draw(grammar, False)
+
+
+def sampler_bound(config: SamplingConfig) -> int:
+    return 1 if config.is_greedy else config.top_k
