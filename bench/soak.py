@@ -11,11 +11,21 @@ holds on purpose (within ``kv_cache.host_ram_bytes``). A split pipeline is soake
 through stage 0 and every stage is checked. It prints a one-line summary per stage and
 exits 0 only if every check passed.
 
+With ``--attack`` the connection attacks run beside the load the whole time: idle
+connections that never send a byte (``--attack-idle``, default 1 000), request heads and
+bodies dripped a byte at a time, handshakes dripped at every stage's link port, and a
+supervisor probing ``/health`` twice a second, which must never see anything but 200.
+
+Daemons it started are stopped when it ends, however it ends: on SIGTERM, SIGHUP or
+Ctrl-C it stops them first, and each daemon gets SIGTERM from the kernel if the soak
+itself is killed outright.
+
     python bench/soak.py --config examples/configs/single.toml            # starts skippyd
     python bench/soak.py --config examples/configs/split-2/stage0.toml \
                          --config examples/configs/split-2/stage1.toml    # a 2-stage split
     python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P \
                          [--socket S1 --pid P1 ...]                        # running stages
+    python bench/soak.py --config examples/configs/single.toml --attack   # under attack
 """
 
 from __future__ import annotations
@@ -36,12 +46,24 @@ from pathlib import Path
 
 import httpx
 
+from skippyd.bench.attacks import (
+    SLOW_HEAD,
+    Drippers,
+    IdleFlood,
+    ProbeLoop,
+    running,
+    slow_body_request,
+)
 from skippyd.control.client import ControlClient
+from skippyd.link.wire import FrameKind, encode_frame
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jovial bard near the old stone bridge").split()
 READY = "skippyd serving"
 LINK_READY = "serving layers"
+#: A stage-link HELLO, dripped at link ports by ``--attack``.
+LINK_HELLO = encode_frame(FrameKind.HELLO, b"h" * 120)
+SLOW_BODY_HEAD, SLOW_BODY = slow_body_request()
 
 
 @dataclass
@@ -66,7 +88,7 @@ def invalid_request(rng: random.Random) -> tuple[str, dict | bytes]:
     choices = [
         ("/v1/completions", b"{not json"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}),
-        ("/v1/completions", {"prompt": "hi", "n": 3}),
+        ("/v1/completions", {"prompt": "hi", "n": 0}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}),
         ("/v1/chat/completions", {"messages": "not a list"}),
@@ -208,7 +230,8 @@ def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
     argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(config)]
     if loaded.http is not None:
         argv += ["--listen", "127.0.0.1:0"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
     for line in proc.stderr:
         if READY in line or (loaded.http is None and LINK_READY in line):
             url = (line.split(" on ", 1)[1].strip().removesuffix("/v1")
@@ -217,6 +240,25 @@ def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
             threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
             return proc, url, loaded.control.socket_path
     raise SystemExit(f"skippyd ({config}) exited with {proc.wait()} before it was ready")
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the soak dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so the daemons are stopped on the way out."""
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def wait_healthy(url: str, timeout: float) -> None:
@@ -257,10 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-bound-mib", type=float, default=64.0)
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--attack", action="store_true",
+                        help="run the connection attacks beside the load")
+    parser.add_argument("--attack-idle", type=int, default=900,
+                        help="idle connections held open during --attack (default 900: with "
+                             "the load and the drippers, just under http.max_open_connections)")
     args = parser.parse_args(argv)
+    _exit_on_signals()
 
     procs: list[subprocess.Popen] = []
     try:
+        links: list[tuple[str, int] | None] = []
         if args.config is not None:
             url, stages = None, []
             # Later stages first: stage 0 connects to them as soon as it starts.
@@ -269,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(proc)
                 url = stage_url or url
                 stages.append((config.stem, proc.pid, socket_path))
+                links.append(_link_address(config))
             if url is None:
                 parser.error("no --config serves HTTP (a pipeline needs its stage 0)")
             stages.reverse()  # stage 0 first in the report
@@ -280,11 +330,27 @@ def main(argv: list[str] | None = None) -> int:
                       for i, (path, pid) in enumerate(zip(args.socket, args.pid, strict=True))]
         wait_healthy(url, 60)
         return soak(args, url, [Stage(name, pid, ControlClient.connect(path))
-                                for name, pid, path in stages])
+                                for name, pid, path in stages],
+                    [link for link in links if link is not None])
     finally:
         for proc in procs:  # stage 0 first, then the stages behind it
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _link_address(config: Path) -> tuple[str, int] | None:
+    from skippyd.config import load_config
+
+    address = load_config(config).link.listen_address
+    if address is None:
+        return None
+    host, port = address
+    return ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host), port
 
 
 def _serves_http(config: Path) -> bool:
@@ -293,7 +359,8 @@ def _serves_http(config: Path) -> bool:
     return load_config(config).http is not None
 
 
-def soak(args, url: str, stages: list[Stage]) -> int:
+def soak(args, url: str, stages: list[Stage],
+         links: list[tuple[str, int]] | None = None) -> int:
     lanes = stages[0].control.status()["lane_count"]
     concurrency = args.concurrency or 2 * lanes
     warm = Tally()
@@ -301,10 +368,16 @@ def soak(args, url: str, stages: list[Stage]) -> int:
     baseline_host = [settle(stage.control, 60)["prefix_cache"]["bytes_host"] for stage in stages]
     baseline = [proc_stats(stage.pid) for stage in stages]
     tally = Tally()
+    attacks = make_attacks(args, url, links or [])
     started = time.monotonic()
-    asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                      max(args.requests // 10, 1)))
+    with running(*attacks.values()):
+        asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
+                          max(args.requests // 10, 1)))
+        peaks = [proc_stats(stage.pid) for stage in stages]
     elapsed = time.monotonic() - started
+    attack_figures = attack_report(attacks, peaks, baseline)
+    if attack_figures.get("probe_failures"):
+        tally.add("error", f"/health probes failed: {attacks['probe'].answers}")
     figures = []
     for stage, base, host in zip(stages, baseline, baseline_host, strict=True):
         snapshot = settle(stage.control, 60)
@@ -313,7 +386,40 @@ def soak(args, url: str, stages: list[Stage]) -> int:
         # configured budget (kv_cache.host_ram_bytes): that is not a leak.
         cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - host) // 1024
         figures.append(stage_checks(args, stage.name, snapshot, base, after, cache_growth_kib))
-    return report(args, tally, figures, elapsed)
+    return report(args, tally, figures, elapsed, attack_figures)
+
+
+def make_attacks(args, url: str, links: list[tuple[str, int]]) -> dict:
+    """The connection attacks of ``--attack`` (none without it)."""
+    if not args.attack:
+        return {}
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    attacks = {
+        "idle": IdleFlood((host, port), args.attack_idle),
+        "slow_heads": Drippers((host, port), 16, SLOW_HEAD, every_s=1.0),
+        "slow_bodies": Drippers((host, port), 16, SLOW_BODY, every_s=1.0, prefix=SLOW_BODY_HEAD),
+        "probe": ProbeLoop(url, every_s=0.5),
+    }
+    for i, link in enumerate(links):
+        attacks[f"link{i}_handshakes"] = Drippers(link, 16, LINK_HELLO, every_s=3.5)
+    return attacks
+
+
+def attack_report(attacks: dict, peaks: list[dict], baseline: list[dict]) -> dict:
+    """What the attacks did, and the daemons' peak figures while they ran."""
+    if not attacks:
+        return {}
+    figures: dict = {"probe_answers": dict(attacks["probe"].answers),
+                     "probe_failures": attacks["probe"].failures,
+                     "peak_rss_growth_mib": [(p["rss_kib"] - b["rss_kib"]) / 1024
+                                             for p, b in zip(peaks, baseline, strict=True)],
+                     "peak_fds": [p["fds"] for p in peaks]}
+    for name, attack in attacks.items():
+        if name != "probe":
+            figures[name] = {"opened": attack.stats.opened, "cut": attack.stats.cut,
+                             "refused": attack.stats.refused,
+                             "completed": getattr(attack, "completed", 0)}
+    return figures
 
 
 def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: int) -> dict:
@@ -335,7 +441,8 @@ def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: i
             "prefix_cache_host_growth_mib": cache_growth_kib / 1024}
 
 
-def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
+def report(args, tally: Tally, stages: list[dict], elapsed: float,
+           attacks: dict | None = None) -> int:
     accounted = sum(tally.outcomes.values()) == args.requests
     answered = accounted and tally.outcomes["error"] == 0
     passed = answered and all(all(stage["checks"].values()) for stage in stages)
@@ -349,6 +456,12 @@ def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
               f"{base['threads']}->{after['threads']}; fds {base['fds']}->{after['fds']}; rss "
               f"{stage['rss_growth_mib']:+.1f} MiB after warm-up (prefix-cache host tier "
               f"{stage['prefix_cache_host_growth_mib']:+.1f} MiB not counted)")
+    if attacks:
+        print(f"  under attack: /health probes {attacks['probe_answers']}; peak rss growth "
+              + ", ".join(f"{g:+.1f} MiB" for g in attacks["peak_rss_growth_mib"])
+              + "; " + "; ".join(f"{name} opened {f['opened']} cut {f['cut']} completed "
+                                 f"{f['completed']}" for name, f in attacks.items()
+                                 if isinstance(f, dict) and "opened" in f))
     if not answered:
         print("  failed: every request answered", file=sys.stderr)
     for stage in stages:
@@ -363,7 +476,7 @@ def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
             "passed": passed, "checks": {"every request answered": answered, **{
                 f"{stage['stage']}: {name}": ok for stage in stages
                 for name, ok in stage["checks"].items()}},
-            "stages": stages, "errors": tally.failures}, indent=2))
+            "stages": stages, "errors": tally.failures, "attacks": attacks or {}}, indent=2))
     return 0 if passed else 1
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ mistake gives one message.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ def check_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         issues: Receives the problems; keys already in ``issues.bad`` are skipped.
     """
     for rule in (_layer_rules, _runtime_rules, _http_rules, _peer_rules, _link_rules,
-                 _control_rules):
+                 _control_rules, _metrics_rules):
         rule(config, present, issues)
 
 
@@ -87,6 +88,10 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and http.default_max_tokens > http.max_tokens_limit):
         issues.add("http.default_max_tokens", f"must be at most max_tokens_limit "
                    f"(got {http.default_max_tokens} > {http.max_tokens_limit})")
+    if (http.protocol == "httptools" and issues.clean("http.protocol")
+            and importlib.util.find_spec("httptools") is None):
+        issues.add("http.protocol", '"httptools" is not installed (pip install httptools), '
+                   'or use "h11"')
     if issues.clean("http.chat_template_file") and http.chat_template_file is not None:
         problem = _template_problem(http.chat_template_file)
         if problem is not None:
@@ -160,6 +165,20 @@ def _control_rules(config: StageConfig, present: set[str], issues: IssueCollecto
     if size > MAX_SOCKET_PATH_BYTES and issues.clean("control.socket", "stage.id"):
         issues.add("control.socket", f"must be at most {MAX_SOCKET_PATH_BYTES} bytes for a "
                    f"Unix socket (got {size}); set a shorter path")
+
+
+def _metrics_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    listen = config.telemetry.metrics_listen
+    if listen is None or not issues.clean("telemetry.metrics_listen"):
+        return
+    port = parse_host_port(listen)[1]
+    others = {"http.listen": config.http.listen if config.http is not None else None,
+              "link.listen": config.link.listen}
+    for key, other in others.items():
+        if port != 0 and other is not None and issues.clean(key) \
+                and parse_host_port(other)[1] == port:
+            issues.add("telemetry.metrics_listen",
+                       f"must use another port than {key} (both use {port})")
 
 
 def check_pipeline(configs: Sequence[StageConfig]) -> None:

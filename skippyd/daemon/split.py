@@ -57,6 +57,8 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         is_first=config.is_first,
         is_final=config.is_final, secret=(link.secret or "").encode(),
         max_frame_bytes=link.max_frame_bytes,
+        status_secret=link.status_secret.encode() if link.status_secret else None,
+        max_chains=link.max_chains,
         downstream_id=downstream.stage_id if downstream else None,
         downstream=downstream.address if downstream else None,
     )

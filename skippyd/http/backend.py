@@ -40,7 +40,7 @@ class IncrementalDetokenizer(Protocol):
 class ServingBackend(Protocol):
     """What the OpenAI app needs from the serving side.
 
-    ``tokenize``, ``render_chat``, ``tokenize_chat``, ``detokenize``, ``check_grammar``
+    ``tokenize``, ``render_chat``, ``chat_tokens``, ``detokenize``, ``check_grammar``
     and ``schema_grammar`` run in a thread pool (several at once: they must be
     thread-safe); every other method is called on the event-loop thread and must not
     block. ``submit``'s ``on_event`` is called on the worker thread.
@@ -73,8 +73,9 @@ class ServingBackend(Protocol):
         ``layer_end``, ``n_layer``, ``model_path``, ``bos_token``, ``eos_token``."""
         ...
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants."""
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants, and
+        ``parse_special`` turns the text of control tokens into those tokens."""
         ...
 
     def render_chat(self, messages: list[dict[str, Any]], *,
@@ -88,30 +89,22 @@ class ServingBackend(Protocol):
         """
         ...
 
-    def detokenize(self, tokens: list[int]) -> str:
-        """The text of ``tokens`` (control tokens render as nothing)."""
-        ...
+    def chat_tokens(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """Render the chat with the model's template and tokenize it.
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes one token renders to (fast and thread-safe: called on the loop)."""
-        ...
+        Only the template's own text may produce control tokens: message content is
+        tokenized as plain text unless the operator allowed otherwise. The backend
+        also knows whether the template already emitted BOS.
 
-    def check_grammar(self, grammar: str) -> None:
-        """Raise ``ValueError`` when llama.cpp cannot parse this GBNF grammar."""
-        ...
-
-    def schema_grammar(self, schema: dict[str, Any], root: str | None = None) -> str:
-        """A GBNF grammar for a JSON Schema; ``root`` wraps the value (rule ``call``).
+        Returns:
+            The prompt tokens and the rendered text.
 
         Raises:
-            ValueError: A keyword the grammar cannot enforce; its ``path`` attribute
-                says where in the schema.
+            ValueError: The messages do not fit the template, or the content cannot be
+                kept apart from the template's markup.
         """
-        ...
-
-    def tokenize_chat(self, text: str) -> list[int]:
-        """Tokenize a rendered chat prompt (the backend knows whether the template
-        already emitted BOS, so it decides whether to add special tokens)."""
         ...
 
     def detokenizer(self) -> IncrementalDetokenizer:

@@ -10,10 +10,12 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippyd.http.errors import ApiError
+from skippyd.http.errors import ApiError, invalid_field
+from skippyd.http.requests import find_invalid_text
+from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
     from skippyd.http.metrics import ServingMetrics
@@ -65,6 +67,7 @@ class ApiKeyMiddleware:
         self._expected = api_key.encode("utf-8")
         self._public_paths = frozenset(public_paths)
         self._metrics = metrics
+        self._refusals = ThrottledLog(logger)
 
     def _authorized(self, scope: Scope) -> bool:
         header = Headers(scope=scope).get("authorization", "")
@@ -77,6 +80,9 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._public_paths:
             if not self._authorized(scope):
+                client = scope.get("client") or ("?", 0)
+                self._refusals.warning("auth", "refused %s %r from %s:%s: missing or invalid API "
+                                       "key", scope["method"], scope["path"][:64], *client[:2])
                 error = ApiError(401, "missing or invalid API key", code="invalid_api_key")
                 error.headers["WWW-Authenticate"] = "Bearer"
                 if self._metrics is not None:
@@ -90,22 +96,32 @@ async def read_json_body(request: Request, max_body_bytes: int) -> Any:
     """Read and decode the JSON body, refusing bodies over ``max_body_bytes`` (413).
 
     Raises:
-        ApiError: 413 when too large, 400 when not valid JSON.
+        ApiError: 413 when too large, 400 when not valid JSON or not valid Unicode
+            (naming the field), 408 when the body never arrived.
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise _body_too_large(max_body_bytes)
     chunks: list[bytes] = []
     num_bytes = 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_body_bytes:
-            raise _body_too_large(max_body_bytes)
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > max_body_bytes:
+                raise _body_too_large(max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left, or the connection guard closed it for a late body: nobody
+        # reads this answer, but the handler must end without a traceback.
+        raise ApiError(408, "the request body did not arrive", code="request_timeout") from None
+    try:
+        body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    invalid = find_invalid_text(body)
+    if invalid is not None:
+        raise invalid_field(invalid, "is not valid Unicode text (a lone UTF-16 surrogate)")
+    return body
 
 
 def _body_too_large(max_body_bytes: int) -> ApiError:

@@ -41,7 +41,7 @@ class PreparedChat:
 
 def render_chat(backend: ServingBackend, parsed: ChatParams, *,
                 add_generation_prompt: bool = True) -> tuple[str, ToolFormat]:
-    """The chat's prompt text, and the tool-call format of the template.
+    """The chat's prompt text (``/apply-template``), and the template's tool-call format.
 
     Raises:
         ApiError: 400 naming ``messages`` when the template refuses the conversation.
@@ -52,19 +52,29 @@ def render_chat(backend: ServingBackend, parsed: ChatParams, *,
         text = backend.render_chat(messages, tools=tools, template_kwargs=parsed.template_kwargs,
                                    add_generation_prompt=add_generation_prompt)
     except ValueError as exc:
-        raise invalid_field("messages", f"chat template rejected the messages: {exc}") from exc
+        raise _template_error(exc) from exc
     return text, fmt
 
 
 def prepare_chat_request(backend: ServingBackend, parsed: ChatParams) -> PreparedChat:
     """Render, tokenize and compile the grammar of a chat request (thread pool)."""
-    text, fmt = render_chat(backend, parsed)
+    fmt = detect_format(backend.chat_template)
+    messages, tools = prepare_chat([dict(m) for m in parsed.messages], parsed.tools, fmt)
+    try:
+        tokens, text = backend.chat_tokens(messages, tools=tools,
+                                           template_kwargs=parsed.template_kwargs)
+    except ValueError as exc:
+        raise _template_error(exc) from exc
     grammar = None
     if parsed.params.constraint is not None:
         grammar = constraint_grammar(backend, parsed.params.constraint)
     elif parsed.tools is not None and parsed.tools.forced:
         grammar = tool_call_grammar(backend, parsed.tools, fmt)
-    return PreparedChat(backend.tokenize_chat(text), grammar, fmt, opens_reasoning(text))
+    return PreparedChat(tokens, grammar, fmt, opens_reasoning(text))
+
+
+def _template_error(exc: ValueError) -> ApiError:
+    return invalid_field("messages", f"chat template rejected the messages: {exc}")
 
 
 def constraint_grammar(backend: ServingBackend, constraint: OutputConstraint) -> str:

@@ -221,8 +221,9 @@ class OpenAiApi:
         """``POST /tokenize`` (llama-server's shape)."""
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
-        content, add_special, _parse_special, with_pieces = parse_tokenize(body)
-        tokens = await self._off_loop(self._backend.tokenize, content, add_special=add_special)
+        content, add_special, parse_special, with_pieces = parse_tokenize(body)
+        tokens = await self._off_loop(self._backend.tokenize, content, add_special=add_special,
+                                      parse_special=parse_special)
         return JSONResponse(tokenize_body(self._backend, tokens, with_pieces))
 
     async def detokenize(self, request: Request) -> Response:
@@ -308,9 +309,21 @@ class OpenAiApi:
             return room, (requested, room)
         return max(requested, 1), None  # 0 (echo): one token is computed, none returned
 
+    def _check_choice_lanes(self, n: int) -> None:
+        """Refuse more choices than lanes: they decode side by side, one lane each.
+
+        Raises:
+            ApiError: 400 naming ``n``.
+        """
+        lanes = self._backend.describe().get("lane_count")
+        if isinstance(lanes, int) and n > lanes:
+            raise invalid_field("n", f"{n} choices exceed the {lanes} lanes of this stage "
+                                "(runtime.lane_count): each choice decodes in a lane of its own")
+
     async def _generate(self, request: Request, shaping: Shaping, tokens: list[int],
                         params: GenerationParams, prompt_param: str,
                         grammar: str | None) -> Response:
+        self._check_choice_lanes(params.n)
         max_tokens, clamp = self._budget(len(tokens), params.max_tokens, prompt_param)
         prefix = "chatcmpl" if shaping.kind == "chat" else "cmpl"
         shape = ResponseShape(

@@ -27,7 +27,7 @@ _COMMON_SUPPORTED = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
     "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
     "frequency_penalty", "seed", "logit_bias", "ignore_eos", "stop", "n", "logprobs",
-    "response_format", "grammar", "json_schema",
+    "response_format", "grammar", "json_schema", "min_tokens",
 })
 CHAT_SUPPORTED = _COMMON_SUPPORTED | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -76,7 +76,6 @@ _COMMON_REFUSED: dict[str, Callable[[Any], str | None]] = {
     "prediction": _check_flag("predicted outputs"),
     "web_search_options": _check_flag("web search"),
     "mirostat": _check_flag("mirostat sampling"),
-    "min_tokens": _check_flag("min_tokens"),
 }
 _COMPLETION_REFUSED = {**_COMMON_REFUSED, "suffix": _check_flag("suffix")}
 
@@ -93,6 +92,7 @@ def reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
         ApiError: 400 ``unsupported_parameter`` naming the field.
     """
     refused = _COMMON_REFUSED if chat else _COMPLETION_REFUSED
+    _check_min_tokens(body)
     supported = CHAT_SUPPORTED if chat else COMPLETION_SUPPORTED
     for name, value in body.items():
         check = refused.get(name)
@@ -102,6 +102,20 @@ def reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
                 raise unsupported_field(name, detail)
         elif name not in supported and name not in IGNORED:
             _note_unknown(name, "chat" if chat else "completions")
+
+
+def _check_min_tokens(body: dict[str, Any]) -> None:
+    """vLLM's ``min_tokens`` holds end-of-generation tokens back for that many tokens:
+    ``ignore_eos`` already holds them back for the whole generation (load generators
+    send both to get exact lengths), so it is honoured with it and refused without.
+    """
+    value = body.get("min_tokens")
+    if value is None:
+        return
+    if not is_int(value) or value < 0:
+        raise invalid_field("min_tokens", "must be an integer >= 0")
+    if value > 0 and body.get("ignore_eos") is not True:
+        raise unsupported_field("min_tokens", "min_tokens without ignore_eos: true")
 
 
 _unknown_seen: set[tuple[str, str]] = set()

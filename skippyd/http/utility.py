@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 def parse_tokenize(body: Any) -> tuple[str, bool, bool, bool]:
     """``{"content", "add_special", "parse_special", "with_pieces"}`` of ``POST /tokenize``.
 
+    ``parse_special`` defaults to false, unlike llama-server's: the ids then match what
+    skippyd computes for the same text sent as a completions prompt (prompts and chat
+    content are tokenized as text). ``true`` turns the text of control tokens, such as
+    a rendered chat template's markup, into those tokens.
+
     Raises:
         ApiError: 400 naming the bad field.
     """
@@ -27,9 +32,8 @@ def parse_tokenize(body: Any) -> tuple[str, bool, bool, bool]:
     if not isinstance(content, str):
         raise invalid_field("content", "must be a string")
     flags = []
-    for name, default in (("add_special", False), ("parse_special", True),
-                          ("with_pieces", False)):
-        value = body.get(name, default)
+    for name in ("add_special", "parse_special", "with_pieces"):
+        value = body.get(name, False)
         if not isinstance(value, bool):
             raise invalid_field(name, "must be a boolean")
         flags.append(value)

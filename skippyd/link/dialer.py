@@ -85,10 +85,23 @@ class ChainIdentity:
                    kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes)
 
 
+#: TCP keepalive: probe after this idle time, then every interval, give up after count.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+
+
 def configure_socket(sock: socket.socket) -> None:
-    """No Nagle delay on small decode frames; keepalive finds silent peers."""
+    """No Nagle delay on small decode frames; keepalive finds vanished peers in ~25 s.
+
+    NOTE: the kernel's default (2 hours idle) would let a chain whose stage 0 vanished
+    without a FIN hold a later stage's only chain slot for that long.
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                          ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def dial(address: tuple[str, int], secret: bytes, hello: Hello,

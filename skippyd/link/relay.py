@@ -55,6 +55,8 @@ MAX_QUEUED_BATCHES = 32
 RETURN_WAIT_S = 10.0
 #: How long a submit keeps retrying while the worker's command queue is full.
 SUBMIT_RETRY_S = 10.0
+#: A frame's body must arrive within this time of its header (64 MiB at ~20 Mbit/s).
+FRAME_BODY_TIMEOUT_S = 30.0
 
 
 class _Refusal(Exception):
@@ -119,14 +121,18 @@ class ChainConnection:
             self._close_sockets()
             return
         if not self._server.register(self):
-            self._server.refuse(self._upstream, self._peer, "too many chain connections")
+            self._server.refuse(self._upstream, self._peer, "this stage already serves "
+                                f"link.max_chains={self._facts.max_chains} chain(s)")
             self._close_sockets()
             return
         send_ack(self._upstream, self._facts.secret, self._nonces, ack)
         limits = LinkLimits(max_frame_bytes=self._facts.max_frame_bytes,
-                            row_width=self._facts.n_embd)
+                            row_width=self._facts.n_embd,
+                            max_context_tokens=self._facts.kv_pool_tokens)
         self._upstream.limits = limits
         self._upstream.sock.settimeout(None)
+        # Idle between frames is fine; stalling inside one is not.
+        self._upstream.body_timeout_s = FRAME_BODY_TIMEOUT_S
         logger.info("chain connection from %s accepted (%d stage(s) from here to the end)",
                     self._peer, ack.num_stages)
         completer = threading.Thread(target=self._complete_loop, daemon=True,

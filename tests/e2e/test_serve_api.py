@@ -220,7 +220,8 @@ def test_a_max_tokens_beyond_the_context_is_clamped_and_reported(client):
     response = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=4090,
                                          temperature=0, stop=[", 9"])
     clamped = response.usage.model_extra["max_tokens_clamped"]
-    assert clamped == {"requested": 4090, "granted": 4096 - response.usage.prompt_tokens}
+    # Each of the 8 lanes holds 512 of the 4096 KV cells: that is one request's context.
+    assert clamped == {"requested": 4090, "granted": 512 - response.usage.prompt_tokens}
 
 
 def test_utility_endpoints(server):
@@ -232,14 +233,19 @@ def test_utility_endpoints(server):
     pieces = httpx.post(base + "/tokenize", json={"content": "Hello world",
                                                   "with_pieces": True}).json()["tokens"]
     assert [p["piece"] for p in pieces] == ["Hello", " world"]
+    # Control-token text is text unless parse_special asks (as completions prompts are).
+    as_text = httpx.post(base + "/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]
+    parsed = httpx.post(base + "/tokenize", json={"content": "<|im_start|>",
+                                                  "parse_special": True}).json()["tokens"]
+    assert len(parsed) == 1 and len(as_text) > 1
     prompt = httpx.post(base + "/apply-template", json={
         "messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     props = httpx.get(base + "/props").json()
-    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 4096
+    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 512
     assert (props["layer_start"], props["layer_end"]) == (0, 30)
     model = httpx.get(server.url + "/models").json()["data"][0]
-    assert model["meta"]["layer_end"] == 30 and model["max_model_len"] == 4096
+    assert model["meta"]["layer_end"] == 30 and model["max_model_len"] == 512
 
 
 # -- one batch, no cross-talk -----------------------------------------------------------

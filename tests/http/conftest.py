@@ -121,7 +121,10 @@ class FakeBackend:
 
     # -- ServingBackend ----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        # "<s>" stands for BOS when control tokens are parsed.
+        if parse_special and text.startswith("<s>"):
+            return [BOS] + self.tokenize(text[3:], add_special=False, parse_special=True)
         return ([BOS] if add_special else []) + byte_tokens(text)
 
     def render_chat(self, messages: list[dict], *, tools=None, template_kwargs=None,
@@ -152,8 +155,10 @@ class FakeBackend:
             raise error
         return f"root ::= {root or 'call'}\ncall ::= {json.dumps(json.dumps(schema))}"
 
-    def tokenize_chat(self, text: str) -> list[int]:
-        return self.tokenize(text, add_special=True)
+    def chat_tokens(self, messages: list[dict], *, tools=None,
+                    template_kwargs=None) -> tuple[list[int], str]:
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.tokenize(text, add_special=True), text
 
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()

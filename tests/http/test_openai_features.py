@@ -231,6 +231,12 @@ def test_n_choices_stream_interleaved_each_with_its_end(client: TestClient, fake
     assert chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_more_choices_than_lanes_are_refused(client: TestClient, fake: Any) -> None:
+    error = assert_error(client.post(COMPLETIONS_URL, json={"prompt": "x", "n": 5}), 400, "n")
+    assert "4 lanes" in error["message"]
+    assert fake.generations == {}
+
+
 def test_a_refused_later_choice_cancels_the_earlier_ones(client: TestClient, fake: Any) -> None:
     original = fake.submit
 
@@ -255,6 +261,11 @@ def test_tokenize_detokenize_apply_template_props_and_models(client: TestClient)
     assert client.post("/detokenize", json={"tokens": [98, 99]}).json() == {"content": "ab"}
     assert_error(client.post("/detokenize", json={"tokens": [1, 999]}), 400, "tokens")
     assert_error(client.post("/tokenize", json={"text": "x"}), 400, "content")
+    assert client.post("/tokenize", json={"content": "<s>a"}).json()["tokens"][0] != 0
+    assert client.post("/tokenize", json={"content": "<s>a", "parse_special": True}).json() == {
+        "tokens": [0, 98]}
+    assert_error(client.post("/tokenize", json={"content": "a", "parse_special": 1}), 400,
+                 "parse_special")
     prompt = client.post("/apply-template", json=chat("yo")).json()["prompt"]
     assert prompt == "<user>yo\n<assistant>"
     props = client.get("/props").json()

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.http import unsupported
 from skippyd.http.errors import ApiError
 from skippyd.http.requests import (
     DEFAULT_SAMPLING,
@@ -183,7 +184,7 @@ def test_include_usage_must_be_boolean() -> None:
         (completion(functions=[{"name": "f"}]), "functions"),
         (completion(function_call="auto"), "function_call"),
         (completion(modalities=["text", "audio"]), "modalities"),
-        (completion(min_tokens=3), "min_tokens"),
+        (completion(min_tokens=3), "min_tokens"),  # without ignore_eos
         (completion(response_format={"type": "xml"}), "response_format.type"),
     ],
 )
@@ -267,12 +268,21 @@ def test_chat_refuses_bad_new_options(fields: dict[str, Any], field: str) -> Non
     assert chat_error(chat(**fields)).param == field
 
 
+def test_min_tokens_is_honoured_by_ignore_eos() -> None:
+    parsed = parse_completion_request(completion(min_tokens=8, ignore_eos=True), LIMITS)
+    assert parsed.params.sampling.ignore_eos
+    parse_completion_request(completion(min_tokens=0), LIMITS)
+    assert completion_error(completion(min_tokens=-1, ignore_eos=True)).param == "min_tokens"
+
+
 def test_echo_is_a_completions_option() -> None:
     parse_chat_request(chat(echo=True), LIMITS)  # unknown to chat: logged, ignored
     assert parse_completion_request(completion(echo=True), LIMITS).params.echo
 
 
-def test_unknown_fields_are_logged_once(caplog) -> None:
+def test_unknown_fields_are_logged_once(caplog, monkeypatch) -> None:
+    # Earlier tests of the session may have filled the bounded set of names seen.
+    monkeypatch.setattr(unsupported, "_unknown_seen", set())
     with caplog.at_level("WARNING", logger="skippyd.http.unsupported"):
         for _ in range(3):
             parse_completion_request(completion(frobnicate_unknown=1), LIMITS)
@@ -360,6 +370,18 @@ def test_logit_bias_token_range_needs_vocab_only_when_known() -> None:
 
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_stop_strings"):
-        HttpLimits(max_stop_strings=0)
+        HttpLimits(max_stop_strings=-1)
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        HttpLimits(max_body_bytes=0)
     with pytest.raises(ValueError, match="max_logit_bias"):
         HttpLimits(max_logit_bias=10_000)
+
+
+def test_zero_stop_strings_or_logit_biases_refuse_the_field() -> None:
+    limits = HttpLimits(max_stop_strings=0, max_logit_bias=0)
+    with pytest.raises(ApiError, match="max_stop_strings=0") as error:
+        parse_completion_request({"prompt": "x", "stop": "a"}, limits)
+    assert error.value.param == "stop"
+    with pytest.raises(ApiError, match="max_logit_bias=0"):
+        parse_completion_request({"prompt": "x", "logit_bias": {"1": 1}}, limits)
+    assert parse_completion_request({"prompt": "x"}, limits).params.stop == ()

@@ -48,7 +48,7 @@ def runtime_section(slice_dir: Path, threads: int) -> str:
     # count does not change the arithmetic, so outputs still compare bit for bit.
     return f"""
 [runtime]
-ctx_size = 2048
+ctx_size = 8192
 lane_count = {LANES}
 n_ubatch = {N_UBATCH}
 threads = {threads}
@@ -117,6 +117,8 @@ class Chain:
         if i == 0:
             text += '[http]\nlisten = "127.0.0.1:0"\n'
         text += f'[link]\nlisten = "127.0.0.1:{self.ports[i]}"\nsecret = "{SECRET}"\n'
+        # The abuse tests dial a chain of their own beside stage 0's (default: 1 chain).
+        text += "max_chains = 2\n"
         text += f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
         if i > 0:
             text += (f'[upstream]\nstage_id = "stage-{i - 1}"\n'

@@ -77,7 +77,9 @@ class PlannedGenerations:
         self.runtime = runtime
         self.scheduler = Scheduler(config)
         self.requests: dict[str, RequestState] = {}
-        self._kv_capacity = kv_capacity_tokens(self.scheduler.config)
+        # One session never holds more than its lane's KV, whatever the pool holds.
+        self._kv_capacity = min(kv_capacity_tokens(self.scheduler.config),
+                                runtime.max_session_tokens)
         self._publish = publish
         self._fail_everything = fail_everything
         self._on_sessions_dropped = on_sessions_dropped
@@ -86,8 +88,7 @@ class PlannedGenerations:
             lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
         self.forks = ChoiceForks(runtime, self.scheduler.config.prefill_chunk_tokens)
         self._executor = PlanExecutor(
-            runtime, self.scheduler, self._release_preempted, self.fail_request,
-            None if prefix_cache is None else prefix_cache.relieve_kv_pressure)
+            runtime, self.scheduler, self._release_preempted, self.fail_request)
         self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
@@ -312,7 +313,10 @@ class PlannedGenerations:
             return True
         if result is None:
             return True
-        self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
+        if not result.isolated:
+            # NOTE: works re-run one by one take the sum of their times: fed to the
+            # calibration, one bad token id would switch mixed batches off for good.
+            self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
         step = self.scheduler.complete_iteration(result.plan, result.predictions())
         self._finish_iteration(result)
         if self.prefix_flow is not None:
@@ -331,10 +335,11 @@ class PlannedGenerations:
             if state.runtime_configured:
                 continue
             try:
-                self.runtime.ensure_session_active(work.sequence_id)
                 if self.prefix_flow is not None:
-                    self.prefix_flow.restore(work.sequence_id,
-                                             self.scheduler.config.prefill_chunk_tokens)
+                    self.prefix_flow.bind(work.sequence_id,
+                                          self.scheduler.config.prefill_chunk_tokens)
+                else:
+                    self.runtime.ensure_session_active(work.sequence_id)
                 self.forks.restore(work.sequence_id)
             except RuntimeFailure as exc:
                 error = worker_error_from_runtime(
@@ -368,7 +373,7 @@ class PlannedGenerations:
             else:
                 state.num_generated += 1
                 ack = TokenAck()
-                state.pending_controls.append(ack)
+                state.pending_controls.append(ack.slot)  # never the ack: see TokenAck
                 if not state.emit(TokenEvent(sample.token, ack, sample.logprob)):
                     stopped.append(work.sequence_id)
         for req_id in missing:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from skippyd.engine.worker.commands import (
+    AckSlot,
     GenerationEvent,
     GenerationRequest,
-    TokenAck,
     TokenControl,
 )
 
@@ -25,7 +25,7 @@ class RequestState:
     on_event: Callable[[GenerationEvent], None]
     runtime_configured: bool
     num_generated: int
-    pending_controls: deque[TokenAck] = field(default_factory=deque)
+    pending_controls: deque[AckSlot] = field(default_factory=deque)
     saw_eog: bool = False
 
     def emit(self, event: GenerationEvent) -> bool:
@@ -44,11 +44,18 @@ class RequestState:
 
 
 def consumer_stopped(state: RequestState) -> bool:
-    """Pop answered Continue acks; True once the oldest answered ack says Stop."""
+    """Pop answered Continue acks; True once the oldest answered ack says Stop.
+
+    A consumer that vanished without answering counts as Stop: nobody reads on.
+    """
     while state.pending_controls:
-        control = state.pending_controls[0].poll()
+        control = state.pending_controls[0].control
         if control is None:
             return False  # not answered yet: never block the iteration on it
+        if control is TokenControl.DISCONNECTED:
+            logger.info("the consumer of %s went away without answering; stopping it",
+                        state.request.request_id)
+            return True
         if control is TokenControl.STOP:
             return True
         state.pending_controls.popleft()

@@ -53,8 +53,7 @@ def stack(tiny_model_path):
     opened = []
 
     def build(*, lanes: int = 4, cache: bool = False):
-        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=1024,
-                               slots=SETTINGS.slot_count(lanes) if cache else 0)
+        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=256 * lanes)
         counting = CountingRuntime(runtime)
         hub = TelemetryHub()
         live = (LivePrefixCache(counting, SETTINGS, namespace="tiny:0-4", publish=hub.publish)
