@@ -315,6 +315,8 @@ class OpenAiApi:
         Raises:
             ApiError: 400 naming ``n``.
         """
+        if n == 1:
+            return
         lanes = self._backend.describe().get("lane_count")
         if isinstance(lanes, int) and n > lanes:
             raise invalid_field("n", f"{n} choices exceed the {lanes} lanes of this stage "
