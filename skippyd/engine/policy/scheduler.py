@@ -368,16 +368,36 @@ class Scheduler:
         Returns:
             True if the sequence existed.
         """
-        if sequence_id in self._active:
-            self._release_active(sequence_id)
-        else:
-            index = next((i for i, w in enumerate(self._waiting) if w.id == sequence_id), None)
-            if index is None:
-                return False
-            del self._waiting[index]
-            self._waiting_order_dirty = True
+        if not self._remove(sequence_id):
+            return False
         self._metrics.cancelled += 1
         self._refresh_gauges()
+        return True
+
+    def finish(self, sequence_id: str) -> bool:
+        """End a sequence its consumer declared done (a stop string, say); idempotent.
+
+        Like :meth:`cancel` it frees the sequence's memory, but it counts as finished: a
+        request that ended at a stop string completed normally.
+
+        Returns:
+            True if the sequence existed (False once the policy retired it itself).
+        """
+        if not self._remove(sequence_id):
+            return False
+        self._metrics.finished += 1
+        self._refresh_gauges()
+        return True
+
+    def _remove(self, sequence_id: str) -> bool:
+        if sequence_id in self._active:
+            self._release_active(sequence_id)
+            return True
+        index = next((i for i, w in enumerate(self._waiting) if w.id == sequence_id), None)
+        if index is None:
+            return False
+        del self._waiting[index]
+        self._waiting_order_dirty = True
         return True
 
     def sequence(self, sequence_id: str) -> Sequence | None:

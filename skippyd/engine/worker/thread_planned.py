@@ -279,7 +279,7 @@ class PlannedGenerations:
 
     def _complete(self, req_id: str) -> None:
         """End a request normally: leave the policy, free its session, send Complete."""
-        self.scheduler.cancel(req_id)
+        self.scheduler.finish(req_id)
         state = self.requests.pop(req_id, None)
         if state is None:
             return

@@ -253,6 +253,17 @@ def test_cancellation_releases_memory_and_removes_waiting_or_active_sequence():
     assert scheduler.metrics().cancelled == 2
 
 
+def test_a_sequence_its_consumer_ends_counts_as_finished():
+    scheduler = make_scheduler(
+        memory_components=[MemoryComponent("kv", capacity_bytes=1000, bytes_per_token=1)],
+    )
+    scheduler.submit(make_sequence("a", 4))
+    scheduler.plan_iteration()
+    assert scheduler.finish("a") and not scheduler.finish("a") and not scheduler.cancel("a")
+    assert scheduler.snapshot().component_used_bytes == (("kv", 0),)
+    assert (scheduler.metrics().finished, scheduler.metrics().cancelled) == (1, 0)
+
+
 def test_repeated_component_preemption_preserves_aging_credit():
     scheduler = make_scheduler(
         max_active_sequences=1,

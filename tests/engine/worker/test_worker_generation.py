@@ -137,7 +137,10 @@ def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_handle):
     assert result.tokens == [102]
     assert result.finish_reason == "stop"
     barrier(worker)
-    assert worker.stats().num_active == 0
+    stats = worker.stats()
+    assert stats.num_active == 0
+    # A stop string ends a request normally: it counts as finished, not cancelled.
+    assert (stats.num_finished, stats.num_cancelled) == (1, 0)
 
 
 def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, make_handle):
