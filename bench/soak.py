@@ -88,7 +88,7 @@ def invalid_request(rng: random.Random) -> tuple[str, dict | bytes]:
     choices = [
         ("/v1/completions", b"{not json"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}),
-        ("/v1/completions", {"prompt": "hi", "n": 3}),
+        ("/v1/completions", {"prompt": "hi", "n": 0}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}),
         ("/v1/chat/completions", {"messages": "not a list"}),

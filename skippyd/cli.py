@@ -87,6 +87,8 @@ def serve(
     lanes: Annotated[int | None, typer.Option(help="Concurrent sequences (runtime.lane_count).")] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads for llama.cpp.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.")] = None,
+    chat_template_file: Annotated[Path | None, typer.Option(
+        help="Jinja chat template to use instead of the model's (http.chat_template_file).")] = None,
 ) -> None:
     """Serve a model (or a layer range of one) behind an OpenAI-compatible API."""
     from skippyd.daemon.lifecycle import run_daemon
@@ -94,7 +96,7 @@ def serve(
 
     stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
                                 ctx_size=ctx_size, lane_count=lanes, threads=threads,
-                                log_level=log_level)
+                                log_level=log_level, chat_template_file=chat_template_file)
     configure_logging(stage.telemetry.log_level, stage.telemetry.log_format)
     raise typer.Exit(run_daemon(stage))
 

@@ -24,6 +24,7 @@ _SECTION_NOTES: dict[str, str] = {
     "stage": "The model this process serves and the layers [layer_start, layer_end) it owns.",
     "runtime": "The llama.cpp context and the iteration scheduler.",
     "http": "OpenAI-compatible API, served by the first stage only.",
+    "sampling": "Sampling of API requests that leave a field out (llama-server's defaults).",
     "control": "Local Unix socket for `skippyd top`.",
     "telemetry": "Event detail, logs, and a /metrics listener (for stages without [http]).",
     "kv_cache": "Prefix cache.",
@@ -43,6 +44,8 @@ _COMMENTED: dict[str, Any] = {
     "http.api_key": "change-me",
     "http.model_alias": "my-model",
     "http.max_prompt_tokens": 4096,
+    "http.default_max_tokens": 512,
+    "http.chat_template_file": "templates/chatml.jinja",
     "control.socket": "/run/skippyd/stage-0.sock",
     "control.group": "skippyd",
     "telemetry.metrics_listen": "127.0.0.1:9190",
@@ -65,6 +68,8 @@ _KEY_NOTES: dict[str, str] = {
     "runtime.threads_batch": "default: threads",
     "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline",
     "http.max_prompt_tokens": "default: runtime.ctx_size",
+    "http.default_max_tokens": "default: until the end of generation or a full context",
+    "http.chat_template_file": "default: the model's own chat template",
     "control.socket": "default: $XDG_RUNTIME_DIR/skippyd/<stage id>.sock, else "
                       "$RUNTIME_DIRECTORY/<stage id>.sock, else a per-user temp dir",
 }

@@ -34,6 +34,7 @@ from skippyd.config.schema import (
     LinkSection,
     PeerConfig,
     RuntimeSection,
+    SamplingSection,
     StageConfig,
     StageSection,
     TelemetrySection,
@@ -53,9 +54,11 @@ OVERRIDE_KEYS: dict[str, str] = {
     "log_level": "telemetry.log_level",
     "layer_start": "stage.layer_start",
     "layer_end": "stage.layer_end",
+    "chat_template_file": "http.chat_template_file",
 }
 # Path keys that load_config resolves against the directory of the config file.
-_PATH_KEYS = (("stage", "model_path"), ("runtime", "slice_cache_dir"), ("control", "socket"))
+_PATH_KEYS = (("stage", "model_path"), ("runtime", "slice_cache_dir"), ("control", "socket"),
+              ("http", "chat_template_file"))
 _TYPE_LABELS: dict[type, str] = {
     bool: "a boolean", int: "an integer", float: "a number", str: "a string",
 }
@@ -65,7 +68,8 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
     """Read and validate a TOML stage config.
 
     Relative paths in the file (``stage.model_path``, ``runtime.slice_cache_dir``,
-    ``control.socket``) are taken relative to the file's directory; ``~`` is expanded.
+    ``control.socket``, ``http.chat_template_file``) are taken relative to the file's
+    directory; ``~`` is expanded.
 
     Args:
         path: The TOML file.
@@ -371,6 +375,7 @@ def _build(given: dict[str, dict], issues: IssueCollector, raw: dict) -> StageCo
         stage=stage,
         runtime=runtime,
         http=http,
+        sampling=SamplingSection(**given.get("sampling", {})),
         control=control,
         telemetry=TelemetrySection(**given.get("telemetry", {})),
         kv_cache=KvCacheSection(**given.get("kv_cache", {})),

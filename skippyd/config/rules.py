@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Sequence
 from itertools import pairwise
+from pathlib import Path
 
 from skippyd.config.errors import ConfigError, IssueCollector
 from skippyd.config.schema import (
@@ -83,6 +84,7 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         issues.add("http.max_prompt_tokens", f"must be at most runtime.ctx_size "
                    f"(got {http.max_prompt_tokens} > {ctx_size})")
     if (issues.clean("http.default_max_tokens", "http.max_tokens_limit")
+            and http.default_max_tokens is not None
             and http.default_max_tokens > http.max_tokens_limit):
         issues.add("http.default_max_tokens", f"must be at most max_tokens_limit "
                    f"(got {http.default_max_tokens} > {http.max_tokens_limit})")
@@ -90,6 +92,25 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and importlib.util.find_spec("httptools") is None):
         issues.add("http.protocol", '"httptools" is not installed (pip install httptools), '
                    'or use "h11"')
+    if issues.clean("http.chat_template_file") and http.chat_template_file is not None:
+        problem = _template_problem(http.chat_template_file)
+        if problem is not None:
+            issues.add("http.chat_template_file", problem)
+
+
+def _template_problem(path: str) -> str | None:
+    """Why a chat template file cannot be used, or None."""
+    import jinja2  # only configs that name a template pay for the import
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot read {path}: {exc}"
+    try:
+        jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"{path} is not a valid Jinja template: line {exc.lineno}: {exc.message}"
+    return None
 
 
 def _peer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:

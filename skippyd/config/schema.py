@@ -32,6 +32,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
+ReasoningFormat = Literal["auto", "none"]
 HttpProtocol = Literal["h11", "httptools", "auto"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
@@ -244,8 +245,9 @@ class HttpSection:
     """Bearer token clients must send; ``None`` disables authentication."""
     model_alias: str | None = _setting(None, check=_check_non_empty)
     """Model name the API reports instead of ``stage.model_id``."""
-    default_max_tokens: int = _setting(256, lo=1)
-    """``max_tokens`` of requests that give none."""
+    default_max_tokens: int | None = _setting(None, lo=1)
+    """``max_tokens`` of requests that give none; ``None`` generates until the end of
+    generation or a full context, as llama-server and vLLM do."""
     max_body_bytes: int = _setting(MIB, lo=1024, hi=1 << 30)
     """Largest request body accepted."""
     max_prompt_tokens: int = _setting(4096, lo=1)
@@ -276,11 +278,37 @@ class HttpSection:
     """Let message text spell the chat template's control tokens (unsafe: prompt injection)."""
     drain_timeout_s: float = _setting(30.0, lo=0.0, hi=3600.0)
     """How long shutdown waits for running requests."""
+    max_choices: int = _setting(16, lo=1, hi=256)
+    """Largest ``n`` (choices per request)."""
+    chat_template_file: str | None = _setting(None, check=_check_non_empty)
+    """A Jinja chat template to use instead of the model's own."""
+    reasoning_format: ReasoningFormat = "auto"
+    """``auto`` returns a thinking model's ``<think>`` text as ``reasoning_content``;
+    ``none`` leaves it in ``content``."""
 
     @property
     def address(self) -> tuple[str, int]:
         """``listen`` split into host and port."""
         return parse_host_port(self.listen)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSection:
+    """``[sampling]``: what the API samples with when a request leaves a field out.
+
+    The defaults are llama-server's.
+    """
+
+    temperature: float = _setting(0.8, lo=0.0, hi=100.0)
+    """Softmax temperature; 0 is greedy."""
+    top_k: int = _setting(40, lo=0)
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = _setting(0.95, lo=0.0, hi=1.0)
+    """Nucleus sampling: keep the most likely tokens up to this probability mass."""
+    min_p: float = _setting(0.05, lo=0.0, hi=1.0)
+    """Drop tokens less likely than this fraction of the most likely one."""
+    repeat_penalty: float = _setting(1.0, lo=0.01, hi=100.0)
+    """Penalty on recently seen tokens; 1 is none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,6 +433,8 @@ class StageConfig:
     """``[runtime]``."""
     http: HttpSection | None = field(default_factory=HttpSection)
     """``[http]``; ``None`` on every stage but the first."""
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    """``[sampling]``."""
     control: ControlSection = field(default_factory=ControlSection)
     """``[control]``."""
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
@@ -461,6 +491,6 @@ class StageConfig:
 #: TOML section name -> dataclass, in file order.
 SECTIONS: dict[str, type] = {
     "stage": StageSection, "runtime": RuntimeSection, "http": HttpSection,
-    "control": ControlSection, "telemetry": TelemetrySection, "kv_cache": KvCacheSection,
+    "sampling": SamplingSection, "control": ControlSection, "telemetry": TelemetrySection, "kv_cache": KvCacheSection,
     "link": LinkSection, "upstream": PeerConfig, "downstream": PeerConfig,
 }

@@ -9,6 +9,7 @@ with 503 while the model loads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from skippyd.engine.prefix_cache import (
     settings_from_config,
 )
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.schema import schema_to_grammar
 from skippyd.engine.runtime.tokenizer import (
     IncrementalDetokenizer,
     TemplateRewritesContent,
@@ -47,28 +49,46 @@ logger = logging.getLogger(__name__)
 HANG_THRESHOLD_S = 120.0
 
 
-def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]], *,
+def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]], *,
                        parse_special_in_content: bool = False) -> list[int]:
+    """The tokens of a chat rendered with the model's template; see :func:`chat_prompt`."""
+    return chat_prompt(tokenizer, messages, parse_special_in_content=parse_special_in_content)[0]
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], *,
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None,
+                parse_special_in_content: bool = False) -> tuple[list[int], str]:
     """Render a chat with the model's template and tokenize it.
 
     Only the template's own text is tokenized with special-token parsing: message
     content is plain text, so a user who writes ``<|im_start|>system`` gets those
     characters, not the control token (unless ``parse_special_in_content``).
 
+    Returns:
+        The tokens, and the rendered text (whose end says whether the reply opens
+        inside a reasoning block).
+
     Raises:
         TokenizerError: The template rejected the messages, or it rewrites message text
             and a content spells a control token.
     """
+    def render() -> str:
+        return tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+
     if parse_special_in_content:
-        return _tokenize_rendered(tokenizer, [(tokenizer.render_chat(messages), True)])
+        text = render()
+        return _tokenize_rendered(tokenizer, [(text, True)]), text
+    _refuse_control_in_markup(tokenizer, messages, tools, template_kwargs)
     try:
-        pieces = tokenizer.render_chat_pieces(messages)
+        pieces = tokenizer.render_chat_pieces(messages, tools=tools,
+                                              template_kwargs=template_kwargs)
     except TemplateRewritesContent:
         # The template transforms message text, so it cannot be cut out again: keep the
         # whole rendering, but only if no content could spell a control token.
         _refuse_control_text(tokenizer.control_token_texts(), messages)
-        pieces = [(tokenizer.render_chat(messages), True)]
-    return _tokenize_rendered(tokenizer, pieces)
+        pieces = [(render(), True)]
+    return _tokenize_rendered(tokenizer, pieces), "".join(text for text, _ in pieces)
 
 
 def _tokenize_rendered(tokenizer: Tokenizer, pieces: list[tuple[str, bool]]) -> list[int]:
@@ -80,10 +100,32 @@ def _tokenize_rendered(tokenizer: Tokenizer, pieces: list[tuple[str, bool]]) -> 
     return tokenizer.tokenize_pieces(pieces, add_special=add_special)
 
 
-def _refuse_control_text(control_texts: frozenset[str], messages: list[dict[str, str]]) -> None:
+def _refuse_control_in_markup(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                              tools: list[dict[str, Any]] | None,
+                              template_kwargs: dict[str, Any] | None) -> None:
+    """Refuse client text the template prints as markup (tools, tool calls, template
+    variables) when it spells a control token: only message content is cut out."""
+    fields: list[tuple[str, Any]] = [("tools", tools), ("chat_template_kwargs", template_kwargs)]
+    fields += [(f"messages[{index}].tool_calls", message.get("tool_calls"))
+               for index, message in enumerate(messages)]
+    fields = [(name, value) for name, value in fields if value]
+    if not fields:
+        return
+    control_texts = tokenizer.control_token_texts()
+    for name, value in fields:
+        text = json.dumps(value, ensure_ascii=False)
+        for control in control_texts:
+            if control in text:
+                raise TokenizerError(f"{name} contains the control token text {control!r}, "
+                                     "which the chat template would print as markup")
+
+
+def _refuse_control_text(control_texts: frozenset[str], messages: list[dict[str, Any]]) -> None:
     """Raise naming the first message whose content contains a control token's text."""
     for index, message in enumerate(messages):
-        content = message.get("content") or ""
+        content = message.get("content")
+        if not isinstance(content, str):
+            continue
         for text in control_texts:
             if text in content:
                 raise TokenizerError(
@@ -162,8 +204,7 @@ class StageEngine:
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,
                             self.config.runtime.slice_cache_dir, progress=self._slice_progress)
         if self.config.is_first:  # later stages of a split take rows, not text
-            self.startup.step("loading the tokenizer")
-            self._tokenizer = Tokenizer(source)
+            self._tokenizer = self._open_tokenizer(source)
             self.n_vocab = self._tokenizer.n_vocab
         cache_settings = self._prefix_cache_settings()
         self.startup.step("loading the model")
@@ -192,6 +233,15 @@ class StageEngine:
         self.startup.advance(done / total if total else 1.0)
         if self._progress is not None:
             self._progress(done, total)
+
+    def _open_tokenizer(self, source: Path) -> Tokenizer:
+        http = self.config.http
+        path = None if http is None else http.chat_template_file
+        try:
+            template = None if path is None else Path(path).read_text(encoding="utf-8")
+            return Tokenizer(source, chat_template=template)
+        except (OSError, UnicodeDecodeError, TokenizerError) as exc:
+            raise StartupError(f"http.chat_template_file: {exc}") from exc
 
     def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
         """The prefix cache runs on an unsplit stage of an attention-only model."""
@@ -304,18 +354,71 @@ class StageEngine:
             return "degraded", degraded
         return self._state, self._reason
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        return self._require_tokenizer().tokenize(text, add_special=add_special)
+    @property
+    def max_context_tokens(self) -> int:
+        """What one sequence may hold: its lane's KV stream, once loaded."""
+        return self.ctx_size
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self._require_tokenizer().render_chat(messages)
+    @property
+    def local_sampling(self) -> bool:
+        """This process samples (not stage 0 of a split pipeline)."""
+        return self.config.is_final
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render and tokenize a chat; see :func:`chat_prompt_tokens`."""
+    @property
+    def chat_template(self) -> str | None:
+        tokenizer = self._tokenizer
+        return None if tokenizer is None else tokenizer.chat_template
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``/props`` and ``/v1/models``."""
+        stage, info, tokenizer = self.config.stage, self.info, self._tokenizer
+        facts: dict[str, Any] = {
+            "lane_count": self.config.runtime.lane_count,
+            "layer_start": stage.layer_start,
+            "layer_end": stage.layer_end or (info.n_layer if info else None),
+            "n_layer": info.n_layer if info else None,
+            "model_path": str(self.config.resolved_model_path),
+        }
+        if tokenizer is not None:
+            facts["bos_token"] = tokenizer.detokenize([tokenizer.bos_token_id])
+            facts["eos_token"] = tokenizer.detokenize([tokenizer.eos_token_id])
+        return facts
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        return self._require_tokenizer().tokenize(text, add_special=add_special,
+                                                  parse_special=parse_special)
+
+    def render_chat(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        return self._require_tokenizer().render_chat(
+            messages, tools=tools, template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self._require_tokenizer().detokenize(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._require_tokenizer().token_bytes(token)
+
+    def check_grammar(self, grammar: str) -> None:
+        self._require_tokenizer().check_grammar(grammar)
+
+    def schema_grammar(self, schema: dict[str, Any], root: str | None = None) -> str:
+        grammar = schema_to_grammar(schema, root)
+        self._require_tokenizer().check_grammar(grammar)
+        return grammar
+
+    def chat_tokens(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """Render and tokenize a chat; see :func:`chat_prompt`."""
         http = self.config.http
-        return chat_prompt_tokens(self._require_tokenizer(), messages,
-                                  parse_special_in_content=bool(
-                                      http is not None and http.parse_special_in_content))
+        return chat_prompt(self._require_tokenizer(), messages, tools=tools,
+                           template_kwargs=template_kwargs,
+                           parse_special_in_content=bool(
+                               http is not None and http.parse_special_in_content))
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return self._require_tokenizer().detokenizer()

@@ -33,6 +33,7 @@ from skippyd.daemon.snapshot import snapshot_source
 from skippyd.daemon.split import slice_progress
 from skippyd.daemon.startup import load_with_progress
 from skippyd.daemon.stats_log import log_throughput
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.connections import (
@@ -63,7 +64,16 @@ def http_limits(config: StageConfig) -> HttpLimits:
         max_stop_strings=http.max_stop_strings,
         max_stop_length=http.max_stop_length,
         max_logit_bias=http.max_logit_bias,
+        max_choices=http.max_choices,
     )
+
+
+def sampling_defaults(config: StageConfig) -> SamplingConfig:
+    """What the API samples with when a request leaves a field out (``[sampling]``)."""
+    sampling = config.sampling
+    return SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p, min_p=sampling.min_p,
+                          repeat_penalty=sampling.repeat_penalty)
 
 
 def connection_limits(config: StageConfig) -> ConnectionLimits:
@@ -138,6 +148,8 @@ class Daemon:
         self.metrics = ServingMetrics.for_engine(self.engine)
         app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
                          default_max_tokens=config.http.default_max_tokens,
+                         sampling_defaults=sampling_defaults(config),
+                         reasoning=config.http.reasoning_format == "auto",
                          extra_routes=[metrics_route(self.metrics)], metrics=self.metrics,
                          max_concurrent_requests=config.http.max_connections)
         host, port = config.http.address

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest
 
@@ -40,36 +40,66 @@ class IncrementalDetokenizer(Protocol):
 class ServingBackend(Protocol):
     """What the OpenAI app needs from the serving side.
 
-    ``tokenize``, ``render_chat`` and ``chat_tokens`` run in a thread pool (several at
-    once: they must be thread-safe); every other method is called on the event-loop
-    thread and must not block. ``submit``'s ``on_event`` is called on the worker thread.
+    ``tokenize``, ``render_chat``, ``chat_tokens``, ``detokenize``, ``check_grammar``
+    and ``schema_grammar`` run in a thread pool (several at once: they must be
+    thread-safe); every other method is called on the event-loop thread and must not
+    block. ``submit``'s ``on_event`` is called on the worker thread.
     """
 
     model_id: str
     """The name reported in ``/v1/models`` and in every response's ``model``."""
-    ctx_size: int
-    """Context limit of one sequence, in tokens (prompt + completion)."""
     n_vocab: int
     """Vocabulary size; token ids in prompts and ``logit_bias`` must be below it."""
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
-        """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants."""
+    @property
+    def max_context_tokens(self) -> int:
+        """Context limit of one sequence, in tokens (prompt + completion): what a request's
+        budget is clamped against."""
         ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """Apply the model's chat template with the generation prompt appended.
+    @property
+    def local_sampling(self) -> bool:
+        """Tokens are sampled in this process, so grammars and log-probabilities are
+        available (not on a split pipeline, whose final stage samples)."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template in use (the model's, or the configured override)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``/props`` and ``/v1/models``: ``lane_count``, ``layer_start``,
+        ``layer_end``, ``n_layer``, ``model_path``, ``bos_token``, ``eos_token``."""
+        ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        """Tokenize raw text; ``add_special`` adds BOS (and EOS) as the model wants, and
+        ``parse_special`` turns the text of control tokens into those tokens."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """Apply the chat template, with the generation prompt appended unless told not to.
 
         Raises:
             ValueError: The messages do not fit the template (e.g. bad role order).
         """
         ...
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_tokens(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         """Render the chat with the model's template and tokenize it.
 
         Only the template's own text may produce control tokens: message content is
         tokenized as plain text unless the operator allowed otherwise. The backend
         also knows whether the template already emitted BOS.
+
+        Returns:
+            The prompt tokens and the rendered text.
 
         Raises:
             ValueError: The messages do not fit the template, or the content cannot be

@@ -18,11 +18,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from skippyd.engine.runtime.protocol import SamplingConfig, TokenLogprob
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     QueueFullError,
     TokenControl,
     TokenEvent,
@@ -59,6 +61,9 @@ class GenerationStream:
         max_tokens: Completion budget (already checked against the context).
         params: Parsed request parameters (sampling, stops).
         metrics: Where the request's lifecycle is recorded, if anywhere.
+        sampling: Sampling of this generation, when not ``params.sampling`` (one choice of
+            several, a grammar, log-probabilities).
+        fork_of: The first choice's id, for the later choices of an ``n > 1`` request.
     """
 
     def __init__(
@@ -69,18 +74,27 @@ class GenerationStream:
         max_tokens: int,
         params: GenerationParams,
         metrics: ServingMetrics | None = None,
+        *,
+        sampling: SamplingConfig | None = None,
+        fork_of: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_tokens)
         self.num_completion_tokens = 0
         self.finish_reason: str | None = None
         """``"stop"`` or ``"length"`` once finished (``"error"`` after an error)."""
+        self.prompt_logprobs: dict[int, TokenLogprob] = {}
+        """Log-probabilities of prompt tokens by position (when the sampling asks)."""
+        self.prompt_done = asyncio.Event()
+        """Set once the prompt is computed (first token) or the generation ended."""
+        self._new_logprobs: list[TokenLogprob] = []
         self._backend = backend
         self._request = GenerationRequest(
             request_id=request_id,
             prompt_tokens=list(prompt_tokens),
             max_tokens=max_tokens,
-            sampling=params.sampling,
+            sampling=params.sampling if sampling is None else sampling,
+            fork_of=fork_of,
         )
         self._stops = StopMatcher(params.stop)
         self._detokenizer = backend.detokenizer()
@@ -163,6 +177,11 @@ class GenerationStream:
         """Return the whole generated text (non-streaming responses)."""
         return "".join([piece async for piece in self.pieces()])
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """Log-probabilities of the tokens received since the last call, in order."""
+        taken, self._new_logprobs = self._new_logprobs, []
+        return taken
+
     def cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, per the backend."""
         return self._backend.cached_prompt_tokens(self.request_id)
@@ -176,6 +195,7 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
+        self.prompt_done.set()
         if self._submitted and not self._settled:
             logger.info("cancelling unfinished generation %s", self.request_id)
             self._backend.cancel(self.request_id)
@@ -216,6 +236,11 @@ class GenerationStream:
             event.ack.send(TokenControl.STOP)
 
     def _handle(self, event: GenerationEvent) -> str:
+        if isinstance(event, PromptLogprobsEvent):
+            for position, entry in event.entries:  # a replayed prompt reports again
+                self.prompt_logprobs.setdefault(position, entry)
+            return ""
+        self.prompt_done.set()
         if isinstance(event, TokenEvent):
             return self._handle_token(event)
         self._settled = True
@@ -231,6 +256,8 @@ class GenerationStream:
 
     def _handle_token(self, event: TokenEvent) -> str:
         self.num_completion_tokens += 1
+        if event.logprob is not None:
+            self._new_logprobs.append(event.logprob)
         step = self._stops.push(self._detokenizer.feed(event.token))
         if step.stopped:
             self._finish_early("stop", event)

@@ -1,9 +1,10 @@
 """Parse and validate OpenAI request bodies into typed parameters.
 
 Every check names the offending field (``param``) in a 400, and limits name the limit.
-Options the server cannot honour (``n > 1``, logprobs, tools, ``echo``…) are refused
-with a 400 instead of being ignored. Parsing changes no state; the tokenizer-dependent
-checks (prompt length, context size) happen in the app once the prompt is tokenized.
+Options the server cannot honour are refused with a 400 instead of being ignored (see
+:mod:`~skippyd.http.unsupported` for which fields are acted on, ignored or refused).
+Parsing changes no state; the tokenizer-dependent checks (prompt length, context size)
+and the grammar checks happen in the app once the prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from skippyd.engine.runtime.protocol import MAX_LOGIT_BIAS, SamplingConfig
+from skippyd.engine.runtime.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingConfig
+from skippyd.http.constraints import OutputConstraint, parse_constraint
 from skippyd.http.errors import ApiError, invalid_field
 from skippyd.http.prompts import parse_messages, parse_prompt
-from skippyd.http.unsupported import is_int, reject_unsupported
+from skippyd.http.tools import ToolSpec, parse_tools
+from skippyd.http.unsupported import check_choice_count, is_int, reject_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,12 @@ _MAX_INT32 = 2**31 - 1
 #: OpenAI's range for presence/frequency penalties and logit-bias values.
 _PENALTY_RANGE = (-2.0, 2.0)
 _BIAS_RANGE = (-100.0, 100.0)
+#: llama-server's sampling defaults, used unless the config says otherwise.
+DEFAULT_SAMPLING = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+#: Variables every chat template gets from the server; ``chat_template_kwargs`` may not
+#: replace them.
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                "eos_token"})
 _MAY_BE_ZERO = frozenset({"max_stop_strings", "max_logit_bias"})
 
 
@@ -46,6 +55,8 @@ class HttpLimits:
     """Longest stop string, in characters."""
     max_logit_bias: int = MAX_LOGIT_BIAS
     """Most entries in ``logit_bias`` (cannot exceed the runtime's own cap)."""
+    max_choices: int = 16
+    """Largest ``n`` (choices per request)."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -71,6 +82,14 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     """``stream_options.include_usage``: send a final usage chunk when streaming."""
+    n: int = 1
+    """Choices to generate from the one prompt."""
+    logprobs: int | None = None
+    """Alternatives per token to report with each token's log-probability; None: none."""
+    echo: bool = False
+    """Completions: the prompt is part of the returned text (and of the logprobs)."""
+    constraint: OutputConstraint | None = None
+    """What the output must match (grammar, JSON Schema, any JSON object), if anything."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +110,13 @@ class CompletionParams:
 class ChatParams:
     """A parsed ``POST /v1/chat/completions`` body."""
 
-    messages: tuple[dict[str, str], ...]
-    """``{"role", "content"}`` pairs with content flattened to text."""
+    messages: tuple[dict[str, Any], ...]
+    """``{"role", "content"}`` pairs with content flattened to text (tool calls and
+    tool-call ids kept)."""
     params: GenerationParams
+    tools: ToolSpec | None = None
+    template_kwargs: dict[str, Any] | None = None
+    """``chat_template_kwargs``: extra variables for the chat template."""
 
     def anon_repr(self) -> str:
         """Describe the request for logs without its messages."""
@@ -101,7 +124,8 @@ class ChatParams:
 
 
 def parse_completion_request(
-    body: Any, limits: HttpLimits, *, n_vocab: int | None = None
+    body: Any, limits: HttpLimits, *, n_vocab: int | None = None,
+    defaults: SamplingConfig = DEFAULT_SAMPLING,
 ) -> CompletionParams:
     """Validate a completions body.
 
@@ -109,6 +133,7 @@ def parse_completion_request(
         body: The decoded JSON body.
         limits: HTTP limits to enforce.
         n_vocab: Vocabulary size for token-id checks (prompt ids, logit_bias), if known.
+        defaults: Sampling values of fields the client leaves out.
 
     Returns:
         The typed parameters.
@@ -119,11 +144,17 @@ def parse_completion_request(
     body = _require_object(body)
     reject_unsupported(body, chat=False)
     prompt = parse_prompt(body.get("prompt"), n_vocab)
-    return CompletionParams(prompt=prompt, params=_parse_generation(body, limits, n_vocab))
+    params = _parse_generation(body, limits, n_vocab, defaults, chat=False)
+    best_of = check_choice_count(body, "best_of", limits.max_choices)
+    if best_of != 1 and best_of != params.n:
+        raise invalid_field("best_of", f"only best_of == n is supported (got {best_of}, "
+                            f"n={params.n}): choices are not ranked")
+    return CompletionParams(prompt=prompt, params=params)
 
 
 def parse_chat_request(
-    body: Any, limits: HttpLimits, *, n_vocab: int | None = None
+    body: Any, limits: HttpLimits, *, n_vocab: int | None = None,
+    defaults: SamplingConfig = DEFAULT_SAMPLING,
 ) -> ChatParams:
     """Validate a chat-completions body.
 
@@ -131,6 +162,7 @@ def parse_chat_request(
         body: The decoded JSON body.
         limits: HTTP limits to enforce.
         n_vocab: Vocabulary size for logit_bias checks, if known.
+        defaults: Sampling values of fields the client leaves out.
 
     Returns:
         The typed parameters.
@@ -141,7 +173,25 @@ def parse_chat_request(
     body = _require_object(body)
     reject_unsupported(body, chat=True)
     messages = parse_messages(body.get("messages"))
-    return ChatParams(messages=messages, params=_parse_generation(body, limits, n_vocab))
+    params = _parse_generation(body, limits, n_vocab, defaults, chat=True)
+    tools = parse_tools(body)
+    if tools is not None and tools.choice != "none" and params.constraint is not None:
+        raise invalid_field(params.constraint.param.split(".")[0],
+                            "cannot be combined with tools unless tool_choice is 'none'")
+    return ChatParams(messages=messages, params=params, tools=tools,
+                      template_kwargs=_parse_template_kwargs(body.get("chat_template_kwargs")))
+
+
+def _parse_template_kwargs(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid_field("chat_template_kwargs", "must be an object")
+    reserved = sorted(_TEMPLATE_RESERVED & value.keys())
+    if reserved:
+        raise invalid_field(f"chat_template_kwargs.{reserved[0]}",
+                            "is set by the server and cannot be overridden")
+    return dict(value)
 
 
 def find_invalid_text(body: Any) -> str | None:
@@ -227,26 +277,47 @@ def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
 # -- generation parameters -------------------------------------------------------------
 
 def _parse_generation(
-    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
+    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None,
+    defaults: SamplingConfig, *, chat: bool,
 ) -> GenerationParams:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid_field("model", "must be a string")
     stream = bool(_opt_bool(body, "stream"))
+    echo = False if chat else bool(_opt_bool(body, "echo"))
+    max_tokens = _parse_max_tokens(body, limits, allow_zero=echo)
     return GenerationParams(
-        max_tokens=_parse_max_tokens(body, limits),
-        sampling=_parse_sampling(body, limits, n_vocab),
+        max_tokens=max_tokens,
+        sampling=_parse_sampling(body, limits, n_vocab, defaults),
         stop=_parse_stop(body.get("stop"), limits),
         stream=stream,
         include_usage=_parse_stream_options(body.get("stream_options")),
+        n=check_choice_count(body, "n", limits.max_choices),
+        logprobs=_parse_chat_logprobs(body) if chat else _parse_completion_logprobs(body),
+        echo=echo,
+        constraint=parse_constraint(body),
     )
 
 
-def _parse_max_tokens(body: dict[str, Any], limits: HttpLimits) -> int | None:
+def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = _opt_bool(body, "logprobs")
+    top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise invalid_field("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _parse_completion_logprobs(body: dict[str, Any]) -> int | None:
+    return _opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _parse_max_tokens(body: dict[str, Any], limits: HttpLimits, *,
+                      allow_zero: bool = False) -> int | None:
     # NOTE: max_completion_tokens is the current OpenAI name; it wins when both are sent.
+    # max_tokens 0 only makes sense with echo: score the prompt, generate nothing.
     chosen = None
     for name in ("max_tokens", "max_completion_tokens"):
-        value = _opt_int(body, name, 1)
+        value = _opt_int(body, name, 0 if allow_zero else 1)
         if value is None:
             continue
         if value > limits.max_tokens_limit:
@@ -258,20 +329,22 @@ def _parse_max_tokens(body: dict[str, Any], limits: HttpLimits) -> int | None:
 
 
 def _parse_sampling(
-    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
+    body: dict[str, Any], limits: HttpLimits, n_vocab: int | None, defaults: SamplingConfig
 ) -> SamplingConfig:
-    defaults = SamplingConfig()
     top_k = _opt_int(body, "top_k", -1, _MAX_INT32)
     seed = _opt_int(body, "seed", -1, _MAX_SEED)
+    last_n = _opt_int(body, "repeat_last_n", -1, limits.max_prompt_tokens + limits.max_tokens_limit)
 
     def pick(value: float | None, default: float) -> float:
         return default if value is None else value
 
     return SamplingConfig(
         temperature=pick(_opt_number(body, "temperature", 0.0), defaults.temperature),
-        top_k=defaults.top_k if top_k is None or top_k < 0 else top_k,
+        top_k=defaults.top_k if top_k is None else max(top_k, 0),
         top_p=pick(_opt_number(body, "top_p", 0.0, 1.0), defaults.top_p),
         min_p=pick(_opt_number(body, "min_p", 0.0, 1.0), defaults.min_p),
+        typical_p=pick(_opt_number(body, "typical_p", 0.0, 1.0), defaults.typical_p),
+        penalty_last_n=defaults.penalty_last_n if last_n is None else last_n,
         repeat_penalty=_parse_repeat_penalty(body, defaults.repeat_penalty),
         presence_penalty=pick(
             _opt_number(body, "presence_penalty", *_PENALTY_RANGE), defaults.presence_penalty

@@ -1,53 +1,58 @@
 """The OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` and ``/health``.
+``/v1/chat/completions``, ``/health`` and llama-server's utility endpoints.
 
-Handlers parse and validate the body (:mod:`requests`), tokenize, check the prompt
-against the limits and the context, submit one generation to the backend and turn its
-text into a JSON body or a stream of server-sent events. Every error uses the OpenAI
-error shape. A client that goes away cancels its generation.
+Handlers parse and validate the body (:mod:`requests`), render and tokenize the prompt
+and compile any grammar off the event loop (:mod:`prepare`), check the prompt against
+the limits and the context, submit one generation per choice to the backend and turn
+their text into a JSON body or a stream of server-sent events (:mod:`choices`). Every
+error uses the OpenAI error shape. A client that goes away cancels its generations.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
-import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.http.backend import ServingBackend
+from skippyd.http.choices import Choice, Shaping, complete_response, stream_events
 from skippyd.http.errors import ApiError, invalid_field
 from skippyd.http.generation import GenerationStream
+from skippyd.http.middleware import ApiKeyMiddleware, ConcurrencyLimitMiddleware, read_json_body
+from skippyd.http.prepare import (
+    check_local_sampling,
+    constraint_grammar,
+    prepare_chat_request,
+    render_chat,
+)
 from skippyd.http.requests import (
+    DEFAULT_SAMPLING,
     GenerationParams,
     HttpLimits,
-    find_invalid_text,
     parse_chat_request,
     parse_completion_request,
 )
-from skippyd.http.sse import (
-    SSE_DONE,
-    SSE_KEEP_ALIVE,
-    EventStreamResponse,
-    ResponseShape,
-    make_usage,
-    sse_event,
+from skippyd.http.sse import EventStreamResponse, ResponseShape
+from skippyd.http.utility import (
+    parse_detokenize,
+    parse_tokenize,
+    props_body,
+    tokenize_body,
 )
-from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
     from skippyd.http.metrics import ServingMetrics
@@ -69,7 +74,9 @@ def create_app(
     *,
     api_key: str | None = None,
     limits: HttpLimits | None = None,
-    default_max_tokens: int = 256,
+    default_max_tokens: int | None = None,
+    sampling_defaults: SamplingConfig = DEFAULT_SAMPLING,
+    reasoning: bool = True,
     extra_routes: Sequence[BaseRoute] = (),
     public_paths: Collection[str] = DEFAULT_PUBLIC_PATHS,
     max_concurrent_requests: int | None = None,
@@ -83,7 +90,9 @@ def create_app(
             ``Authorization: Bearer <api_key>``.
         limits: Per-request limits; defaults to :class:`HttpLimits` ().
         default_max_tokens: Completion budget when the client sends none (capped by the
-            room left in the context).
+            room left in the context); None generates until the end or a full context.
+        sampling_defaults: Sampling of fields a request leaves out.
+        reasoning: Return ``<think>`` text as ``reasoning_content`` (else as content).
         extra_routes: More routes to serve (e.g. ``/metrics``), behind the same key.
         public_paths: Paths that skip the API key check.
         max_concurrent_requests: Requests in flight beyond which new ones get 429.
@@ -92,15 +101,20 @@ def create_app(
     Returns:
         The ASGI app.
     """
-    if default_max_tokens <= 0:
+    if default_max_tokens is not None and default_max_tokens <= 0:
         raise ValueError(f"default_max_tokens: must be > 0 (got {default_max_tokens})")
-    api = OpenAiApi(backend, limits or HttpLimits(), default_max_tokens, metrics)
+    api = OpenAiApi(backend, limits or HttpLimits(), default_max_tokens, metrics,
+                    sampling_defaults=sampling_defaults, reasoning=reasoning)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/apply-template", api.apply_template, methods=["POST"]),
+        Route("/props", api.props, methods=["GET"]),
         *extra_routes,
     ]
     middleware = []
@@ -114,92 +128,28 @@ def create_app(
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
-class ConcurrencyLimitMiddleware:
-    """Bound the HTTP requests in flight; beyond it answer 429 naming the limit.
-
-    ``/health`` is never refused, so a supervisor can still look in under load.
-    """
-
-    def __init__(self, app: ASGIApp, *, limit: int, metrics: ServingMetrics | None = None) -> None:
-        if limit < 1:
-            raise ValueError(f"limit: must be >= 1 (got {limit})")
-        self._app = app
-        self._limit = limit
-        self._in_flight = 0
-        self._metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            await self._app(scope, receive, send)
-            return
-        if self._in_flight >= self._limit:
-            error = ApiError(429, f"too many concurrent requests: the limit max_connections="
-                             f"{self._limit} is reached; retry later", code="too_many_requests")
-            error.headers["Retry-After"] = "1"
-            if self._metrics is not None:
-                self._metrics.record_rejection("max_connections")
-            await error.to_response()(scope, receive, send)
-            return
-        self._in_flight += 1
-        try:
-            await self._app(scope, receive, send)
-        finally:
-            self._in_flight -= 1
-
-
-class ApiKeyMiddleware:
-    """Reject requests without the right bearer token (401, OpenAI error shape)."""
-
-    def __init__(self, app: ASGIApp, *, api_key: str, public_paths: Collection[str],
-                 metrics: ServingMetrics | None = None) -> None:
-        if not api_key:
-            raise ValueError("api_key: must be a non-empty string")
-        self._app = app
-        self._expected = api_key.encode("utf-8")
-        self._public_paths = frozenset(public_paths)
-        self._metrics = metrics
-        self._refusals = ThrottledLog(logger)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = Headers(scope=scope).get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # NOTE: headers arrive latin-1 decoded; re-encoding gives back the raw bytes.
-        given = token.strip().encode("latin-1", errors="replace")
-        matches = hmac.compare_digest(given, self._expected)
-        return scheme.lower() == "bearer" and matches
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self._public_paths:
-            if not self._authorized(scope):
-                client = scope.get("client") or ("?", 0)
-                self._refusals.warning("auth", "refused %s %r from %s:%s: missing or invalid API "
-                                  "key", scope["method"], scope["path"][:64], *client[:2])
-                error = ApiError(401, "missing or invalid API key", code="invalid_api_key")
-                error.headers["WWW-Authenticate"] = "Bearer"
-                if self._metrics is not None:
-                    self._metrics.record_rejection("unauthorized")
-                await error.to_response()(scope, receive, send)
-                return
-        await self._app(scope, receive, send)
-
-
 class OpenAiApi:
     """Route handlers bound to one backend.
 
     Args:
         backend: What serves generations.
         limits: Per-request limits.
-        default_max_tokens: Budget when the client sends none.
+        default_max_tokens: Budget when the client sends none; None: the context's room.
         metrics: Request metrics, if recorded.
+        sampling_defaults: Sampling of fields a request leaves out.
+        reasoning: Split ``<think>`` text into ``reasoning_content``.
     """
 
     def __init__(
-        self, backend: ServingBackend, limits: HttpLimits, default_max_tokens: int,
-        metrics: ServingMetrics | None = None,
+        self, backend: ServingBackend, limits: HttpLimits, default_max_tokens: int | None,
+        metrics: ServingMetrics | None = None, *,
+        sampling_defaults: SamplingConfig = DEFAULT_SAMPLING, reasoning: bool = True,
     ) -> None:
         self._backend = backend
         self._limits = limits
         self._default_max_tokens = default_max_tokens
+        self._sampling_defaults = sampling_defaults
+        self._reasoning = reasoning
         self._created = int(time.time())
         self._metrics = metrics
         self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="skippyd-text")
@@ -228,23 +178,75 @@ class OpenAiApi:
         """``POST /v1/completions``."""
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
-        parsed = parse_completion_request(body, self._limits, n_vocab=self._backend.n_vocab)
+        parsed = parse_completion_request(body, self._limits, n_vocab=self._backend.n_vocab,
+                                          defaults=self._sampling_defaults)
         logger.debug("completion request %s", parsed.anon_repr())
+        params = parsed.params
+        check_local_sampling(self._backend, logprobs=params.logprobs is not None,
+                             **{_constraint_name(params): params.constraint is not None})
+        grammar = None
+        if params.constraint is not None:
+            grammar = await self._off_loop(constraint_grammar, self._backend, params.constraint)
         if isinstance(parsed.prompt, str):
             tokens = await self._off_loop(self._backend.tokenize, parsed.prompt,
                                           add_special=True)
         else:
             tokens = list(parsed.prompt)
-        return await self._generate(request, "completion", tokens, parsed.params, "prompt")
+        echo = None
+        if params.echo:
+            echo = (parsed.prompt if isinstance(parsed.prompt, str)
+                    else await self._off_loop(self._backend.detokenize, tokens))
+        shaping = Shaping("completion", params.logprobs, echo_text=echo,
+                          prompt_tokens=tuple(tokens), score_only=params.max_tokens == 0)
+        return await self._generate(request, shaping, tokens, params, "prompt", grammar)
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
-        parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab)
+        parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab,
+                                    defaults=self._sampling_defaults)
         logger.debug("chat request %s", parsed.anon_repr())
-        tokens = await self._off_loop(self._chat_tokens, parsed.messages)
-        return await self._generate(request, "chat", tokens, parsed.params, "messages")
+        params, tools = parsed.params, parsed.tools
+        check_local_sampling(self._backend, logprobs=params.logprobs is not None,
+                             tool_choice=tools is not None and tools.forced,
+                             **{_constraint_name(params): params.constraint is not None})
+        prepared = await self._off_loop(prepare_chat_request, self._backend, parsed)
+        shaping = Shaping("chat", params.logprobs, tools=tools, tool_format=prepared.tool_format,
+                          reasoning_open=prepared.reasoning_open if self._reasoning else None)
+        return await self._generate(request, shaping, prepared.tokens, params, "messages",
+                                    prepared.grammar)
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` (llama-server's shape)."""
+        body = await read_json_body(request, self._limits.max_body_bytes)
+        self._require_ready()
+        content, add_special, parse_special, with_pieces = parse_tokenize(body)
+        tokens = await self._off_loop(self._backend.tokenize, content, add_special=add_special,
+                                      parse_special=parse_special)
+        return JSONResponse(tokenize_body(self._backend, tokens, with_pieces))
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` (llama-server's shape)."""
+        body = await read_json_body(request, self._limits.max_body_bytes)
+        self._require_ready()
+        tokens = parse_detokenize(body, self._backend.n_vocab)
+        return JSONResponse({"content": await self._off_loop(self._backend.detokenize, tokens)})
+
+    async def apply_template(self, request: Request) -> Response:
+        """``POST /apply-template``: the chat's prompt text, as a chat request would render it."""
+        body = await read_json_body(request, self._limits.max_body_bytes)
+        self._require_ready()
+        parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab,
+                                    defaults=self._sampling_defaults)
+        text, _ = await self._off_loop(render_chat, self._backend, parsed)
+        return JSONResponse({"prompt": text})
+
+    async def props(self, request: Request) -> Response:
+        """``GET /props`` (llama-server's shape, plus the stage's layer range)."""
+        self._require_ready()
+        return JSONResponse(props_body(self._backend, self._sampling_defaults,
+                                       self._default_max_tokens))
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run tokenization off the event loop, on a small pool of its own.
@@ -256,20 +258,17 @@ class OpenAiApi:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
 
-    def _chat_tokens(self, messages: tuple[dict[str, str], ...]) -> list[int]:
-        """Render and tokenize a chat (runs in the thread pool: templates can be slow)."""
-        try:
-            return self._backend.chat_tokens([dict(m) for m in messages])
-        except ValueError as exc:
-            raise invalid_field("messages", f"chat template rejected the messages: {exc}") from exc
-
     def _model_object(self) -> dict[str, Any]:
+        facts = self._backend.describe()
         return {
             "id": self._backend.model_id,
             "object": "model",
             "created": self._created,
             "owned_by": "skippyd",
-            "max_model_len": self._backend.ctx_size,
+            "max_model_len": self._backend.max_context_tokens,
+            "meta": {"n_ctx": self._backend.max_context_tokens,
+                     "layer_start": facts.get("layer_start"),
+                     "layer_end": facts.get("layer_end"), "n_layer": facts.get("n_layer")},
         }
 
     def _require_ready(self) -> None:
@@ -280,9 +279,14 @@ class OpenAiApi:
             detail = f": {reason}" if reason else ""
             raise ApiError(503, f"server is {status}{detail}", code=status)
 
-    def _budget(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-        """Return the completion budget, or raise a 400 naming the limit it breaks."""
-        ctx = self._backend.ctx_size
+    def _budget(self, num_prompt_tokens: int, requested: int | None,
+                prompt_param: str) -> tuple[int, tuple[int, int] | None]:
+        """The completion budget, and (requested, granted) when it had to be clamped.
+
+        Raises:
+            ApiError: 400 when the prompt is empty, over the limit or fills the context.
+        """
+        ctx = self._backend.max_context_tokens
         if num_prompt_tokens == 0:
             raise invalid_field(prompt_param, "the prompt is empty after tokenization")
         if num_prompt_tokens > self._limits.max_prompt_tokens:
@@ -296,145 +300,91 @@ class OpenAiApi:
                 400, f"the prompt has {num_prompt_tokens} tokens but the context size is {ctx} "
                 "tokens; shorten the prompt", param=prompt_param, code="context_length_exceeded",
             )
+        room = ctx - num_prompt_tokens
         if requested is None:
-            return min(self._default_max_tokens, ctx - num_prompt_tokens)
-        if num_prompt_tokens + requested > ctx:
-            raise ApiError(
-                400, f"prompt tokens ({num_prompt_tokens}) + max_tokens ({requested}) = "
-                f"{num_prompt_tokens + requested} exceeds the context size ({ctx} tokens)",
-                param="max_tokens", code="context_length_exceeded",
-            )
-        return requested
+            return min(self._default_max_tokens or room, room), None
+        if requested > room:
+            logger.info("max_tokens %d clamped to the %d tokens left in the context",
+                        requested, room)
+            return room, (requested, room)
+        return max(requested, 1), None  # 0 (echo): one token is computed, none returned
 
-    async def _generate(
-        self,
-        request: Request,
-        kind: Literal["chat", "completion"],
-        tokens: list[int],
-        params: GenerationParams,
-        prompt_param: str,
-    ) -> Response:
-        max_tokens = self._budget(len(tokens), params.max_tokens, prompt_param)
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    def _check_choice_lanes(self, n: int) -> None:
+        """Refuse more choices than lanes: they decode side by side, one lane each.
+
+        Raises:
+            ApiError: 400 naming ``n``.
+        """
+        if n == 1:
+            return
+        lanes = self._backend.describe().get("lane_count")
+        if isinstance(lanes, int) and n > lanes:
+            raise invalid_field("n", f"{n} choices exceed the {lanes} lanes of this stage "
+                                "(runtime.lane_count): each choice decodes in a lane of its own")
+
+    async def _generate(self, request: Request, shaping: Shaping, tokens: list[int],
+                        params: GenerationParams, prompt_param: str,
+                        grammar: str | None) -> Response:
+        self._check_choice_lanes(params.n)
+        max_tokens, clamp = self._budget(len(tokens), params.max_tokens, prompt_param)
+        prefix = "chatcmpl" if shaping.kind == "chat" else "cmpl"
         shape = ResponseShape(
-            kind=kind,
+            kind=shaping.kind,
             response_id=f"{prefix}-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=self._backend.model_id,
             usage_in_chunks=params.stream and params.include_usage,
         )
-        stream = GenerationStream(self._backend, shape.response_id, tokens, max_tokens, params,
-                                  self._metrics)
-        stream.start()
+        choices = self._start_choices(shape.response_id, shaping, tokens, max_tokens, params,
+                                      grammar)
+
+        def close() -> None:
+            for choice in choices:
+                choice.stream.close()
+
         if params.stream:
-            events = _stream_events(stream, shape, params.include_usage)
-            return EventStreamResponse(events, stream.close)
+            events = stream_events(choices, shape, params.include_usage, clamp,
+                                   KEEP_ALIVE_INTERVAL_S)
+            return EventStreamResponse(events, close)
         try:
-            return await _complete(request, stream, shape)
+            return await complete_response(request, choices, shape, clamp)
         finally:
-            stream.close()
+            close()
+
+    def _start_choices(self, response_id: str, shaping: Shaping, tokens: list[int],
+                       max_tokens: int, params: GenerationParams,
+                       grammar: str | None) -> list[Choice]:
+        """Submit one generation per choice; the later ones copy the first one's prompt."""
+        base = dataclasses.replace(
+            params.sampling, grammar=grammar, logprobs=params.logprobs,
+            prompt_logprobs=params.logprobs if shaping.echo_text is not None else None)
+        choices: list[Choice] = []
+        try:
+            for index in range(params.n):
+                sampling = base if index == 0 else _later_choice(base, index)
+                request_id = response_id if index == 0 else f"{response_id}-{index}"
+                stream = GenerationStream(
+                    self._backend, request_id, tokens, max_tokens, params, self._metrics,
+                    sampling=sampling, fork_of=None if index == 0 else response_id)
+                stream.start()
+                choices.append(Choice(index, stream, shaping, self._backend,
+                                      choices[0] if choices else None))
+        except ApiError:
+            for choice in choices:
+                choice.stream.close()
+            raise
+        return choices
 
 
-async def read_json_body(request: Request, max_body_bytes: int) -> Any:
-    """Read and decode the JSON body, refusing bodies over ``max_body_bytes`` (413).
-
-    Raises:
-        ApiError: 413 when too large, 400 when not valid JSON.
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_body_bytes:
-        raise _body_too_large(max_body_bytes)
-    chunks: list[bytes] = []
-    num_bytes = 0
-    try:
-        async for chunk in request.stream():
-            num_bytes += len(chunk)
-            if num_bytes > max_body_bytes:
-                raise _body_too_large(max_body_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        # The client left, or the connection guard closed it for a late body: nobody
-        # reads this answer, but the handler must end without a traceback.
-        raise ApiError(408, "the request body did not arrive", code="request_timeout") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-    invalid = find_invalid_text(body)
-    if invalid is not None:
-        raise invalid_field(invalid, "is not valid Unicode text (a lone UTF-16 surrogate)")
-    return body
+def _later_choice(base: SamplingConfig, index: int) -> SamplingConfig:
+    """Choice ``index``'s sampling: its own seed, and no prompt work of its own."""
+    seed = None if base.seed is None else (base.seed + index) % 2**64
+    return dataclasses.replace(base, seed=seed, prompt_logprobs=None)
 
 
-def _body_too_large(max_body_bytes: int) -> ApiError:
-    return ApiError(
-        413, f"request body exceeds the limit max_body_bytes={max_body_bytes}",
-        code="request_too_large",
-    )
-
-
-def _usage(stream: GenerationStream) -> dict[str, Any]:
-    return make_usage(stream.num_prompt_tokens, stream.num_completion_tokens,
-                      stream.cached_tokens())
-
-
-async def _stream_events(
-    stream: GenerationStream, shape: ResponseShape, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """Encode a generation as SSE events; an error mid-stream becomes an error event.
-
-    Every wake-up sends what the generation produced since the last one in one write.
-    The chat role chunk goes out with the first text, not before the prompt is
-    processed (clients time the first chunk as the first token); a long wait for it
-    sends keep-alive comments instead.
-    """
-    opening = shape.first_chunk()
-    try:
-        while True:
-            pieces = await stream.next_pieces(KEEP_ALIVE_INTERVAL_S)
-            if pieces is None:
-                yield SSE_KEEP_ALIVE
-                continue
-            if not pieces and stream.finished:
-                break
-            events = [shape.text_event(piece) for piece in pieces]
-            if opening is not None and events:
-                events.insert(0, sse_event(opening))
-                opening = None
-            yield b"".join(events)
-        closing = [sse_event(shape.text_chunk("", stream.finish_reason))]
-        if opening is not None:
-            closing.insert(0, sse_event(opening))
-        if include_usage:
-            closing.append(sse_event(shape.usage_chunk(_usage(stream))))
-        yield b"".join(closing)
-    except ApiError as exc:
-        yield sse_event(exc.to_body())
-    yield SSE_DONE
-
-
-async def _complete(request: Request, stream: GenerationStream, shape: ResponseShape) -> Response:
-    """Collect the whole text, giving up as soon as the client disconnects."""
-    collect = asyncio.ensure_future(stream.collect())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (collect, watcher):
-            task.cancel()
-        await asyncio.gather(collect, watcher, return_exceptions=True)
-    if collect.cancelled():
-        logger.info("client left before %s finished", stream.request_id)
-        return Response(status_code=499)
-    text = collect.result()
-    assert stream.finish_reason is not None
-    return JSONResponse(shape.full_body(text, stream.finish_reason, _usage(stream)))
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # NOTE: the body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _constraint_name(params: GenerationParams) -> str:
+    constraint = params.constraint
+    return "response_format" if constraint is None else constraint.param.split(".")[0]
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> Response:

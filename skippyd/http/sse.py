@@ -34,14 +34,25 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """Build the ``usage`` object."""
-    return {
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               clamp: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Build the ``usage`` object.
+
+    Args:
+        prompt_tokens: Prompt length (counted once, whatever ``n``).
+        completion_tokens: Generated tokens of every choice.
+        cached_tokens: Prompt tokens served from the prefix cache.
+        clamp: (requested, granted) when ``max_tokens`` was clamped to what fits.
+    """
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if clamp is not None:
+        usage["max_tokens_clamped"] = {"requested": clamp[0], "granted": clamp[1]}
+    return usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,22 +97,29 @@ class ResponseShape:
             body["usage"] = None
         return body
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """The opening chunk (chat announces the assistant role), or None."""
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
+        """The opening chunk of choice ``index`` (chat announces the assistant role), or None."""
         if self.kind != "chat":
             return None
         delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+        return self._chunk({"index": index, "delta": delta, "logprobs": None,
+                            "finish_reason": None})
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def text_chunk(self, text: str, finish_reason: str | None = None, *, index: int = 0,
+                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A chunk carrying generated text and, on the last one, the finish reason."""
         if self.kind == "chat":
-            delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
+            return self.delta_chunk({"content": text} if text else {}, finish_reason,
+                                    index=index, logprobs=logprobs)
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         return self._chunk(choice)
+
+    def delta_chunk(self, delta: dict[str, Any], finish_reason: str | None = None, *,
+                    index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chat chunk with any delta: ``content``, ``reasoning_content``, ``tool_calls``."""
+        return self._chunk({"index": index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": finish_reason})
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The final ``include_usage`` chunk: no choices, just usage."""
@@ -111,18 +129,34 @@ class ResponseShape:
         return body
 
     def full_body(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """The whole non-streaming response."""
+        """The whole non-streaming response of one plain-text choice."""
         if self.kind == "chat":
-            body = self._envelope("chat.completion")
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None}
+            choice = self.chat_choice(0, {"role": "assistant", "content": text}, finish_reason)
         else:
-            body = self._envelope("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        body["choices"] = [choice]
+            choice = self.completion_choice(0, text, finish_reason)
+        return self.full_body_choices([choice], usage)
+
+    def full_body_choices(self, choices: list[dict[str, Any]],
+                          usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole non-streaming response of built choices."""
+        body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
+        body["choices"] = choices
         body["usage"] = usage
         return body
+
+    @staticmethod
+    def chat_choice(index: int, message: dict[str, Any], finish_reason: str,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice of a non-streaming chat response."""
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    @staticmethod
+    def completion_choice(index: int, text: str, finish_reason: str,
+                          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice of a non-streaming completions response."""
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
 
 class EventStreamResponse(Response):

@@ -1,19 +1,44 @@
-"""Options of the OpenAI API this server refuses instead of silently ignoring.
+"""Which request fields the API acts on, which it ignores on purpose, which it refuses.
 
-Each check looks at one body field and returns what is unsupported about its value (for
-the 400 message), or None when the value is absent or harmless (``n: 1``,
-``tool_choice: "none"``, ``response_format: {"type": "text"}``…).
+Every field of a request body is one of:
+
+* **supported**: parsed and acted on (:mod:`skippyd.http.requests` and friends);
+* **ignored**: harmless metadata that changes nothing about the output (``user``,
+  ``metadata``…), accepted and listed in the README as ignored;
+* **refused**: options whose value would change the output in a way this server cannot
+  deliver (``suffix``, ``audio``…), answered with a 400 naming the field when they are set
+  to anything but a harmless value;
+* **unknown**: anything else. It is ignored, but never silently: the first request that
+  carries a given unknown name is logged.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from skippyd.http.errors import invalid_field, unsupported_field
 
 logger = logging.getLogger(__name__)
+
+_COMMON_SUPPORTED = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
+    "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+    "frequency_penalty", "seed", "logit_bias", "ignore_eos", "stop", "n", "logprobs",
+    "response_format", "grammar", "json_schema", "min_tokens",
+})
+CHAT_SUPPORTED = _COMMON_SUPPORTED | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template_kwargs",
+}
+COMPLETION_SUPPORTED = _COMMON_SUPPORTED | {"prompt", "echo", "best_of"}
+#: Metadata that never changes the output: accepted and ignored (documented).
+IGNORED = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+    "cache_prompt",
+})
 
 
 def is_int(value: Any) -> bool:
@@ -28,61 +53,36 @@ def is_set(value: Any) -> bool:
     return not (isinstance(value, str | list | dict) and not value)
 
 
-def _check_logprobs(value: Any) -> str | None:
-    # NOTE: unlike the other flags, completions' ``logprobs: 0`` still asks for the
-    # sampled token's log-probability, so only null and false are accepted.
-    return None if value is None or value is False else "logprobs"
-
-
-def _check_n(name: str) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        if value is None:
-            return None
-        if not is_int(value) or value < 1:
-            raise invalid_field(name, f"must be an integer >= 1 (got {value!r})")
-        return f"{name} > 1" if value > 1 else None
-
-    return check
-
-
-def _check_choice(name: str) -> Callable[[Any], str | None]:
-    return lambda value: None if value in (None, "none") else f"{name} other than 'none'"
-
-
-def _check_response_format(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise invalid_field("response_format", "must be an object")
-    kind = value.get("type")
-    return None if kind == "text" else f"response_format type {kind!r}"
-
-
 def _check_flag(name: str) -> Callable[[Any], str | None]:
     return lambda value: name if is_set(value) else None
 
 
-_COMMON_UNSUPPORTED: dict[str, Callable[[Any], str | None]] = {
-    "n": _check_n("n"),
-    "logprobs": _check_logprobs,
-    "top_logprobs": _check_flag("top_logprobs"),
-    "tools": _check_flag("tools"),
-    "functions": _check_flag("functions"),
-    "tool_choice": _check_choice("tool_choice"),
-    "function_call": _check_choice("function_call"),
-    "response_format": _check_response_format,
+def _check_modalities(value: Any) -> str | None:
+    if value is None or value == ["text"]:
+        return None
+    return f"modalities {value!r} (only ['text'])"
+
+
+def _check_deprecated(replacement: str) -> Callable[[Any], str | None]:
+    return lambda value: (None if value is None
+                          else f"the deprecated form (use {replacement})")
+
+
+_COMMON_REFUSED: dict[str, Callable[[Any], str | None]] = {
+    "functions": _check_deprecated("tools"),
+    "function_call": _check_deprecated("tool_choice"),
+    "modalities": _check_modalities,
+    "audio": _check_flag("audio output"),
+    "prediction": _check_flag("predicted outputs"),
+    "web_search_options": _check_flag("web search"),
+    "mirostat": _check_flag("mirostat sampling"),
 }
-_COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "best_of": _check_n("best_of"),
-    "echo": _check_flag("echo"),
-    "suffix": _check_flag("suffix"),
-}
-_CHAT_UNSUPPORTED = _COMMON_UNSUPPORTED
+_COMPLETION_REFUSED = {**_COMMON_REFUSED, "suffix": _check_flag("suffix")}
 
 
 def reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
-    """Raise a 400 naming the first option set to something this server cannot do.
+    """Raise a 400 naming the first option set to something this server cannot do; log
+    the first occurrence of every unknown field name.
 
     Args:
         body: The decoded request body.
@@ -91,8 +91,58 @@ def reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
     Raises:
         ApiError: 400 ``unsupported_parameter`` naming the field.
     """
-    checks = _CHAT_UNSUPPORTED if chat else _COMPLETION_UNSUPPORTED
-    for name, check in checks.items():
-        detail = check(body.get(name))
-        if detail is not None:
-            raise unsupported_field(name, detail)
+    refused = _COMMON_REFUSED if chat else _COMPLETION_REFUSED
+    _check_min_tokens(body)
+    supported = CHAT_SUPPORTED if chat else COMPLETION_SUPPORTED
+    for name, value in body.items():
+        check = refused.get(name)
+        if check is not None:
+            detail = check(value)
+            if detail is not None:
+                raise unsupported_field(name, detail)
+        elif name not in supported and name not in IGNORED:
+            _note_unknown(name, "chat" if chat else "completions")
+
+
+def _check_min_tokens(body: dict[str, Any]) -> None:
+    """vLLM's ``min_tokens`` holds end-of-generation tokens back for that many tokens:
+    ``ignore_eos`` already holds them back for the whole generation (load generators
+    send both to get exact lengths), so it is honoured with it and refused without.
+    """
+    value = body.get("min_tokens")
+    if value is None:
+        return
+    if not is_int(value) or value < 0:
+        raise invalid_field("min_tokens", "must be an integer >= 0")
+    if value > 0 and body.get("ignore_eos") is not True:
+        raise unsupported_field("min_tokens", "min_tokens without ignore_eos: true")
+
+
+_unknown_seen: set[tuple[str, str]] = set()
+_unknown_lock = threading.Lock()
+#: Distinct unknown names remembered; beyond it they are no longer logged (bounded).
+_MAX_UNKNOWN_NAMES = 256
+
+
+def _note_unknown(name: str, endpoint: str) -> None:
+    key = (endpoint, name[:64])
+    with _unknown_lock:
+        if key in _unknown_seen or len(_unknown_seen) >= _MAX_UNKNOWN_NAMES:
+            return
+        _unknown_seen.add(key)
+    logger.warning("%s request field %r is unknown to skippyd and is ignored "
+                   "(logged once per name)", endpoint, key[1])
+
+
+def check_choice_count(body: dict[str, Any], name: str, limit: int) -> int:
+    """``n`` (or ``best_of``): an integer within [1, ``limit``]; 1 when absent.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    value = body.get(name)
+    if value is None:
+        return 1
+    if not is_int(value) or not 1 <= value <= limit:
+        raise invalid_field(name, f"must be an integer within [1, {limit}] (got {value!r})")
+    return value

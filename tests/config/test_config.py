@@ -569,6 +569,37 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
     assert "must be at least stages[0].runtime.lane_count = 4 (got 2)" in str(info.value)
 
 
+# -- the API's defaults ------------------------------------------------------------------
+
+def test_sampling_defaults_are_llama_servers_and_configurable() -> None:
+    sampling = default_config().sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p) == (
+        0.8, 40, 0.95, 0.05)
+    changed = parse_config({"sampling": {"temperature": 0.2, "top_k": 0}}, "<test>").sampling
+    assert (changed.temperature, changed.top_k) == (0.2, 0)
+    with pytest.raises(ConfigError, match=r"sampling\.top_p: must be"):
+        parse_config({"sampling": {"top_p": 1.5}}, "<test>")
+
+
+def test_no_default_max_tokens_means_the_context(tmp_path: Path) -> None:
+    assert default_config().http.default_max_tokens is None
+    assert parse_config({"http": {"default_max_tokens": 64}}, "<t>").http.default_max_tokens == 64
+
+
+def test_a_chat_template_file_is_checked(tmp_path: Path) -> None:
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (tmp_path / "stage.toml").write_text('[http]\nchat_template_file = "good.jinja"\n')
+    assert load_config(tmp_path / "stage.toml").http.chat_template_file == str(good)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match=r"http\.chat_template_file: .*bad\.jinja is not a "
+                                          r"valid Jinja template"):
+        parse_config({"http": {"chat_template_file": str(bad)}}, "<t>")
+    with pytest.raises(ConfigError, match=r"http\.chat_template_file: cannot read"):
+        parse_config({"http": {"chat_template_file": str(tmp_path / "missing.jinja")}}, "<t>")
+
+
 def test_telemetry_keys_for_logs_and_the_metrics_listener() -> None:
     telemetry = parse_config({"telemetry": {
         "log_format": "json", "log_requests": False, "stats_interval_s": 0,

@@ -21,7 +21,9 @@ def _extremes(section: type) -> list[tuple[str, float]]:
         for bound in ("lo", "hi"):
             value = spec.metadata.get(bound)
             if value is not None:
-                kind = type(spec.default) if spec.default is not dataclasses.MISSING else int
+                # An optional key (default None, such as an open default_max_tokens) is an int.
+                known = spec.default is not dataclasses.MISSING and spec.default is not None
+                kind = type(spec.default) if known else int
                 cases.append((spec.name, kind(value)))
     return cases
 

@@ -199,6 +199,7 @@ class FullBackend:
     """A backend whose queue is always full."""
 
     model_id, ctx_size, n_vocab = "full", 64, 300
+    max_context_tokens, local_sampling = 64, True
 
     def health(self) -> tuple[str, str | None]:
         return "ok", None

@@ -103,9 +103,11 @@ def test_seed_reproducibility(client):
 
 def test_bad_requests_get_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError, match="n"):
-        client.completions.create(model="any", prompt="hi", max_tokens=4, n=2)
+        client.completions.create(model="any", prompt="hi", max_tokens=4, n=99)
     with pytest.raises(openai.BadRequestError, match="max_tokens_limit=4096"):
         client.completions.create(model="any", prompt="hi", max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="max_prompt_tokens=4096"):
+        client.completions.create(model="any", prompt="hello " * 4100, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="context") as excinfo:
         client.completions.create(model="any", prompt="hello " * 3000, max_tokens=4000)
     assert "512" in str(excinfo.value)  # each of 8 lanes holds 512 of the 4096 KV cells

@@ -9,17 +9,20 @@ sends a token, waits (bounded) for its acknowledgement, and stops on ``STOP`` or
 from __future__ import annotations
 
 import codecs
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
+from skippyd.engine.runtime.protocol import TokenLogprob
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     QueueFullError,
     TokenAck,
     TokenControl,
@@ -35,6 +38,11 @@ WAIT_S = 10.0
 def byte_tokens(text: str) -> list[int]:
     """Tokens of ``text`` in the fake vocabulary (no BOS)."""
     return [byte + 1 for byte in text.encode("utf-8")]
+
+
+def fake_logprob(token: int, k: int) -> TokenLogprob:
+    """A deterministic log-probability: the token itself at -0.25, alternatives after it."""
+    return TokenLogprob(token, -0.25, tuple((token + i, -0.25 * (i + 1)) for i in range(k)))
 
 
 class ByteDetokenizer:
@@ -98,22 +106,59 @@ class FakeBackend:
         self.generations: dict[str, Generation] = {}
         self.cancel_calls: list[str] = []
         self.rendered: list[list[dict[str, str]]] = []
+        self.render_calls: list[dict] = []
+        self.local_sampling = True
+        self.chat_template: str | None = None
         self._threads: list[threading.Thread] = []
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.ctx_size
+
+    def describe(self) -> dict:
+        return {"lane_count": 4, "layer_start": 0, "layer_end": 30, "n_layer": 30,
+                "model_path": "/models/fake.gguf", "bos_token": "<s>", "eos_token": "</s>"}
 
     # -- ServingBackend ----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        # "<s>" stands for BOS when control tokens are parsed.
+        if parse_special and text.startswith("<s>"):
+            return [BOS] + self.tokenize(text[3:], add_special=False, parse_special=True)
         return ([BOS] if add_special else []) + byte_tokens(text)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict], *, tools=None, template_kwargs=None,
+                    add_generation_prompt: bool = True) -> str:
         if any(m["role"] == "bad" for m in messages):
             raise ValueError("roles must alternate")
         self.rendered.append(messages)
+        self.render_calls.append({"tools": tools, "template_kwargs": template_kwargs})
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return f"{turns}<assistant>"
+        opening = (template_kwargs or {}).get("opening", "")
+        return f"{turns}<assistant>{opening}" if add_generation_prompt else turns
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenize(self.render_chat(messages), add_special=True)
+    def detokenize(self, tokens: list[int]) -> str:
+        return bytes(t - 1 for t in tokens if t != BOS).decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token == BOS else bytes([token - 1])
+
+    def check_grammar(self, grammar: str) -> None:
+        if "::=" not in grammar:
+            raise ValueError("llama.cpp could not parse the grammar")
+
+    def schema_grammar(self, schema: dict, root: str | None = None) -> str:
+        if "minimum" in json.dumps(schema):
+            error = ValueError("properties.age.minimum: the keyword 'minimum' is not supported")
+            error.path = "properties.age.minimum"
+            error.reason = "the keyword 'minimum' is not supported"
+            raise error
+        return f"root ::= {root or 'call'}\ncall ::= {json.dumps(json.dumps(schema))}"
+
+    def chat_tokens(self, messages: list[dict], *, tools=None,
+                    template_kwargs=None) -> tuple[list[int], str]:
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.tokenize(text, add_special=True), text
 
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()
@@ -161,6 +206,12 @@ class FakeBackend:
 
     def _drive(self, generation: Generation, on_event: Callable[[GenerationEvent], None]) -> str:
         request = generation.request
+        sampling = request.sampling
+        if sampling is not None and sampling.prompt_logprobs is not None:
+            on_event(PromptLogprobsEvent(tuple(
+                (position, fake_logprob(token, sampling.prompt_logprobs))
+                for position, token in enumerate(request.prompt_tokens) if position)))
+        k = None if sampling is None else sampling.logprobs
         for index, token in enumerate(self.script):
             if index == self.error_after:
                 on_event(ErrorEvent(WorkerBackendError("decode failed")))
@@ -173,7 +224,7 @@ class FakeBackend:
                 return "cancelled" if generation.cancelled.wait(WAIT_S) else "hold-timeout"
             ack = RecordingAck()
             generation.acks.append(ack)
-            on_event(TokenEvent(token, ack))
+            on_event(TokenEvent(token, ack, None if k is None else fake_logprob(token, k)))
             if not ack.answered.wait(WAIT_S):
                 return "ack-timeout"
             if ack.poll() is TokenControl.STOP:

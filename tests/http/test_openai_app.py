@@ -207,7 +207,7 @@ def test_malformed_json_and_wrong_types_are_400(client: TestClient) -> None:
     bad_json = client.post(CHAT_URL, content=b"{not json", headers={"content-type": "x"})
     assert "not valid JSON" in assert_error(bad_json, 400)["message"]
     assert_error(client.post(CHAT_URL, json={**_chat("hi"), "top_p": "high"}), 400, "top_p")
-    assert_error(client.post(COMPLETIONS_URL, json={"prompt": "x", "n": 2}), 400, "n")
+    assert_error(client.post(COMPLETIONS_URL, json={"prompt": "x", "n": 99}), 400, "n")
 
 
 def test_template_rejection_is_400(client: TestClient) -> None:
@@ -219,12 +219,23 @@ def test_prompt_that_cannot_fit_the_context(fake: Any) -> None:
     fake.ctx_size = 10
     with TestClient(create_app(fake, limits=LIMITS)) as client:
         too_long = client.post(COMPLETIONS_URL, json={"prompt": "123456789"})
-        with_budget = client.post(COMPLETIONS_URL, json={"prompt": "1234", "max_tokens": 6})
-    assert "context size is 10" in assert_error(too_long, 400, "prompt")["message"]
-    error = assert_error(with_budget, 400, "max_tokens")
-    assert "(5) + max_tokens (6)" in error["message"]
-    assert error["code"] == "context_length_exceeded"
-    assert fake.generations == {}
+        assert "context size is 10" in assert_error(too_long, 400, "prompt")["message"]
+        assert fake.generations == {}
+        clamped = client.post(COMPLETIONS_URL, json={"prompt": "1234", "max_tokens": 6})
+    # 5 prompt tokens (BOS + 4) leave room for 5: max_tokens is clamped, and usage says so.
+    assert clamped.status_code == 200
+    body = clamped.json()
+    assert body["usage"]["max_tokens_clamped"] == {"requested": 6, "granted": 5}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert fake.only_generation().request.max_tokens == 5
+
+
+def test_without_max_tokens_the_context_is_the_limit(fake: Any) -> None:
+    fake.ctx_size = 10
+    with TestClient(create_app(fake, limits=LIMITS)) as client:
+        body = client.post(COMPLETIONS_URL, json={"prompt": "1234"}).json()
+    assert fake.only_generation().request.max_tokens == 5
+    assert "max_tokens_clamped" not in body["usage"]
 
 
 def test_prompt_token_limit(client: TestClient, fake: Any) -> None:

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.http import unsupported
 from skippyd.http.errors import ApiError
 from skippyd.http.requests import (
+    DEFAULT_SAMPLING,
     HttpLimits,
     parse_chat_request,
     parse_completion_request,
@@ -54,10 +56,21 @@ def test_defaults_when_only_prompt_given() -> None:
     parsed = parse_completion_request(COMPLETION, LIMITS)
     assert parsed.prompt == "hi"
     assert parsed.params.max_tokens is None
-    assert parsed.params.sampling == SamplingConfig()
+    assert parsed.params.sampling == DEFAULT_SAMPLING
+    assert (DEFAULT_SAMPLING.temperature, DEFAULT_SAMPLING.top_k, DEFAULT_SAMPLING.top_p,
+            DEFAULT_SAMPLING.min_p) == (0.8, 40, 0.95, 0.05)  # llama-server's
+    assert (parsed.params.n, parsed.params.logprobs, parsed.params.echo,
+            parsed.params.constraint) == (1, None, False, None)
     assert (parsed.params.stop, parsed.params.stream, parsed.params.include_usage) == (
         (), False, False,
     )
+
+
+def test_configured_sampling_defaults_fill_what_the_client_leaves_out() -> None:
+    defaults = SamplingConfig(temperature=0.2, top_k=5)
+    sampling = parse_completion_request(completion(top_k=7), LIMITS,
+                                        defaults=defaults).params.sampling
+    assert (sampling.temperature, sampling.top_k) == (0.2, 7)
 
 
 def test_every_sampling_field_reaches_the_config() -> None:
@@ -74,9 +87,12 @@ def test_every_sampling_field_reaches_the_config() -> None:
     )
 
 
-def test_seed_minus_one_and_top_k_minus_one_mean_unset() -> None:
+def test_seed_minus_one_is_unset_and_top_k_below_one_disables_it() -> None:
     sampling = parse_completion_request(completion(seed=-1, top_k=-1), LIMITS).params.sampling
     assert (sampling.seed, sampling.top_k) == (None, 0)
+    sampling = parse_completion_request(completion(typical_p=0.5, repeat_last_n=-1),
+                                        LIMITS).params.sampling
+    assert (sampling.typical_p, sampling.penalty_last_n) == (0.5, -1)
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
@@ -122,7 +138,9 @@ def test_chat_content_parts_are_flattened_and_developer_is_system() -> None:
 @pytest.mark.parametrize(
     "fields",
     [{"n": 1}, {"logprobs": False}, {"tools": []}, {"tool_choice": "none"},
-     {"response_format": {"type": "text"}}, {"top_logprobs": 0}, {"user": "u"}],
+     {"response_format": {"type": "text"}}, {"top_logprobs": 0}, {"user": "u"},
+     {"functions": None}, {"modalities": ["text"]}, {"suffix": ""}, {"metadata": {"a": "b"}},
+     {"store": False}, {"audio": None}],
 )
 def test_harmless_values_of_unsupported_options_are_accepted(fields: dict[str, Any]) -> None:
     parse_chat_request(chat(**fields), LIMITS)
@@ -145,7 +163,7 @@ def test_body_must_be_an_object(body: Any) -> None:
         ("repeat_penalty", 0), ("repeat_penalty", "1"), ("seed", "42"), ("seed", 1.0),
         ("seed", -2), ("stream", "yes"), ("ignore_eos", 1), ("model", 5),
         ("stream_options", "usage"), ("stop", 5), ("stop", ["ok", 3]), ("logit_bias", [1, 2]),
-        ("n", "2"), ("response_format", "json"),
+        ("n", "2"), ("response_format", "json"), ("typical_p", 2), ("repeat_last_n", -2),
     ],
 )
 def test_wrong_type_or_range_names_the_field(field: str, value: Any) -> None:
@@ -162,15 +180,12 @@ def test_include_usage_must_be_boolean() -> None:
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        (completion(n=2), "n"), (completion(best_of=3), "best_of"),
-        (completion(logprobs=0), "logprobs"), (completion(echo=True), "echo"),
         (completion(suffix="end"), "suffix"),
-        (completion(tools=[{"type": "function"}]), "tools"),
         (completion(functions=[{"name": "f"}]), "functions"),
-        (completion(tool_choice="auto"), "tool_choice"),
         (completion(function_call="auto"), "function_call"),
-        (completion(response_format={"type": "json_object"}), "response_format"),
-        (completion(top_logprobs=2), "top_logprobs"),
+        (completion(modalities=["text", "audio"]), "modalities"),
+        (completion(min_tokens=3), "min_tokens"),  # without ignore_eos
+        (completion(response_format={"type": "xml"}), "response_format.type"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(body: dict[str, Any], field: str) -> None:
@@ -181,16 +196,99 @@ def test_unsupported_options_are_refused_by_name(body: dict[str, Any], field: st
 
 
 @pytest.mark.parametrize(
-    ("fields", "field"),
-    [({"logprobs": True}, "logprobs"), ({"n": 4}, "n"), ({"tools": [{"type": "x"}]}, "tools")],
+    ("body", "field", "fragment"),
+    [
+        (completion(n=0), "n", "[1, 16]"), (completion(n=17), "n", "[1, 16]"),
+        (completion(n=2, best_of=3), "best_of", "best_of == n"),
+        (completion(logprobs=21), "logprobs", "[0, 20]"),
+        (completion(logprobs=True), "logprobs", "integer"),
+        (completion(max_tokens=0), "max_tokens", ">= 1"),
+        (completion(grammar=""), "grammar", "non-empty"),
+        (completion(response_format={"type": "json_schema"}), "response_format.json_schema",
+         "object"),
+        (completion(response_format={"type": "json_object"}, grammar='root ::= "a"'), "grammar",
+         "cannot be combined"),
+        (completion(json_schema=[1]), "json_schema", "JSON Schema object"),
+    ],
 )
-def test_chat_refuses_unsupported_options(fields: dict[str, Any], field: str) -> None:
+def test_new_options_are_checked_by_name(body: dict[str, Any], field: str, fragment: str) -> None:
+    error = completion_error(body)
+    assert error.param == field
+    assert fragment in error.message
+
+
+def test_completion_options_reach_the_params() -> None:
+    params = parse_completion_request(completion(
+        n=3, best_of=3, logprobs=2, echo=True, max_tokens=0, grammar='root ::= "a"'),
+        LIMITS).params
+    assert (params.n, params.logprobs, params.echo, params.max_tokens) == (3, 2, True, 0)
+    assert params.constraint.kind == "grammar" and params.constraint.grammar == 'root ::= "a"'
+
+
+@pytest.mark.parametrize(
+    ("response_format", "kind", "schema"),
+    [({"type": "json_object"}, "json_object", None),
+     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+      "json_schema", {"type": "integer"}),
+     ({"type": "json_object", "schema": {"type": "array"}}, "json_schema", {"type": "array"})],
+)
+def test_response_formats(response_format: dict, kind: str, schema: Any) -> None:
+    constraint = parse_chat_request(chat(response_format=response_format),
+                                    LIMITS).params.constraint
+    assert (constraint.kind, constraint.schema) == (kind, schema)
+
+
+def test_chat_logprobs_and_tools_reach_the_params() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    parsed = parse_chat_request(chat(logprobs=True, top_logprobs=3, n=2, tools=tools,
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     chat_template_kwargs={"enable_thinking": False}), LIMITS)
+    assert (parsed.params.logprobs, parsed.params.n) == (3, 2)
+    assert parsed.tools.names == ("get_weather",) and parsed.tools.forced
+    assert not parsed.tools.parallel
+    assert parsed.template_kwargs == {"enable_thinking": False}
+    assert parse_chat_request(chat(logprobs=True), LIMITS).params.logprobs == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"top_logprobs": 2}, "top_logprobs"), ({"n": 40}, "n"),
+     ({"tools": [{"type": "x"}]}, "tools[0].type"),
+     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+         "type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+     ({"tool_choice": "required"}, "tool_choice"),
+     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+     ({"tools": [{"type": "function", "function": {"name": "f"}}],
+       "response_format": {"type": "json_object"}}, "response_format")],
+)
+def test_chat_refuses_bad_new_options(fields: dict[str, Any], field: str) -> None:
     assert chat_error(chat(**fields)).param == field
 
 
-def test_chat_ignores_completion_only_fields_but_completion_refuses_echo() -> None:
-    parse_chat_request(chat(echo=True), LIMITS)
-    assert completion_error(completion(echo=True)).param == "echo"
+def test_min_tokens_is_honoured_by_ignore_eos() -> None:
+    parsed = parse_completion_request(completion(min_tokens=8, ignore_eos=True), LIMITS)
+    assert parsed.params.sampling.ignore_eos
+    parse_completion_request(completion(min_tokens=0), LIMITS)
+    assert completion_error(completion(min_tokens=-1, ignore_eos=True)).param == "min_tokens"
+
+
+def test_echo_is_a_completions_option() -> None:
+    parse_chat_request(chat(echo=True), LIMITS)  # unknown to chat: logged, ignored
+    assert parse_completion_request(completion(echo=True), LIMITS).params.echo
+
+
+def test_unknown_fields_are_logged_once(caplog, monkeypatch) -> None:
+    # Earlier tests of the session may have filled the bounded set of names seen.
+    monkeypatch.setattr(unsupported, "_unknown_seen", set())
+    with caplog.at_level("WARNING", logger="skippyd.http.unsupported"):
+        for _ in range(3):
+            parse_completion_request(completion(frobnicate_unknown=1), LIMITS)
+    assert [r.getMessage() for r in caplog.records].count(
+        "completions request field 'frobnicate_unknown' is unknown to skippyd and is ignored "
+        "(logged once per name)") == 1
 
 
 @pytest.mark.parametrize(
@@ -218,7 +316,10 @@ def test_bad_prompts(prompt: Any, fragment: str) -> None:
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
         ([{"role": "user", "content": ["x"]}], "messages[0].content[0]"),
         ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}],
-         "messages[0].tool_calls"),
+         "messages[0].tool_calls[0].function.name"),
+        ([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+         "messages[0].tool_calls[0].function.arguments"),
+        ([{"role": "tool", "content": "x", "tool_call_id": 5}], "messages[0].tool_call_id"),
     ],
 )
 def test_bad_messages_name_the_path(messages: Any, field: str) -> None:

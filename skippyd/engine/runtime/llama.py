@@ -35,18 +35,22 @@ import numpy as np
 from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
+from skippyd.engine.runtime.constrained import GrammarError
+from skippyd.engine.runtime.forks import SessionForkMixin
 from skippyd.engine.runtime.lane_cache import LaneCacheMixin
 from skippyd.engine.runtime.llama_ext import (
     LayerOutputCapture,
     ensure_backend,
     stream_split_order,
 )
+from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, token_logprob
 from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
     InvalidIterationError,
     IterationOutput,
+    IterationPhase,
     IterationRequest,
     IterationSample,
     KvSlotUnavailableError,
@@ -112,9 +116,12 @@ class _Lane:
     history: list[int] = field(default_factory=list)
     """Token ids in KV order (first stage, or a token sideband on later stages)."""
     sampler: SamplerChain | None = None
+    prompt_carry: tuple[int, np.ndarray] | None = None
+    """(position, logits) of a prefill chunk's last row, whose next token the following
+    chunk brings (``prompt_logprobs`` sessions only)."""
 
 
-class LlamaRuntime(LaneCacheMixin):
+class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
     The prefix cache's lane operations (what an idle lane holds, copies between lanes,
@@ -145,6 +152,7 @@ class LlamaRuntime(LaneCacheMixin):
         self.lane_capacity_tokens = int(L.llama_n_ctx_seq(self._ctx))
         """Most tokens one session can hold: its lane's stream."""
         vocab = L.llama_model_get_vocab(self._model)
+        self._vocab = vocab
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self._eog_tokens = tuple(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
         self._batch = L.llama_batch_init(
@@ -292,6 +300,7 @@ class LlamaRuntime(LaneCacheMixin):
         chosen.token_count = keep_tokens
         del chosen.history[keep_tokens:]
         self._reset_sampler(chosen)
+        chosen.prompt_carry = None  # a lane's last session may have left one
         chosen.session_id = session_id
         self._sessions[session_id] = chosen
 
@@ -475,12 +484,13 @@ class LlamaRuntime(LaneCacheMixin):
                     ctypes.addressof(batch.embd.contents) + row * self.n_embd * 4,
                     rows.ctypes.data, rows.nbytes,
                 )
+            outputs = all_outputs or (self.options.final_stage and _wants_prompt_logprobs(request))
             seq_id = session.seq_id
             for i in range(n):
                 batch.pos[row + i] = start + i
                 batch.n_seq_id[row + i] = 1
                 batch.seq_id[row + i][0] = seq_id
-                batch.logits[row + i] = all_outputs
+                batch.logits[row + i] = outputs
             if request.sample_last:
                 batch.logits[row + n - 1] = True
             sample_rows[index] = row + n - 1
@@ -526,12 +536,29 @@ class LlamaRuntime(LaneCacheMixin):
                     session.sampler.observe(tokens)
             row = self._row_starts[index]
             output.output_rows.append(None if captured is None else captured[row : row + n])
+            if self.options.final_stage and _wants_prompt_logprobs(request):
+                output.prompt_logprobs[index] = self._prompt_logprobs(session, request, row, start)
             if request.sample_last:
-                token = self._sample(session, request, sample_rows[index])
-                output.samples.append(
-                    IterationSample(index, token, is_eog=token in self._eog_tokens)
-                )
+                output.samples.append(self._sample_row(index, session, request, sample_rows[index]))
         return output
+
+    def _sample_row(self, index: int, session: _Lane, request: IterationRequest,
+                    row: int) -> IterationSample:
+        token = self._sample(session, request, row)
+        config = request.sampling
+        logprob = None
+        if config is not None and config.logprobs is not None:
+            logprob = token_logprob(row_logits(self._ctx, row, self.n_vocab), token,
+                                    config.logprobs)
+        return IterationSample(index, token, is_eog=token in self._eog_tokens, logprob=logprob)
+
+    def _prompt_logprobs(self, session: _Lane, request: IterationRequest, row: int,
+                         start: int) -> list:
+        assert request.sampling is not None and request.sampling.prompt_logprobs is not None
+        entries, session.prompt_carry = prompt_row_logprobs(
+            self._ctx, row, list(request.token_ids), start, self.n_vocab,
+            request.sampling.prompt_logprobs, session.prompt_carry)
+        return entries
 
     def _captured_in_batch_order(self) -> np.ndarray:
         """The captured rows, reordered from micro-batch order to batch row order."""
@@ -550,9 +577,23 @@ class LlamaRuntime(LaneCacheMixin):
         config = request.sampling or _GREEDY
         if session.sampler is None or session.sampler.config != config:
             self._reset_sampler(session)
-            session.sampler = SamplerChain(
-                config, n_vocab=self.n_vocab, n_ctx=self.lane_capacity_tokens,
-                eog_tokens=self._eog_tokens,
-            )
+            try:
+                session.sampler = SamplerChain(
+                    config, n_vocab=self.n_vocab, n_ctx=self.lane_capacity_tokens,
+                    eog_tokens=self._eog_tokens, vocab=self._vocab,
+                )
+                session.sampler.replay_grammar(session.history)
+            except GrammarError as exc:
+                # The request was checked before it was queued; ending it beats aborting
+                # every other session of the batch.
+                logger.error("session %s: %s; ending its generation", request.session_id, exc)
+                self._reset_sampler(session)
+                return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
         return session.sampler.sample(self._ctx, row)
+
+
+def _wants_prompt_logprobs(request: IterationRequest) -> bool:
+    sampling = request.sampling
+    return (sampling is not None and sampling.prompt_logprobs is not None
+            and request.phase is IterationPhase.PREFILL and bool(request.token_ids))

@@ -20,6 +20,8 @@ import numpy as np
 LLAMA_MAX_SEQ = 256
 #: Native limit on logit-bias entries per sampler.
 MAX_LOGIT_BIAS = 256
+#: Most alternatives a request may ask for per token (OpenAI's ``top_logprobs`` cap).
+MAX_TOP_LOGPROBS = 20
 
 
 class IterationPhase(enum.Enum):
@@ -81,6 +83,18 @@ class SamplingConfig:
     """(token id, additive bias) pairs; at most :data:`MAX_LOGIT_BIAS`."""
     ignore_eos: bool = False
     """When set, end-of-generation tokens are masked out and never sampled."""
+    grammar: str | None = None
+    """GBNF grammar (start rule ``root``) every generated token must fit; None: free text."""
+    grammar_start: int = 0
+    """KV position where the constrained output begins (the prompt's length). A sampler
+    rebuilt mid-generation (after a trim or a preemption) replays the session's tokens
+    from here on into its grammar."""
+    logprobs: int | None = None
+    """Report each sampled token's log-probability and this many most likely alternatives;
+    None reports nothing."""
+    prompt_logprobs: int | None = None
+    """Report the log-probability of every prompt token after the first (and this many
+    alternatives); the prompt's rows then become outputs. None reports nothing."""
 
     @property
     def is_greedy(self) -> bool:
@@ -112,6 +126,7 @@ class SamplingConfig:
             raise ValueError(
                 f"logit_bias: at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})"
             )
+        self._validate_extensions()
         if n_vocab is not None:
             for token_id, _bias in self.logit_bias:
                 if not 0 <= token_id < n_vocab:
@@ -120,7 +135,32 @@ class SamplingConfig:
                     )
 
 
+    def _validate_extensions(self) -> None:
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("grammar: must be a non-empty string")
+        if self.grammar_start < 0:
+            raise ValueError(f"grammar_start: must be >= 0 (got {self.grammar_start})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name}: must be within [0, {MAX_TOP_LOGPROBS}] (got {value})")
+
+
 GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model, with the most likely alternatives.
+
+    Log-probabilities are those of the model's raw distribution (log-softmax of the
+    logits), before temperature, penalties, biases and grammar.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the most likely tokens, most likely first."""
 
 
 @dataclass(slots=True)
@@ -157,6 +197,8 @@ class IterationSample:
     token: int
     is_eog: bool
     """The token ends generation (EOS/EOT per the model's vocabulary)."""
+    logprob: TokenLogprob | None = None
+    """The sampled token's log-probability, when the request's sampling asks for it."""
 
 
 @dataclass(slots=True)
@@ -169,6 +211,9 @@ class IterationOutput:
     """One entry per request with ``sample_last``, in request order."""
     compute_s: float = 0.0
     """Wall time spent inside llama.cpp for this call."""
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """Per request index asking for them: (KV position, log-probability) of the tokens
+    this call's rows predicted, for ``prompt_logprobs`` sessions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,3 +392,40 @@ class RuntimeWrapper:
 
     def close(self) -> None:
         self.inner.close()
+
+    def fork_session(self, src_session_id: str, dst_session_id: str,
+                     num_tokens: int | None = None) -> None:
+        """Forward to the inner runtime (see :class:`ForkingRuntime`; check :func:`can_fork`).
+
+        Raises:
+            InvalidIterationError: The inner runtime cannot fork sessions.
+        """
+        fork = getattr(self.inner, "fork_session", None)
+        if fork is None:
+            raise InvalidIterationError(f"{type(self.inner).__name__} cannot fork sessions")
+        fork(src_session_id, dst_session_id, num_tokens)
+
+
+@runtime_checkable
+class ForkingRuntime(Runtime, Protocol):
+    """A runtime that can copy one session's KV into another (``n > 1`` choices)."""
+
+    def fork_session(
+        self, src_session_id: str, dst_session_id: str, num_tokens: int | None = None
+    ) -> None:
+        """Make ``dst`` (taking a lane if new) hold ``src``'s first ``num_tokens`` tokens.
+
+        ``None`` copies all of them. The source is unchanged.
+
+        Raises:
+            InvalidIterationError: ``src`` is unknown or holds fewer tokens.
+            LanesBusyError: ``dst`` is new and no lane is free.
+        """
+        ...
+
+
+def can_fork(runtime: object) -> bool:
+    """Whether ``runtime``, under any wrappers, copies sessions (:class:`ForkingRuntime`)."""
+    while isinstance(runtime, RuntimeWrapper):
+        runtime = runtime.inner
+    return callable(getattr(runtime, "fork_session", None))

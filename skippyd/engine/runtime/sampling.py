@@ -1,7 +1,9 @@
 """Per-session sampler chains over llama.cpp's sampler API (DESIGN.md item 1).
 
 A chain samples from the logits of one batch row (``llama_sampler_sample(chain, ctx, i)``)
-and remembers the session's tokens for the penalties. Only the worker thread uses it.
+and remembers the session's tokens for the penalties. A session with a grammar samples
+through :func:`~skippyd.engine.runtime.constrained.sample_constrained` instead, on a
+candidate array of its own. Only the worker thread uses it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.constrained import (
+    Candidates,
+    ConstrainedSampler,
+    GrammarSampler,
+    sample_constrained,
+)
 from skippyd.engine.runtime.protocol import SamplingConfig
 
 
@@ -39,6 +47,7 @@ class SamplerChain:
         n_vocab: int,
         n_ctx: int,
         eog_tokens: Sequence[int],
+        vocab: int | None = None,
     ) -> None:
         self.config = config
         self.tracks_history = _has_penalties(config)
@@ -47,15 +56,36 @@ class SamplerChain:
         # Plain greedy needs no chain: an argmax over the row's logits picks the same
         # token (the first highest, as llama.cpp's greedy sampler does) in a third of
         # the time, without filling a candidate array of the whole vocabulary.
-        self._argmax = config.is_greedy and not self.tracks_history and not config.logit_bias
+        self._argmax = (config.is_greedy and not self.tracks_history and not config.logit_bias
+                        and config.grammar is None)
         self._masked = np.array(sorted(eog_tokens) if config.ignore_eos else [], dtype=np.intp)
-        params = L.llama_sampler_chain_default_params()
-        params.no_perf = True
-        self._chain = L.llama_sampler_chain_init(params)
-        if not self._chain:
-            raise MemoryError("llama_sampler_chain_init failed")
-        for sampler in _build_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx, eog_tokens=eog_tokens):
-            L.llama_sampler_chain_add(self._chain, sampler)
+        self._eog_token = eog_tokens[0] if eog_tokens else 0
+        pre = list(_adjusting_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx,
+                                       eog_tokens=eog_tokens))
+        self._grammar: GrammarSampler | None = None
+        self._candidates: Candidates | None = None
+        self._choosing: int | None = None
+        if config.grammar is None:
+            self._chain = _new_chain([*pre, *_choosing_samplers(config)])
+            return
+        # NOTE: a constrained session keeps the logit adjustments (bias, penalties) and
+        # the choice (truncation, temperature, draw) in two chains, so the grammar can
+        # filter between them (see sample_constrained).
+        if vocab is None:
+            raise ValueError("a grammar needs the model's vocabulary")
+        self._chain = _new_chain(pre)
+        self._choosing = _new_chain(list(_choosing_samplers(config)))
+        self._grammar = GrammarSampler(vocab, config.grammar)
+        self._candidates = Candidates(n_vocab)
+
+    def replay_grammar(self, history: Sequence[int]) -> None:
+        """Bring a new grammar up to date with tokens generated before it existed.
+
+        Raises:
+            GrammarError: The tokens do not fit the grammar.
+        """
+        if self._grammar is not None:
+            self._grammar.replay(history[self.config.grammar_start:])
 
     def observe(self, tokens: Iterable[int]) -> None:
         """Tell the penalties about tokens that entered the session's KV."""
@@ -73,7 +103,14 @@ class SamplerChain:
         """Sample from the logits of batch row ``row`` (that row must be an output)."""
         if self._argmax:
             return self._greedy(ctx, row)
-        token = int(L.llama_sampler_sample(self._chain, ctx, row))
+        if self._grammar is None:
+            token = int(L.llama_sampler_sample(self._chain, ctx, row))
+        else:
+            assert self._candidates is not None and self._choosing is not None
+            token = sample_constrained(
+                ConstrainedSampler(self._chain, self._choosing, self._grammar,
+                                   self._candidates, _kept_tokens(self.config)),
+                ctx, row, self._eog_token)
         self._pending_sampled = token
         return token
 
@@ -87,6 +124,12 @@ class SamplerChain:
         return token
 
     def close(self) -> None:
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
+        if self._choosing:
+            L.llama_sampler_free(self._choosing)
+            self._choosing = None
         if self._chain:
             L.llama_sampler_free(self._chain)
             self._chain = None
@@ -95,7 +138,29 @@ class SamplerChain:
         self.close()
 
 
-def _build_samplers(config: SamplingConfig, *, n_vocab: int, n_ctx: int, eog_tokens):
+def _new_chain(samplers: list[int]) -> int:
+    params = L.llama_sampler_chain_default_params()
+    params.no_perf = True
+    chain = L.llama_sampler_chain_init(params)
+    if not chain:
+        for sampler in samplers:
+            L.llama_sampler_free(sampler)
+        raise MemoryError("llama_sampler_chain_init failed")
+    for sampler in samplers:
+        L.llama_sampler_chain_add(chain, sampler)
+    return chain
+
+
+def _kept_tokens(config: SamplingConfig) -> int | None:
+    """How many tokens the choosing samplers can ever keep: 1 (greedy), ``top_k``, or
+    None when no fixed bound exists (they may draw from the whole vocabulary)."""
+    if config.is_greedy:
+        return 1
+    return config.top_k if config.top_k > 0 else None
+
+
+def _adjusting_samplers(config: SamplingConfig, *, n_vocab: int, n_ctx: int, eog_tokens):
+    """Samplers that change logits: biases (``ignore_eos`` included) and penalties."""
     biases = list(config.logit_bias)
     if config.ignore_eos:
         biases.extend((token, float("-inf")) for token in eog_tokens)
@@ -110,6 +175,10 @@ def _build_samplers(config: SamplingConfig, *, n_vocab: int, n_ctx: int, eog_tok
         yield L.llama_sampler_init_penalties(
             n_vocab, last_n, config.repeat_penalty, config.frequency_penalty, config.presence_penalty
         )
+
+
+def _choosing_samplers(config: SamplingConfig):
+    """Samplers that pick the token: greedy, or truncation, temperature and the draw."""
     if config.is_greedy:
         yield L.llama_sampler_init_greedy()
         return

@@ -18,6 +18,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.constrained import check_grammar
 from skippyd.engine.runtime.llama_ext import ensure_backend
 
 
@@ -32,7 +33,12 @@ class TemplateRewritesContent(TokenizerError):
 class Tokenizer:
     """Thread-safe tokenizer over a vocabulary-only load of a GGUF model."""
 
-    def __init__(self, model_path: str | os.PathLike) -> None:
+    def __init__(self, model_path: str | os.PathLike, *, chat_template: str | None = None) -> None:
+        """Load the vocabulary; ``chat_template`` replaces the model's own template.
+
+        Raises:
+            TokenizerError: The vocabulary cannot be loaded or the template compiled.
+        """
         ensure_backend()
         params = L.llama_model_default_params()
         params.vocab_only = True
@@ -46,8 +52,12 @@ class Tokenizer:
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         self._lock = threading.Lock()
-        self.chat_template = self._metadata("tokenizer.chat_template")
-        self._template = _compile_template(self.chat_template) if self.chat_template else None
+        self.chat_template = chat_template or self._metadata("tokenizer.chat_template")
+        try:
+            self._template = _compile_template(self.chat_template) if self.chat_template else None
+        except jinja2.TemplateSyntaxError as exc:
+            self.close()
+            raise TokenizerError(f"the chat template does not compile: {exc}") from exc
         self._control_texts: frozenset[str] | None = None
 
     def close(self) -> None:
@@ -104,23 +114,47 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self._vocab, token))
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own chat template (Jinja, sandboxed)."""
+    def check_grammar(self, text: str) -> None:
+        """Parse a GBNF grammar against this vocabulary (thread-safe: a private sampler).
+
+        Raises:
+            GrammarError: llama.cpp cannot parse it.
+        """
+        check_grammar(self._vocab, text)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """Render messages with the chat template (Jinja, sandboxed).
+
+        Args:
+            messages: The conversation.
+            add_generation_prompt: Open the assistant's turn at the end.
+            tools: Tool definitions for templates that render them (``tools`` variable).
+            template_kwargs: Extra template variables (``enable_thinking``…).
+
+        Raises:
+            TokenizerError: No template, or the template failed (a message it refuses).
+        """
         if self._template is None:
             raise TokenizerError("the model has no chat template; use /v1/completions")
         try:
             return self._template.render(
+                **(template_kwargs or {}),
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.detokenize([self.bos_token_id]) if self.bos_token_id >= 0 else "",
                 eos_token=self.detokenize([self.eos_token_id]) if self.eos_token_id >= 0 else "",
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+            # A template indexing into a message it does not expect raises plain Python
+            # errors: they are the messages' fault as much as a raise_exception is.
             raise TokenizerError(f"chat template failed: {exc}") from exc
 
-
-    def render_chat_pieces(self, messages: list[dict], *,
-                           add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    def render_chat_pieces(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                           tools: list[dict] | None = None,
+                           template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
         """The rendered chat as ``(text, is_markup)`` pieces: the template's own text
         apart from each message's content, so content can be tokenized as plain text.
 
@@ -140,7 +174,8 @@ class Tokenizer:
                 contents.append(content)
             else:
                 marked.append(message)
-        text = self.render_chat(marked, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(marked, add_generation_prompt=add_generation_prompt,
+                                tools=tools, template_kwargs=template_kwargs)
         pieces: list[tuple[str, bool]] = []
         cursor = 0
         for index, content in enumerate(contents):

@@ -23,6 +23,7 @@ from skippyd.engine.runtime.protocol import (
     RuntimeFailure,
     SamplingConfig,
     SessionAlignment,
+    TokenLogprob,
     UnavailableError,
 )
 
@@ -145,13 +146,18 @@ class GenerationRequest:
     """Tokens already generated; non-empty resumes a generation."""
     retain_runtime: bool = False
     """The caller owns the runtime session: the worker never drops it."""
+    fork_of: str | None = None
+    """Another request with the same prompt, submitted just before this one (the first
+    of ``n`` choices): this one copies that request's prompt KV once it is computed
+    instead of computing it again."""
 
     def anon_repr(self) -> str:
         """Describe the request without its tokens (never log prompt text)."""
         return (
             f"GenerationRequest(id={self.request_id!r}, prompt_tokens={len(self.prompt_tokens)}, "
             f"generated={len(self.generated_tokens)}, max_tokens={self.max_tokens}, "
-            f"priority={self.priority}, retain_runtime={self.retain_runtime})"
+            f"priority={self.priority}, retain_runtime={self.retain_runtime}, "
+            f"fork_of={self.fork_of!r})"
         )
 
 
@@ -222,6 +228,19 @@ class TokenEvent:
 
     token: int
     ack: TokenAck
+    logprob: TokenLogprob | None = None
+    """The token's log-probability, when the request's sampling asks for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsEvent:
+    """Log-probabilities of prompt tokens just computed (``prompt_logprobs`` requests).
+
+    A prompt computed again (after a preemption) reports its positions again.
+    """
+
+    entries: tuple[tuple[int, TokenLogprob], ...]
+    """(KV position, log-probability) of prompt tokens, in position order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +258,7 @@ class ErrorEvent:
     error: WorkerError
 
 
-GenerationEvent = TokenEvent | CompleteEvent | ErrorEvent
+GenerationEvent = TokenEvent | PromptLogprobsEvent | CompleteEvent | ErrorEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from skippyd.engine.policy import (
@@ -33,6 +33,7 @@ from skippyd.engine.runtime.protocol import (
     IterationRequest,
     KvSlotUnavailableError,
     Runtime,
+    TokenLogprob,
 )
 from skippyd.engine.runtime.protocol import IterationPhase as RuntimePhase
 from skippyd.engine.worker.commands import (
@@ -50,6 +51,7 @@ class PlanSample:
 
     token: int
     is_eog: bool
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +64,8 @@ class PlanResult:
     """Samples by work index; a row sampled twice is left out (treated as missing)."""
     execution_s: float
     """Wall time of the runtime call(s)."""
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """Prompt-token log-probabilities by work index (requests that asked for them)."""
     isolated: bool = False
     """The works ran one by one (after an invalid batch): not one batch's duration."""
 
@@ -134,7 +138,7 @@ def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSamp
             continue
         if index in samples:
             duplicates.add(index)
-        samples[index] = PlanSample(sample.token, sample.is_eog)
+        samples[index] = PlanSample(sample.token, sample.is_eog, sample.logprob)
     for index in duplicates:
         del samples[index]
     return samples
@@ -186,7 +190,8 @@ class PlanExecutor:
         started = time.monotonic()
         output = self._runtime.iteration_batch_sampled(requests)
         elapsed = time.monotonic() - started
-        return PlanResult(plan, index_samples(output, len(requests)), elapsed)
+        return PlanResult(plan, index_samples(output, len(requests)), elapsed,
+                          dict(output.prompt_logprobs))
 
     def _relieve_kv_pressure(
         self, plan: IterationPlan, exc: KvSlotUnavailableError
@@ -214,6 +219,7 @@ class PlanExecutor:
     def _run_isolated(self, plan: IterationPlan) -> PlanResult | None:
         """Run each work alone so one malformed request cannot fail the batch."""
         samples: dict[int, PlanSample] = {}
+        prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = {}
         execution_s = 0.0
         for index, work in enumerate(plan.work):
             single = IterationPlan(work=[work], token_count=work.token_count)
@@ -231,4 +237,6 @@ class PlanExecutor:
             execution_s += result.execution_s
             if 0 in result.samples:
                 samples[index] = result.samples[0]
-        return PlanResult(plan, samples, execution_s, isolated=True)
+            if 0 in result.prompt_logprobs:
+                prompt_logprobs[index] = result.prompt_logprobs[0]
+        return PlanResult(plan, samples, execution_s, prompt_logprobs, isolated=True)

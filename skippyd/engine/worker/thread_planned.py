@@ -9,11 +9,10 @@ turns them into token events whose acknowledgements are polled, never awaited.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from skippyd.engine.policy import (
@@ -28,15 +27,14 @@ from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import Runtime, RuntimeFailure
 from skippyd.engine.worker.commands import (
-    AckSlot,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
     InvalidRequestError,
+    PromptLogprobsEvent,
     QueueFullError,
     TokenAck,
-    TokenControl,
     TokenEvent,
     WorkerBackendError,
     WorkerError,
@@ -46,36 +44,12 @@ from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
 from skippyd.engine.worker.thread_cache import Admission, PrefixCacheFlow
 from skippyd.engine.worker.thread_execute import PlanExecutor, PlanResult, step_attributes
+from skippyd.engine.worker.thread_forks import ChoiceForks
+from skippyd.engine.worker.thread_state import RequestState, consumer_stopped
 
 logger = logging.getLogger(__name__)
 
 Publish = Callable[[str, Mapping[str, Any]], None]
-
-
-@dataclass(slots=True)
-class RequestState:
-    """What the worker keeps per admitted generation."""
-
-    request: GenerationRequest
-    on_event: Callable[[GenerationEvent], None]
-    runtime_configured: bool
-    num_generated: int
-    pending_controls: deque[AckSlot] = field(default_factory=deque)
-    saw_eog: bool = False
-
-    def emit(self, event: GenerationEvent) -> bool:
-        """Deliver an event; False if the consumer's callback failed (it is gone)."""
-        try:
-            self.on_event(event)
-        except Exception:
-            logger.exception("event callback of %s failed", self.request.request_id)
-            return False
-        return True
-
-    def finish_reason(self) -> str:
-        if not self.saw_eog and self.num_generated >= self.request.max_tokens:
-            return "length"
-        return "stop"
 
 
 class PlannedGenerations:
@@ -112,6 +86,7 @@ class PlannedGenerations:
         self.prefix_flow = None if prefix_cache is None else PrefixCacheFlow(
             prefix_cache, runtime, self.scheduler,
             lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
+        self.forks = ChoiceForks(runtime, self.scheduler.config.prefill_chunk_tokens)
         self._executor = PlanExecutor(
             runtime, self.scheduler, self._release_preempted, self.fail_request)
         self._last_lifecycle = (0, 0, 0, 0)
@@ -123,8 +98,9 @@ class PlannedGenerations:
 
     @property
     def num_parked(self) -> int:
-        """Requests waiting outside the policy for a leader's shared prefix."""
-        return 0 if self.prefix_flow is None else len(self.prefix_flow.parked)
+        """Requests waiting outside the policy for a leader's shared prefix or prompt."""
+        parked = 0 if self.prefix_flow is None else len(self.prefix_flow.parked)
+        return parked + self.forks.num_waiting
 
     # -- commands ----------------------------------------------------------------------
 
@@ -144,11 +120,21 @@ class PlannedGenerations:
                 f"more than the {self._kv_capacity} available"
             )))
             return
+        if (request.fork_of is not None and request.request_id not in self.requests
+                and self._hold_follower(state)):
+            return
+        self._route(state)
+
+    def _route(self, state: RequestState) -> None:
+        """Admit a fresh request through the prefix cache (it may restore or park)."""
+        request = state.request
         flow = self.prefix_flow
-        if flow is None or request.generated_tokens or runtime_configured:
+        # NOTE: prompt log-probabilities need every prompt row computed: no restore.
+        if (flow is None or request.generated_tokens or state.runtime_configured
+                or (request.sampling is not None and request.sampling.prompt_logprobs is not None)):
             self._enter_policy(state, None)
             return
-        if request.request_id in self.requests:
+        if self.requests.get(request.request_id, state) is not state:
             state.emit(ErrorEvent(InvalidRequestError(
                 f"sequence {request.request_id} is already waiting or running")))
             return
@@ -156,6 +142,27 @@ class PlannedGenerations:
         admission = flow.route(request)
         if admission is not None:  # None: parked behind a leader's shared prefix
             self._enter_policy(state, admission)
+
+    def _hold_follower(self, state: RequestState) -> bool:
+        """Keep a later choice of an ``n > 1`` request until its leader has the prompt."""
+        leader = self.requests.get(state.request.fork_of or "")
+        prompt = None if leader is None else tuple(leader.request.prompt_tokens)
+        if leader is None or not self.forks.hold(state, prompt):
+            return False
+        self.requests[state.request.request_id] = state
+        if leader.num_generated or leader.saw_eog:  # the prompt is already computed
+            self._release_followers(leader.request.request_id)
+        return True
+
+    def _release_followers(self, leader_id: str) -> None:
+        for state, admission in self.forks.release(leader_id):
+            self._enter_policy(state, admission)
+
+    def _leave_forks(self, req_id: str) -> None:
+        """A request left: forget it as a follower; as a leader, free its followers."""
+        self.forks.forget(req_id)
+        for state in self.forks.abandon(req_id):
+            self._route(state)
 
     def _enter_policy(self, state: RequestState, admission: Admission | None) -> bool:
         """Submit to the policy; on refusal answer with an ``ErrorEvent`` and forget it."""
@@ -193,11 +200,15 @@ class PlannedGenerations:
         # Reserve bounded decode headroom, not the client's whole ceiling.
         reserve = admission_tokens(len(request.prompt_tokens), request.max_tokens,
                                    self._kv_capacity)
+        sampling = request.sampling
+        if sampling is not None and sampling.grammar is not None:
+            # The grammar constrains what follows the prompt (replayed after a preemption).
+            sampling = dataclasses.replace(sampling, grammar_start=len(request.prompt_tokens))
         sequence = Sequence(
             id=request.request_id,
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
-            sampling=request.sampling,
+            sampling=sampling,
             priority=request.priority,
         ).with_admission_tokens(reserve)
         if request.generated_tokens:
@@ -215,6 +226,7 @@ class PlannedGenerations:
         if state is not None and not state.request.retain_runtime:
             self.drop_runtime_sessions([req_id])
         self._leave_prefix_cache(req_id)
+        self._leave_forks(req_id)
 
     def _leave_prefix_cache(self, req_id: str) -> None:
         """Release the request's lease and whatever was parked behind it."""
@@ -261,7 +273,7 @@ class PlannedGenerations:
 
     def apply_pending_controls(self) -> None:
         """Apply answered acks without waiting for unanswered ones."""
-        stopped = [req_id for req_id, state in self.requests.items() if _consumer_stopped(state)]
+        stopped = [req_id for req_id, state in self.requests.items() if consumer_stopped(state)]
         for req_id in stopped:
             self._complete(req_id)
 
@@ -277,6 +289,7 @@ class PlannedGenerations:
             self.drop_runtime_sessions([req_id])
         state.emit(CompleteEvent(state.finish_reason()))
         self._leave_prefix_cache(req_id)
+        self._leave_forks(req_id)
 
     # -- one planned turn --------------------------------------------------------------
 
@@ -327,6 +340,7 @@ class PlannedGenerations:
                                           self.scheduler.config.prefill_chunk_tokens)
                 else:
                     self.runtime.ensure_session_active(work.sequence_id)
+                self.forks.restore(work.sequence_id)
             except RuntimeFailure as exc:
                 error = worker_error_from_runtime(
                     f"prepare scheduler session {work.sequence_id}", exc
@@ -342,21 +356,25 @@ class PlannedGenerations:
         missing: list[str] = []
         stopped: list[str] = []
         for index, work in enumerate(result.plan.work):
-            if not work.sample_last:
-                continue
             state = self.requests.get(work.sequence_id)
             if state is None:
+                continue
+            if index in result.prompt_logprobs:
+                state.emit(PromptLogprobsEvent(tuple(result.prompt_logprobs[index])))
+            if not work.sample_last:
                 continue
             sample = result.samples.get(index)
             if sample is None:
                 missing.append(work.sequence_id)
-            elif sample.is_eog:
+                continue
+            self._release_followers(work.sequence_id)
+            if sample.is_eog:
                 state.saw_eog = True  # end of generation: no token event
             else:
                 state.num_generated += 1
                 ack = TokenAck()
                 state.pending_controls.append(ack.slot)  # never the ack: see TokenAck
-                if not state.emit(TokenEvent(sample.token, ack)):
+                if not state.emit(TokenEvent(sample.token, ack, sample.logprob)):
                     stopped.append(work.sequence_id)
         for req_id in missing:
             self.fail_request(req_id, WorkerBackendError(
@@ -385,21 +403,3 @@ class PlannedGenerations:
                 attributes[prefix + name] = value
         self._publish(SCHEDULER_ITERATION, attributes)
 
-
-def _consumer_stopped(state: RequestState) -> bool:
-    """Pop answered Continue acks; True once the oldest answered ack says Stop.
-
-    A consumer that vanished without answering counts as Stop: nobody reads on.
-    """
-    while state.pending_controls:
-        control = state.pending_controls[0].control
-        if control is None:
-            return False  # not answered yet: never block the iteration on it
-        if control is TokenControl.DISCONNECTED:
-            logger.info("the consumer of %s went away without answering; stopping it",
-                        state.request.request_id)
-            return True
-        if control is TokenControl.STOP:
-            return True
-        state.pending_controls.popleft()
-    return False

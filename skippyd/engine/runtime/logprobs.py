@@ -1,0 +1,84 @@
+"""Log-probabilities of tokens under the model, read from a batch row's logits.
+
+Only sessions that ask pay for this: the logits are read in place (a numpy view over
+llama.cpp's output buffer, no copy) and reduced to one log-sum-exp and, when
+alternatives are wanted, a partial sort of the top few.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from llama_cpp import llama_cpp as L
+
+from skippyd.engine.runtime.protocol import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+def row_logits(ctx: int, row: int, n_vocab: int) -> np.ndarray:
+    """The logits of batch row ``row`` as a read-only view (valid until the next decode)."""
+    view = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+    view.flags.writeable = False
+    return view
+
+
+def log_normalizer(logits: np.ndarray) -> float:
+    """``log(sum(exp(logits)))``, computed stably."""
+    peak = float(logits.max())
+    return peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+
+
+def top_logprobs(logits: np.ndarray, normalizer: float, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely tokens and their log-probabilities, most likely first."""
+    if k <= 0:
+        return ()
+    top = np.argpartition(logits, -k)[-k:]
+    top = top[np.argsort(-logits[top], kind="stable")]
+    return tuple((int(t), float(logits[t]) - normalizer) for t in top)
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """``token``'s log-probability in this row, plus the ``k`` most likely alternatives."""
+    normalizer = log_normalizer(logits)
+    return TokenLogprob(token, float(logits[token]) - normalizer,
+                        top_logprobs(logits, normalizer, k))
+
+
+def prompt_row_logprobs(
+    ctx: int,
+    first_row: int,
+    tokens: list[int],
+    start: int,
+    n_vocab: int,
+    k: int,
+    carry: tuple[int, np.ndarray] | None,
+) -> tuple[list[tuple[int, TokenLogprob]], tuple[int, np.ndarray]]:
+    """Log-probabilities of a prefill chunk's tokens, each from the row before it.
+
+    Row ``i`` (position ``start + i``) predicts the token at ``start + i + 1``: the chunk's
+    own next token, or, for its last row, the first token of the next chunk. That row's
+    logits are returned as the new carry; a carry from the position right before
+    ``start`` scores this chunk's first token.
+
+    Args:
+        ctx: The llama context (right after the decode that computed the rows).
+        first_row: Batch row of the chunk's first token (every row of it is an output).
+        tokens: The chunk's tokens.
+        start: KV position of ``tokens[0]``.
+        n_vocab: Vocabulary size.
+        k: Alternatives per token.
+        carry: (position, logits) left by the previous chunk, or None.
+
+    Returns:
+        (position, log-probability) per scored token, and the carry for the next chunk.
+    """
+    entries = []
+    if carry is not None and carry[0] == start - 1:
+        entries.append((start, token_logprob(carry[1], tokens[0], k)))
+    for i in range(len(tokens) - 1):
+        logits = row_logits(ctx, first_row + i, n_vocab)
+        entries.append((start + i + 1, token_logprob(logits, tokens[i + 1], k)))
+    last = len(tokens) - 1
+    return entries, (start + last, row_logits(ctx, first_row + last, n_vocab).copy())
