@@ -24,7 +24,7 @@ from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
-from skippyd.engine.runtime.llama_ext import LayerOutputCapture, ensure_backend
+from skippyd.engine.runtime.llama_ext import ensure_backend, make_layer_capture
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
@@ -112,7 +112,7 @@ class LlamaRuntime(CacheSlotsMixin):
         self._model = self._load_model(options.model_path)
         self._capture = (
             None if options.final_stage
-            else LayerOutputCapture(self.info.n_layer, self.info.n_embd)
+            else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
         self._mem = L.llama_get_memory(self._ctx)
@@ -154,7 +154,7 @@ class LlamaRuntime(CacheSlotsMixin):
         params.no_perf = True
         if self._capture is not None:
             params.cb_eval = self._capture.callback
-            params.cb_eval_user_data = None
+            params.cb_eval_user_data = self._capture.user_data
         ctx = L.llama_init_from_model(self._model, params)
         if not ctx:
             L.llama_model_free(self._model)
