@@ -47,6 +47,7 @@ _COMMENTED: dict[str, Any] = {
     "control.group": "skippyd",
     "link.listen": "0.0.0.0:9101",
     "link.secret": "change-me-to-a-long-random-string",
+    "link.advertise": "tcp://203.0.113.7:9102",
     "upstream.stage_id": "stage-0",
     "upstream.stage_index": 0,
     "upstream.endpoint": "tcp://10.0.0.1:9101",

@@ -31,6 +31,7 @@ TelemetryLevel = Literal["summary", "debug"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
+ActivationDtype = Literal["f32", "f16"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -331,6 +332,12 @@ class LinkSection:
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""
+    advertise: str | None = _setting(None, check=_check_endpoint)
+    """Final stage: the ``host:port`` stage 0 dials for predictions (default: ``listen``;
+    set it when stage 0 reaches this stage through a NAT, a port forward or a proxy)."""
+    activation_dtype: ActivationDtype = "f32"
+    """Stage 0: how activation rows cross the links: ``f32`` (exact) or ``f16`` (half
+    the bytes; greedy output may differ from the unsplit model's)."""
 
     @property
     def listen_address(self) -> tuple[str, int] | None:

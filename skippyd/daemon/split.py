@@ -16,6 +16,7 @@ from typing import Any
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
     IterationRequest,
@@ -37,13 +38,17 @@ logger = logging.getLogger(__name__)
 class MeteredRuntime(RuntimeWrapper):
     """A runtime that adds up the time its iterations spend in llama.cpp (busy time)."""
 
-    def __init__(self, inner: Runtime) -> None:
+    def __init__(self, inner: Runtime, timeline: StageTimeline) -> None:
         super().__init__(inner)
         self.busy_s = 0.0
+        self.timeline = timeline
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        started = time.perf_counter()
         output = self.inner.iteration_batch_sampled(requests)
         self.busy_s += output.compute_s
+        self.timeline.compute_s += output.compute_s
+        self.timeline.runtime_s += time.perf_counter() - started - output.compute_s
         return output
 
 
@@ -79,6 +84,8 @@ class SplitStage:
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
         self.pipeline: PipelineRuntime | None = None
+        self.timeline = StageTimeline()
+        """A later stage's per-batch timeline (stage 0's lives in its pipeline runtime)."""
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.kv_pool_tokens,
@@ -87,7 +94,7 @@ class SplitStage:
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
             self.runtime: Runtime = self.pipeline
         else:
-            self.runtime = MeteredRuntime(local)
+            self.runtime = MeteredRuntime(local, self.timeline)
 
     def start(self, worker: WorkerHandle) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
@@ -99,7 +106,7 @@ class SplitStage:
         listen = self.config.link.listen_address
         if listen is not None:
             server = StageLinkServer(self._facts, None if self.config.is_first else worker,
-                                     self.status)
+                                     self.status, self.timeline)
             server.bind(listen)
             server.start()
             self._server = server
@@ -134,13 +141,15 @@ class SplitStage:
                                   "active_sessions": sessions}
         if isinstance(self.runtime, MeteredRuntime):
             status["busy_s"] = self.runtime.busy_s
+            status["timeline"] = self.runtime.timeline.as_dict()
         if self.pipeline is not None and self.link is not None:
             counters = self.pipeline.counters
             status.update(busy_s=counters.local_compute_s, batches_sent=counters.batches_sent,
                           lookahead_steps=counters.lookahead_steps,
                           lookahead_hits=counters.lookahead_hits,
                           lookahead_retracted=counters.lookahead_retracted,
-                          chain=self.link.status())
+                          chain=self.link.status(),
+                          timeline=_stage0_timeline(counters.timeline, self.link.timeline))
         return status
 
     def link_status(self) -> dict[str, Any]:
@@ -153,6 +162,14 @@ class SplitStage:
         if server is not None:
             return server.status()
         return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
+
+
+def _stage0_timeline(pipeline: StageTimeline, link: StageTimeline) -> dict[str, float]:
+    """Stage 0's timeline: compute and waits from the pipeline, encode and send from
+    the link that serialises and writes the batches."""
+    timeline = pipeline.as_dict()
+    timeline.update(encode_s=link.encode_s, send_s=link.send_s)
+    return timeline
 
 
 def make_split(config: StageConfig, local: LlamaRuntime) -> SplitStage | None:

@@ -16,13 +16,19 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skippyd.config import StageConfig
 from skippyd.config.schema import parse_host_port
-from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
+from skippyd.engine.runtime.pipeline_types import (
+    ChainEntry,
+    ChainSample,
+    ChainUnavailableError,
+    StageTimeline,
+)
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
 from skippyd.link.wire import (
@@ -156,6 +162,8 @@ class ChainLink:
         self._data: FrameSocket | None = None
         self._return: FrameSocket | None = None
         self._bytes = [0, 0]
+        self.timeline = StageTimeline()
+        """Encode and send seconds of the batches sent (the rest is the pipeline's)."""
         self._thread = threading.Thread(target=self._run, name="skippyd-chain-connector",
                                         daemon=True)
 
@@ -188,10 +196,14 @@ class ChainLink:
         return None if self._up else self._reason
 
     def send_batch(self, request_id: int, entries: Sequence[ChainEntry]) -> None:
+        started = time.perf_counter()
         last = len(entries) - 1
         data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last)
                         for i, entry in enumerate(entries))
+        encoded = time.perf_counter()
         self._write(data)
+        self.timeline.encode_s += encoded - started
+        self.timeline.send_s += time.perf_counter() - encoded
 
     def send_drop(self, session_id: int) -> None:
         self._write(encode_drop(session_id))

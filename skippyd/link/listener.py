@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.link.dialer import configure_socket
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import (
@@ -87,9 +88,12 @@ class StageLinkServer:
     """
 
     def __init__(self, facts: StageFacts, worker: WorkerHandle | None,
-                 status: Callable[[], dict[str, Any]]) -> None:
+                 status: Callable[[], dict[str, Any]],
+                 timeline: StageTimeline | None = None) -> None:
         self.facts = facts
         self.worker = worker
+        self.timeline = timeline or StageTimeline()
+        """Where this stage's batches spend their time (its chain connections add to it)."""
         self._status = status
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None

@@ -66,6 +66,8 @@ class _Pending:
     request_id: int
     entries: list[ChainEntry]
     futures: list[Future]
+    submitted_at: float
+    """``time.monotonic()`` when the batch's entries were queued on the worker."""
 
 
 @dataclass(slots=True)
@@ -270,7 +272,7 @@ class ChainConnection:
             futures.append(future)
             pending = [f for f in self._outstanding.get(name, []) if not f.done()]
             self._outstanding[name] = [*pending, future]
-        self._queue.put(_Pending(request_id, entries, futures))
+        self._queue.put(_Pending(request_id, entries, futures, time.monotonic()))
 
     def _drop(self, wire_id: int) -> None:
         """Free a session on the worker before anything after the DROP is submitted."""
@@ -340,19 +342,42 @@ class ChainConnection:
             return
         if error is not None:
             self._send_error(pending.request_id, error)
-        elif self._facts.is_final:
+            return
+        started = time.perf_counter()
+        self._note_timeline(pending, outcomes)
+        if self._facts.is_final:
             samples = [ChainSample(i, o.predicted, o.is_eog)
                        for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True))
                        if e.sample_last]
-            self._send_return(encode_result(pending.request_id, samples))
+            data = encode_result(pending.request_id, samples)
         else:
             last = len(pending.entries) - 1
             data = b"".join(
                 encode_iteration(pending.request_id, replace(e, rows=o.output_rows),
                                  end_of_batch=i == last)
                 for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True)))
+        encoded = time.perf_counter()
+        if self._facts.is_final:
+            self._send_return(data)
+        else:
             assert self._downstream is not None
             self._downstream.write(data)
+        timeline = self._server.timeline
+        timeline.encode_s += encoded - started
+        timeline.send_s += time.perf_counter() - encoded
+
+    def _note_timeline(self, pending: _Pending, outcomes: list) -> None:
+        """Add a finished batch's queue wait and completer lag to the stage's timeline.
+
+        The entries of one batch usually run in one worker call; when they were split
+        over several, the last one to finish sets the lag.
+        """
+        finished = max(pending.submitted_at + (o.batch_wait_ms + o.run_ms) / 1000.0
+                       for o in outcomes)
+        timeline = self._server.timeline
+        timeline.batches += 1
+        timeline.wait_s += max(o.batch_wait_ms for o in outcomes) / 1000.0
+        timeline.reply_s += max(0.0, time.monotonic() - finished)
 
     def _send_error(self, request_id: int, message: str) -> None:
         data = encode_text(FrameKind.ERROR, message, request_id=request_id)

@@ -244,7 +244,11 @@ class PipelineRuntime:
         local = [IterationRequest(r.session_id, r.token_ids,
                                   positions=range(start, start + len(r.token_ids)),
                                   sampling=r.sampling, phase=r.phase) for r, start in items]
+        started = time.perf_counter()
         output = self.local.iteration_batch_sampled(local)
+        timeline = self.counters.timeline
+        timeline.runtime_s += time.perf_counter() - started - output.compute_s
+        timeline.compute_s += output.compute_s
         self.counters.local_compute_s += output.compute_s
         entries, steps = [], []
         for (request, start), rows in zip(items, output.output_rows, strict=True):
@@ -287,6 +291,7 @@ class PipelineRuntime:
                 self._batches.pop(batch_id, None)
             raise
         self.counters.batches_sent += 1
+        self.counters.timeline.batches += 1
         for session_id in session_ids:
             # The first connection a session was shipped on is the one holding its KV.
             self._shipped_epoch.setdefault(session_id, epoch)
@@ -338,7 +343,9 @@ class PipelineRuntime:
             if remaining <= 0:
                 self._link.reset(epoch, f"no prediction for {self._reply_timeout_s:.0f} s")
                 raise ChainUnavailableError("the downstream pipeline stopped answering")
+            started = time.perf_counter()
             self._cond.wait(remaining)
+            self.counters.timeline.wait_s += time.perf_counter() - started
 
     def _start_lookahead(self, arrived: list[InflightStep]) -> float:
         """Run and ship the next decode step of sessions whose prediction just arrived."""

@@ -142,6 +142,35 @@ class InflightBatch:
 
 
 @dataclass(slots=True)
+class StageTimeline:
+    """Where a stage's batches spend their time: cumulative seconds per phase.
+
+    Divided by :attr:`batches` (a benchmark takes the difference of two readings) it is
+    the per-batch timeline of a decode step: compute, the rest of the runtime call,
+    serialise, send, and wait. Written by one thread per stage (stage 0's worker, a later
+    stage's completer); readers see a slightly stale but consistent enough view.
+    """
+
+    batches: int = 0
+    """Batches this stage finished (stage 0: sent)."""
+    compute_s: float = 0.0
+    """Inside ``llama_decode``."""
+    runtime_s: float = 0.0
+    """The rest of the runtime calls: filling the batch, copying rows out, sampling."""
+    encode_s: float = 0.0
+    """Building frames (serialising rows)."""
+    send_s: float = 0.0
+    """Writing frames to the socket."""
+    wait_s: float = 0.0
+    """Stage 0: waiting for predictions. Later stages: batches queued for the worker."""
+    reply_s: float = 0.0
+    """Later stages: from the worker's finish to the completer picking the batch up."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
 class PipelineCounters:
     """Cumulative counters for status and benchmarks."""
 
@@ -151,6 +180,7 @@ class PipelineCounters:
     lookahead_hits: int = 0
     lookahead_retracted: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    timeline: StageTimeline = field(default_factory=StageTimeline)
 
 
 def split_groups(indices: list[int], groups: int) -> list[list[int]]:
