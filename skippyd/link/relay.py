@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import QueueFullError, WorkerError
-from skippyd.engine.worker.direct_batch import DirectIteration
+from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, send_ack
@@ -257,6 +257,8 @@ class ChainConnection:
     def _submit_batch(self, request_id: int, entries: list[ChainEntry]) -> None:
         final = self._facts.is_final
         futures = []
+        # Stage 0's decode groups arrive as batches: each runs whole and alone here too.
+        group = DirectGroup((self.chain_id, request_id), len(entries))
         for entry in entries:
             name = self._session_name(entry.session_id)
             iteration = DirectIteration(
@@ -266,7 +268,7 @@ class ChainConnection:
                 phase=IterationPhase.DECODE if entry.decode else IterationPhase.PREFILL,
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
-                target_token_count=entry.first_position,
+                target_token_count=entry.first_position, group=group,
             )
             future = self._submit(iteration)
             futures.append(future)

@@ -10,8 +10,10 @@ The chain is kept busy three ways (see also docs/stage-protocol.md):
 
 * **Prefill chunks flow without waiting.** A call that samples nothing returns as soon
   as its rows are sent, so stage 0 computes chunk k+1 while chunk k travels on.
-* **Decode groups.** The requests of a call are split into groups (by default one per
-  stage); stage 0 computes group B while stage 1 works on group A.
+* **Decode groups.** The tokens of a call are cut into groups of nearly equal size (by
+  default one per stage); stage 0 computes group B while stage 1 works on group A. A
+  prompt chunk larger than a group's share is cut across groups, so a prefill flows
+  down the chain in parts instead of leaving the other stages idle while it runs.
 * **Decode look-ahead.** When one group's predictions arrive while the call still waits
   for another group, stage 0 immediately runs that group's next decode step (the
   predicted token at the next position) and ships it. The next call finds the step
@@ -38,8 +40,9 @@ from skippyd.engine.runtime.pipeline_types import (
     Downstream,
     InflightBatch,
     InflightStep,
+    Piece,
     PipelineCounters,
-    split_groups,
+    split_token_groups,
 )
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
@@ -189,11 +192,13 @@ class PipelineRuntime:
         compute_s = 0.0
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
-        for group in split_groups(fresh, groups):
-            items = [(requests[i], starts[i]) for i in group]
+        lengths = [len(requests[i].token_ids) for i in fresh]
+        for group in split_token_groups(lengths, groups):
+            items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, speculative=False)
             compute_s += seconds
-            needed.update({i: s for i, s in zip(group, steps, strict=True) if s is not None})
+            needed.update({fresh[p.index]: s for p, s in zip(group, steps, strict=True)
+                           if s is not None})
         compute_s += self._await(list(needed.values()))
         return self._output(requests, needed, compute_s)
 
@@ -426,3 +431,16 @@ class PipelineRuntime:
                         step.error = ChainUnavailableError(
                             f"the downstream pipeline was lost: {reason}")
             self._cond.notify_all()
+
+
+def _piece(request: IterationRequest, start: int,
+           piece: Piece) -> tuple[IterationRequest, int]:
+    """Tokens ``piece`` of ``request`` (which starts at ``start``) as a request of its
+    own; only the piece holding the last token samples."""
+    if piece.begin == 0 and piece.end == len(request.token_ids):
+        return request, start
+    last = piece.end == len(request.token_ids)
+    return IterationRequest(request.session_id, request.token_ids[piece.begin:piece.end],
+                            sampling=request.sampling,
+                            sample_last=request.sample_last and last,
+                            phase=request.phase), start + piece.begin

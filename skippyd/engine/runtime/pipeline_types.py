@@ -183,13 +183,54 @@ class PipelineCounters:
     timeline: StageTimeline = field(default_factory=StageTimeline)
 
 
-def split_groups(indices: list[int], groups: int) -> list[list[int]]:
-    """Cut ``indices`` into at most ``groups`` contiguous, nearly equal parts."""
-    groups = max(1, min(groups, len(indices)))
-    size, extra = divmod(len(indices), groups)
-    parts, start = [], 0
-    for g in range(groups):
-        end = start + size + (1 if g < extra else 0)
-        parts.append(indices[start:end])
-        start = end
-    return [part for part in parts if part]
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Tokens ``[begin, end)`` of request ``index`` of a call: one share of a group."""
+
+    index: int
+    begin: int
+    end: int
+
+
+#: A request is cut across groups only into pieces of at least this many tokens.
+MIN_PIECE_TOKENS = 8
+
+
+def split_token_groups(lengths: Sequence[int], groups: int) -> list[list[Piece]]:
+    """Cut requests of ``lengths`` tokens, in order, into at most ``groups`` consecutive
+    groups of nearly equal token counts.
+
+    A request larger than what is left of a group's share is cut across groups (its
+    first pieces sample nothing), so a prompt chunk travels down the pipeline in parts
+    and the next stage starts on the first part while this one computes the second.
+    Pieces are at least :data:`MIN_PIECE_TOKENS` long; a request too short to cut goes
+    whole to the group holding most of it. Empty groups are left out.
+    """
+    total = sum(lengths)
+    groups = max(1, min(groups, total))
+    bounds = [round(total * g / groups) for g in range(1, groups + 1)]
+    result: list[list[Piece]] = [[]]
+    done = 0  # tokens placed so far
+    for index, length in enumerate(lengths):
+        begin = 0
+        while begin < length:
+            take = _share(length - begin, bounds[len(result) - 1] - done,
+                          len(result) == groups, bool(result[-1]))
+            if take == 0:
+                result.append([])
+                continue
+            result[-1].append(Piece(index, begin, begin + take))
+            begin += take
+            done += take
+    return [group for group in result if group]
+
+
+def _share(rest: int, room: int, last_group: bool, group_used: bool) -> int:
+    """Tokens of a request's ``rest`` the current group takes; 0 closes the group."""
+    if rest <= room or last_group:
+        return rest
+    if room >= MIN_PIECE_TOKENS and rest - room >= MIN_PIECE_TOKENS:
+        return room
+    if 2 * room >= rest or not group_used:
+        return rest  # most of it fits (or the group is empty): take it whole
+    return 0
