@@ -126,6 +126,9 @@ def _link_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and issues.clean("link.listen", "stage.index", "stage.layer_start")):
         issues.add("link.listen", "required on a stage after the first "
                    "(the upstream stage connects to it)")
+    if link.advertise is not None and not config.is_final and issues.clean("link.advertise"):
+        issues.add("link.advertise", "only the final stage announces a return endpoint "
+                   "(stage 0 dials it for predictions)")
     if (config.http is not None and link.listen is not None
             and issues.clean("link.listen", "http.listen")):
         port = parse_host_port(link.listen)[1]

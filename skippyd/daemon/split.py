@@ -64,6 +64,7 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         max_frame_bytes=link.max_frame_bytes,
         downstream_id=downstream.stage_id if downstream else None,
         downstream=downstream.address if downstream else None,
+        advertise=link.advertise,
     )
 
 

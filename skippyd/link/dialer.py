@@ -79,6 +79,8 @@ class ChainIdentity:
     kv_pool_tokens: int
     max_batch_tokens: int
     max_frame_bytes: int
+    half_rows: bool = False
+    """Send activation rows as float16 (``link.activation_dtype = "f16"``)."""
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
@@ -88,7 +90,8 @@ class ChainIdentity:
             raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
-                   kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes)
+                   kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes,
+                   config.link.activation_dtype == "f16")
 
 
 def configure_socket(sock: socket.socket) -> None:
@@ -198,7 +201,9 @@ class ChainLink:
     def send_batch(self, request_id: int, entries: Sequence[ChainEntry]) -> None:
         started = time.perf_counter()
         last = len(entries) - 1
-        data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last)
+        half = self.identity.half_rows
+        data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last,
+                                         half_rows=half)
                         for i, entry in enumerate(entries))
         encoded = time.perf_counter()
         self._write(data)

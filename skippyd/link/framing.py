@@ -93,13 +93,15 @@ class BatchAssembler:
         self._request_id: int | None = None
         self._entries: list[ChainEntry] = []
         self._sessions: set[int] = set()
+        self._half_rows = False
 
     @property
     def open(self) -> bool:
         return self._request_id is not None
 
-    def add(self, frame: Frame) -> tuple[int, list[ChainEntry]] | None:
-        """Add an ITERATION frame; returns (request id, entries) when the batch ends."""
+    def add(self, frame: Frame) -> tuple[int, list[ChainEntry], bool] | None:
+        """Add an ITERATION frame; when the batch ends, returns its request id, its
+        entries, and whether its rows came as float16 (to be forwarded the same way)."""
         header = frame.header
         if self._request_id is not None and header.request_id != self._request_id:
             raise LinkProtocolError(f"ITERATION frame of batch {header.request_id} inside "
@@ -111,11 +113,13 @@ class BatchAssembler:
             raise LinkProtocolError(f"batch {header.request_id} exceeds {MAX_BATCH_ENTRIES} "
                                     "entries")
         self._request_id = header.request_id
+        self._half_rows = self._half_rows or bool(header.flags & Flag.ROWS_F16)
         self._sessions.add(header.session_id)
         assert isinstance(frame.payload, ChainEntry)
         self._entries.append(frame.payload)
         if not header.flags & Flag.END_OF_BATCH:
             return None
-        done = (header.request_id, self._entries)
+        done = (header.request_id, self._entries, self._half_rows)
         self._request_id, self._entries, self._sessions = None, [], set()
+        self._half_rows = False
         return done

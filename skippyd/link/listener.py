@@ -76,6 +76,8 @@ class StageFacts:
     max_frame_bytes: int
     downstream_id: str | None = None
     downstream: tuple[str, int] | None = None
+    advertise: str | None = None
+    """The return endpoint a final stage announces instead of its listen address."""
 
 
 class StageLinkServer:
@@ -282,8 +284,11 @@ class StageLinkServer:
         chain.close(reason)
 
     def return_endpoint(self, conn: FrameSocket) -> str:
-        """Where stage 0 reaches this (final) stage: the listen address, or, for a
-        wildcard listen host, the local address the upstream connection arrived on."""
+        """Where stage 0 reaches this (final) stage: ``link.advertise`` when set, else
+        the listen address, or, for a wildcard listen host, the local address the
+        upstream connection arrived on."""
+        if self.facts.advertise is not None:
+            return self.facts.advertise
         assert self._address is not None
         host, port = self._address
         if host in _WILDCARD_HOSTS:

@@ -66,6 +66,8 @@ class _Pending:
     request_id: int
     entries: list[ChainEntry]
     futures: list[Future]
+    half_rows: bool
+    """The rows came as float16: a middle stage forwards its own rows the same way."""
     submitted_at: float
     """``time.monotonic()`` when the batch's entries were queued on the worker."""
 
@@ -254,7 +256,8 @@ class ChainConnection:
         else:
             raise LinkProtocolError(f"unexpected {kind.name} frame on a chain connection")
 
-    def _submit_batch(self, request_id: int, entries: list[ChainEntry]) -> None:
+    def _submit_batch(self, request_id: int, entries: list[ChainEntry],
+                      half_rows: bool) -> None:
         final = self._facts.is_final
         futures = []
         # Stage 0's decode groups arrive as batches: each runs whole and alone here too.
@@ -274,7 +277,7 @@ class ChainConnection:
             futures.append(future)
             pending = [f for f in self._outstanding.get(name, []) if not f.done()]
             self._outstanding[name] = [*pending, future]
-        self._queue.put(_Pending(request_id, entries, futures, time.monotonic()))
+        self._queue.put(_Pending(request_id, entries, futures, half_rows, time.monotonic()))
 
     def _drop(self, wire_id: int) -> None:
         """Free a session on the worker before anything after the DROP is submitted."""
@@ -356,7 +359,7 @@ class ChainConnection:
             last = len(pending.entries) - 1
             data = b"".join(
                 encode_iteration(pending.request_id, replace(e, rows=o.output_rows),
-                                 end_of_batch=i == last)
+                                 end_of_batch=i == last, half_rows=pending.half_rows)
                 for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True)))
         encoded = time.perf_counter()
         if self._facts.is_final:

@@ -25,7 +25,7 @@ from skippyd.engine.worker.settings import MAX_NATIVE_ITERATION_TOKENS
 logger = logging.getLogger(__name__)
 
 #: Bumped on any incompatible change of a frame layout or of the handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"SKPL"
 #: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
 #: first_position i32, token_count u32, row_width u32.
@@ -69,10 +69,13 @@ class Flag(enum.IntFlag):
     SAMPLE_LAST = 1 << 2
     END_OF_BATCH = 1 << 3
     DECODE = 1 << 4
+    ROWS_F16 = 1 << 5
 
 
 _ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
-                 | Flag.DECODE)
+                 | Flag.DECODE | Flag.ROWS_F16)
+#: Largest magnitude float16 holds; a frame with a larger value travels as float32.
+F16_MAX = float(np.finfo(np.float16).max)
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 
@@ -156,8 +159,13 @@ def encode_sampling(config: SamplingConfig) -> bytes:
     return head + b"".join(_BIAS.pack(t, b) for t, b in config.logit_bias)
 
 
-def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool) -> bytes:
-    """One session's share of a batch as an ITERATION frame."""
+def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
+                     half_rows: bool = False) -> bytes:
+    """One session's share of a batch as an ITERATION frame.
+
+    ``half_rows`` sends the activation rows as float16 (half the bytes, not exact);
+    a frame whose rows exceed float16's range goes as float32 all the same.
+    """
     count = len(entry.token_ids)
     tokens = np.asarray(entry.token_ids, dtype="<i4")
     parts = [tokens.tobytes()]
@@ -173,6 +181,9 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool) 
     if entry.rows is not None:
         rows = np.ascontiguousarray(entry.rows, dtype="<f4")
         width = int(rows.shape[1])
+        if half_rows and rows.size and float(np.abs(rows).max()) <= F16_MAX:
+            flags |= Flag.ROWS_F16
+            rows = rows.astype("<f2")
         parts.append(rows.tobytes())
     flags |= (Flag.SAMPLE_LAST if entry.sample_last else 0) | (
         Flag.DECODE if entry.decode else 0)
@@ -238,6 +249,8 @@ def _check_iteration_header(flags: int, first: int, count: int, width: int,
     if width not in (0, limits.row_width):
         raise LinkProtocolError(f"ITERATION frame: row_width {width}, expected "
                                 f"{limits.row_width} (agreed at the handshake)")
+    if flags & Flag.ROWS_F16 and not width:
+        raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
 
 
 def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
@@ -271,7 +284,8 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntr
     count, width, flags = header.token_count, header.row_width, header.flags
     offset = 4 * count
     positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
-    rows_bytes = 4 * count * width
+    row_value_bytes = 2 if flags & Flag.ROWS_F16 else 4
+    rows_bytes = row_value_bytes * count * width
     sampling_bytes = len(body) - offset - positions_bytes - rows_bytes
     has_sampling = bool(flags & Flag.SAMPLING)
     if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
@@ -292,8 +306,11 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntr
         offset += sampling_bytes
     rows = None
     if width:
-        rows = np.frombuffer(body, dtype="<f4", count=count * width,
+        dtype = "<f2" if row_value_bytes == 2 else "<f4"
+        rows = np.frombuffer(body, dtype=dtype, count=count * width,
                              offset=offset).reshape(count, width)
+        if row_value_bytes == 2:
+            rows = rows.astype(np.float32)
     return ChainEntry(
         session_id=header.session_id, first_position=header.first_position,
         token_ids=tokens.tolist(), rows=rows, sampling=sampling,

@@ -26,6 +26,7 @@ from skippyd.link.handshake import (
 from skippyd.link.wire import (
     HEADER,
     HEADER_BYTES,
+    Flag,
     FrameKind,
     LinkAuthError,
     LinkLimits,
@@ -82,7 +83,8 @@ def test_batch_assembler_groups_until_end_of_batch():
     frames = decode_stream(_valid_stream(), LIMITS)
     assembler = BatchAssembler()
     assert assembler.add(frames[0]) is None and assembler.open
-    request_id, entries = assembler.add(frames[1])
+    request_id, entries, half_rows = assembler.add(frames[1])
+    assert not half_rows
     assert request_id == 9 and [e.session_id for e in entries] == [1, 2]
     assert not assembler.open
 
@@ -256,3 +258,33 @@ def test_a_hello_before_authentication_is_size_limited():
         right.sendall(encode_frame(FrameKind.HELLO, b"\0" * 5000))
         with pytest.raises(LinkProtocolError, match="exceeds the 4096-byte limit"):
             accept_handshake(FrameSocket(left), SECRET)
+
+
+def test_float16_rows_halve_the_bytes_and_round_trip_within_float16_precision():
+    entry = _entry(4)
+    full = encode_iteration(3, entry, end_of_batch=True)
+    half = encode_iteration(3, entry, end_of_batch=True, half_rows=True)
+    assert len(full) - len(half) == 4 * WIDTH * 2
+    [frame] = decode_stream(half, LIMITS)
+    assert frame.header.flags & Flag.ROWS_F16 and frame.payload.rows.dtype == np.float32
+    np.testing.assert_array_equal(frame.payload.rows,
+                                  entry.rows.astype(np.float16).astype(np.float32))
+    request_id, _, half_rows = BatchAssembler().add(frame)
+    assert (request_id, half_rows) == (3, True)  # a middle stage forwards the same way
+
+
+def test_rows_beyond_float16_range_travel_as_float32():
+    entry = _entry(2)
+    entry.rows[1, 3] = 1e6
+    [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=True),
+                            LIMITS)
+    assert not frame.header.flags & Flag.ROWS_F16
+    np.testing.assert_array_equal(frame.payload.rows, entry.rows)
+
+
+def test_a_float16_flag_without_rows_is_refused():
+    data = bytearray(encode_iteration(3, _entry(2, rows=False), end_of_batch=True))
+    flags = int.from_bytes(data[6:8], "little") | int(Flag.ROWS_F16)
+    data[6:8] = flags.to_bytes(2, "little")
+    with pytest.raises(LinkProtocolError, match="ROWS_F16 flag without rows"):
+        decode_stream(bytes(data), LIMITS)
