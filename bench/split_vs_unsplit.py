@@ -1,7 +1,8 @@
 """Split serving against unsplit serving: same model, same total threads, same run.
 
-Starts the embedded SmolLM2-135M as one process (``--threads`` llama.cpp threads) and as
-a 2-stage chain (layers 0-15 and 15-30, ``--threads / 2`` threads each) on loopback,
+Starts the embedded SmolLM2-135M as one process (``--threads`` llama.cpp threads), once
+more on one stage's threads (the 1-stream anchor), and as a 2-stage chain (layers 0-17
+and 17-30, ``--threads / 2`` threads each) on loopback,
 then runs the ``skippyd bench`` workload (streaming completions, unique prompts, exact
 output lengths) at each concurrency level, alternating the targets for ``--rounds``
 rounds. For the chain it also reads every stage's STATUS over the stage link before and
@@ -80,9 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
                              "cost of splitting on equal CPU when the machine is shared")
     parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--split-at", type=int, default=15,
+    parser.add_argument("--split-at", type=int, default=17,
                         help="first layer of stage 1 (SmolLM2 has 30 layers; the final stage "
-                             "also computes the output head)")
+                             "also computes the output head, about 3 layers' worth, so 17 "
+                             "balances the two)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
     parser.add_argument("--only-split", action="store_true",
                         help="measure only the chain (its busy fractions and timeline)")

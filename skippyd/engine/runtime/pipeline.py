@@ -70,7 +70,7 @@ class PipelineRuntime:
         downstream: The link to stage 1; its reader thread calls ``on_result``,
             ``on_error`` and ``on_down`` of this object.
         decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
-            one per pipeline stage, as the handshake reports the chain's length.
+            one per pipeline stage plus one, as the handshake reports the chain's length.
         lookahead: Start the next decode step of a group as soon as its prediction
             arrives (see the module docstring).
     """
@@ -241,7 +241,9 @@ class PipelineRuntime:
     def _num_groups(self) -> int:
         if self._decode_groups is not None:
             return max(1, self._decode_groups)
-        return self._link.num_stages + 1
+        # One group per stage keeps every stage busy only if nothing else takes time;
+        # one more is always travelling (a link, a scheduler turn) and fills that gap.
+        return self._link.num_stages + 2
 
     def _ship(self, items: list[tuple[IterationRequest, int]],
               speculative: bool) -> tuple[list[InflightStep | None], float]:
