@@ -15,7 +15,7 @@ from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
@@ -150,7 +150,12 @@ class SplitStage:
                           lookahead_hits=counters.lookahead_hits,
                           lookahead_retracted=counters.lookahead_retracted,
                           chain=self.link.status(),
-                          timeline=_stage0_timeline(counters.timeline, self.link.timeline))
+                          timeline=_stage0_timeline(counters.timeline, self.link.timeline),
+                          links=self.link.links(),
+                          inflight_batches=self.pipeline.inflight_batches,
+                          max_inflight_batches=MAX_INFLIGHT_BATCHES,
+                          reply_ms=_ms(counters.reply_last_s),
+                          reply_avg_ms=_ms(counters.reply_avg_s))
         return status
 
     def link_status(self) -> dict[str, Any]:
@@ -163,6 +168,10 @@ class SplitStage:
         if server is not None:
             return server.status()
         return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
 
 
 def _stage0_timeline(pipeline: StageTimeline, link: StageTimeline) -> dict[str, float]:

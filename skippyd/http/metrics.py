@@ -48,6 +48,7 @@ from skippyd.engine.worker.telemetry import (
     TelemetryEvent,
     TelemetryHub,
 )
+from skippyd.http.link_metrics import link_families
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ class ServingMetrics:
     Args:
         stats_source: Returns the worker's current stats (None before the model loads).
         kv_cells_total: Returns the KV pool size in cells, until the worker reports it.
+        link_status: Returns a split stage's link status (None otherwise): its round
+            trips, queues and busy time become ``skippyd_link_*`` families.
         window_s: Span of the rolling windows.
         clock: Monotonic clock, injectable for tests.
     """
@@ -235,6 +238,7 @@ class ServingMetrics:
         *,
         kv_cells_total: Callable[[], int] | None = None,
         prefix_cache_stats: Callable[[], Mapping[str, Any]] | None = None,
+        link_status: Callable[[], Mapping[str, Any] | None] | None = None,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -244,6 +248,7 @@ class ServingMetrics:
         self._stats = stats_source or (lambda: None)
         self._kv_cells_total = kv_cells_total or (lambda: 0)
         self._prefix_cache_stats = prefix_cache_stats
+        self.link_status = link_status or (lambda: None)
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=MAX_WINDOW_SAMPLES)
         self.num_prompt_tokens = self.num_generated_tokens = 0
         self.outcomes = {"finished": 0, "failed": 0, "cancelled": 0}
@@ -263,7 +268,8 @@ class ServingMetrics:
             worker = engine.worker
             return None if worker is None else worker.stats()
         return cls(stats, kv_cells_total=lambda: engine.ctx_size,
-                   prefix_cache_stats=getattr(engine, "prefix_cache_stats", None), **kwargs)
+                   prefix_cache_stats=getattr(engine, "prefix_cache_stats", None),
+                   link_status=getattr(engine, "link_status", None), **kwargs)
 
     def prefix_cache(self) -> dict[str, Any]:
         """Prefix-cache figures: the cache's own when it reports them, else event counts."""
@@ -456,6 +462,7 @@ class _StageCollector(Collector):
              "stage's batches).", stats.num_direct_iterations),
         ):
             yield CounterMetricFamily("skippyd_" + name, doc, value=value)
+        yield from link_families(m.link_status())
 
 
 def metrics_route(metrics: ServingMetrics, path: str = "/metrics") -> Route:

@@ -31,6 +31,7 @@ from skippyd.engine.runtime.pipeline_types import (
 )
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
+from skippyd.link.probe import LinkPinger, link_view
 from skippyd.link.wire import (
     Frame,
     FrameKind,
@@ -167,17 +168,21 @@ class ChainLink:
         self._bytes = [0, 0]
         self.timeline = StageTimeline()
         """Encode and send seconds of the batches sent (the rest is the pipeline's)."""
+        self._pinger: LinkPinger | None = None
         self._thread = threading.Thread(target=self._run, name="skippyd-chain-connector",
                                         daemon=True)
 
     def start(self, listener: ChainListener) -> None:
         self._listener = listener
+        self._pinger = LinkPinger("skippyd-chain-pinger").start()
         self._thread.start()
 
     def close(self) -> None:
         """Stop reconnecting and close both connections. Idempotent."""
         self._closed.set()
         self._mark_down(self._epoch, "stage 0 is shutting down")
+        if self._pinger is not None:
+            self._pinger.close()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=DIAL_TIMEOUT_S + 1)
 
@@ -239,6 +244,14 @@ class ChainLink:
         return {"up": self._up, "reason": self.down_reason(), "epoch": self._epoch,
                 "num_stages": self._num_stages + 1, "bytes_out": bytes_out,
                 "bytes_in": bytes_in}
+
+    def links(self) -> list[dict[str, Any]]:
+        """Round trips and send queues of the connection to stage 1 and of the return
+        connection from the final stage (``skippyd.link.probe``)."""
+        with self._lock:
+            data, ret = self._data, self._return
+        return [link_view(data, self.identity.downstream_id, "downstream"),
+                link_view(ret, self._final_id, "return")]
 
     # -- connector thread ----------------------------------------------------------------
 
@@ -310,6 +323,9 @@ class ChainLink:
             self._down.clear()
             self._up = True
             self._reason = None
+        if self._pinger is not None:
+            self._pinger.add(data)
+            self._pinger.add(ret)
         for target, conn, name in ((self._read_returns, ret, "return"),
                                    (self._watch_data, data, "watch")):
             threading.Thread(target=target, args=(conn, epoch), daemon=True,
@@ -328,6 +344,8 @@ class ChainLink:
             was_up, self._up = self._up, False
             self._reason = f"{reason} (reconnecting)"
         for conn in conns:
+            if self._pinger is not None:
+                self._pinger.remove(conn)
             conn.close()
         if was_up and not self._closed.is_set():
             logger.warning("pipeline lost: %s; reconnecting", reason)
@@ -343,16 +361,18 @@ class ChainLink:
                 if frame is None:
                     reason = f"{self._final_id} closed the return connection"
                     break
-                self._deliver(frame, epoch)
+                self._deliver(conn, frame, epoch)
         except LinkProtocolError as exc:
             reason = f"protocol error on the return connection: {exc}"
         except OSError as exc:
             reason = f"return connection failed: {exc}"
         self._mark_down(epoch, reason)
 
-    def _deliver(self, frame: Frame, epoch: int) -> None:
+    def _deliver(self, conn: FrameSocket, frame: Frame, epoch: int) -> None:
         listener = self._listener
         assert listener is not None
+        if conn.answer_probe(frame):
+            return
         if frame.kind is FrameKind.RESULT:
             listener.on_result(epoch, frame.header.request_id, frame.payload)  # type: ignore[arg-type]
         elif frame.kind is FrameKind.ERROR:
@@ -361,9 +381,10 @@ class ChainLink:
             raise LinkProtocolError(f"unexpected {frame.kind.name} frame")
 
     def _watch_data(self, conn: FrameSocket, epoch: int) -> None:
-        """Nothing comes back on the data connection: any read result means it ended."""
+        """Only probes come back on the data connection: anything else ends it."""
         try:
-            frame = conn.read()
+            while (frame := conn.read()) is not None and conn.answer_probe(frame):
+                pass
             reason = (f"{self.identity.downstream_id} closed the connection" if frame is None
                       else f"unexpected {frame.kind.name} frame from "
                            f"{self.identity.downstream_id}")

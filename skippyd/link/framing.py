@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry
+from skippyd.link.probe import RoundTrips
 from skippyd.link.wire import (
     HANDSHAKE_LIMITS,
     HEADER_BYTES,
     MAX_BATCH_ENTRIES,
     Flag,
     Frame,
+    FrameKind,
     LinkLimits,
     LinkProtocolError,
     decode_body,
     decode_header,
+    encode_ping,
+    encode_pong,
 )
 
 logger = logging.getLogger(__name__)
@@ -36,7 +42,10 @@ class FrameSocket:
         self.limits = limits
         self.bytes_in = 0
         self.bytes_out = 0
+        self.round_trips = RoundTrips()
+        """What this end's PINGs measured (``skippyd.link.probe``)."""
         self._header = bytearray(HEADER_BYTES)
+        self._write_lock = threading.Lock()
 
     def read(self) -> Frame | None:
         """The next frame, or None on a clean end of stream between frames.
@@ -70,8 +79,25 @@ class FrameSocket:
         return done
 
     def write(self, data: bytes) -> None:
-        self.sock.sendall(data)
-        self.bytes_out += len(data)
+        """Send whole frames; frames of concurrent writers never interleave."""
+        with self._write_lock:
+            self.sock.sendall(data)
+            self.bytes_out += len(data)
+
+    def send_ping(self, now_ns: int) -> None:
+        self.write(encode_ping(now_ns))
+
+    def answer_probe(self, frame: Frame) -> bool:
+        """Handle a PING (answer it) or a PONG (record the round trip); True if it was
+        one of them, so the caller's reader skips it."""
+        if frame.kind is FrameKind.PING:
+            self.write(encode_pong(frame.header.request_id))
+            return True
+        if frame.kind is FrameKind.PONG:
+            sent_ns = frame.header.request_id
+            self.round_trips.add(max(0, time.monotonic_ns() - sent_ns) / 1e9)
+            return True
+        return False
 
     def close(self) -> None:
         """Shut the connection down (unblocking a reader) and close it. Idempotent."""

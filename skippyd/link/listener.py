@@ -34,6 +34,7 @@ from skippyd.link.handshake import (
     send_ack,
     send_refuse,
 )
+from skippyd.link.probe import LinkPinger
 from skippyd.link.relay import ChainConnection
 from skippyd.link.wire import (
     FrameKind,
@@ -97,6 +98,8 @@ class StageLinkServer:
         self.timeline = timeline or StageTimeline()
         """Where this stage's batches spend their time (its chain connections add to it)."""
         self._status = status
+        self.pinger = LinkPinger(f"skippyd-link-pinger-{facts.stage_id}")
+        """PINGs every chain connection of this stage (started with the listener)."""
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None
         self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
@@ -136,6 +139,7 @@ class StageLinkServer:
     def start(self) -> None:
         if self._sock is None:
             raise RuntimeError("bind() the link listener before start()")
+        self.pinger.start()
         self._thread.start()
 
     def close(self) -> None:
@@ -151,6 +155,7 @@ class StageLinkServer:
             chains = list(self._chains.values())
         for chain in chains:
             chain.close("the stage is shutting down")
+        self.pinger.close()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
@@ -180,7 +185,10 @@ class StageLinkServer:
         for chain in chains:
             for key, value in chain.counters().items():
                 totals[key] += value
-        return status_body(self.facts, len(chains), totals, self._status())
+        links = [view for chain in chains for view in chain.links()]
+        queued = sum(chain.queued_batches for chain in chains)
+        return status_body(self.facts, len(chains), totals,
+                           {"links": links, "queued_batches": queued, **self._status()})
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -274,9 +282,10 @@ class StageLinkServer:
             self.reject(peer, "the chain already has a return connection")
             return
         conn.sock.settimeout(None)
-        # Stage 0 sends nothing on this connection: any read result means it ended.
+        # Stage 0 sends only probes on this connection: anything else ends it.
         try:
-            frame = conn.read()
+            while (frame := conn.read()) is not None and conn.answer_probe(frame):
+                pass
             reason = ("stage 0 closed the return connection" if frame is None
                       else f"unexpected {frame.kind.name} frame on the return connection")
         except (LinkProtocolError, OSError) as exc:

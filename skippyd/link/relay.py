@@ -33,6 +33,7 @@ from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, send_ack
+from skippyd.link.probe import link_view
 from skippyd.link.wire import (
     Frame,
     FrameKind,
@@ -131,6 +132,9 @@ class ChainConnection:
                             row_width=self._facts.n_embd)
         self._upstream.limits = limits
         self._upstream.sock.settimeout(None)
+        for conn in (self._upstream, self._downstream):
+            if conn is not None:
+                self._server.pinger.add(conn)
         logger.info("chain connection from %s accepted (%d stage(s) from here to the end)",
                     self._peer, ack.num_stages)
         completer = threading.Thread(target=self._complete_loop, daemon=True,
@@ -157,6 +161,7 @@ class ChainConnection:
     def _close_sockets(self) -> None:
         for conn in (self._upstream, self._downstream, self._return):
             if conn is not None:
+                self._server.pinger.remove(conn)
                 conn.close()
 
     def attach_return(self, conn: FrameSocket) -> bool:
@@ -165,8 +170,25 @@ class ChainConnection:
             if self._closing.is_set() or self._return is not None:
                 return False
             self._return = conn
+        self._server.pinger.add(conn)
         self._return_ready.set()
         return True
+
+    def links(self) -> list[dict[str, Any]]:
+        """Round trips and send queues of this chain's connections (``link.probe``)."""
+        facts = self._facts
+        views = [link_view(self._upstream, self._peer, "upstream")]
+        if not facts.is_final:
+            views.append(link_view(self._downstream, facts.downstream_id or "downstream",
+                                   "downstream"))
+        else:
+            views.append(link_view(self._return, "stage 0", "return"))
+        return views
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches read and not yet finished (their results not yet sent)."""
+        return self._queue.qsize()
 
     def counters(self) -> dict[str, int]:
         conns = [c for c in (self._upstream, self._downstream, self._return) if c is not None]
@@ -213,10 +235,12 @@ class ChainConnection:
                         ack.final_stage_id)
 
     def _watch_downstream(self) -> None:
-        """Nothing comes back on the downstream connection: any read result ends it."""
-        assert self._downstream is not None
+        """Only probes come back on the downstream connection: anything else ends it."""
+        downstream = self._downstream
+        assert downstream is not None
         try:
-            frame = self._downstream.read()
+            while (frame := downstream.read()) is not None and downstream.answer_probe(frame):
+                pass
             reason = ("the downstream stage closed the connection" if frame is None
                       else f"unexpected {frame.kind.name} frame from downstream")
         except (LinkProtocolError, OSError) as exc:
@@ -242,6 +266,8 @@ class ChainConnection:
 
     def _dispatch(self, frame: Frame, assembler: BatchAssembler) -> None:
         kind = frame.kind
+        if not assembler.open and self._upstream.answer_probe(frame):
+            return
         if kind is FrameKind.ITERATION:
             done = assembler.add(frame)
             if done is not None:

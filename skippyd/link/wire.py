@@ -57,6 +57,8 @@ class FrameKind(enum.IntEnum):
     ITERATION = 10
     DROP = 11
     ERROR = 12
+    PING = 13
+    PONG = 14
     RESULT = 20
     STATUS = 30
 
@@ -210,6 +212,15 @@ def encode_drop(session_id: int) -> bytes:
     return encode_frame(FrameKind.DROP, session_id=session_id)
 
 
+def encode_ping(nonce: int) -> bytes:
+    """A PING; ``nonce`` (the sender's clock) comes back in the PONG."""
+    return encode_frame(FrameKind.PING, request_id=nonce)
+
+
+def encode_pong(nonce: int) -> bytes:
+    return encode_frame(FrameKind.PONG, request_id=nonce)
+
+
 # -- decoding ------------------------------------------------------------------------------
 
 
@@ -267,9 +278,9 @@ def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
         return Frame(header, _decode_iteration(header, body))
     if kind is FrameKind.RESULT:
         return Frame(header, _decode_result(header, body))
-    if kind is FrameKind.DROP:
+    if kind in (FrameKind.DROP, FrameKind.PING, FrameKind.PONG):
         if body:
-            raise LinkProtocolError("DROP frame must have no body")
+            raise LinkProtocolError(f"{kind.name} frame must have no body")
         return Frame(header, None)
     if kind in (FrameKind.ERROR, FrameKind.REFUSE):
         if len(body) > MAX_TEXT_BYTES:

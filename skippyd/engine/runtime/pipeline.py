@@ -389,6 +389,11 @@ class PipelineRuntime:
         return IterationOutput(output_rows=[None] * len(requests), samples=samples,
                                compute_s=compute_s)
 
+    @property
+    def inflight_batches(self) -> int:
+        """Batches sent and not answered yet (at most :data:`MAX_INFLIGHT_BATCHES`)."""
+        return len(self._batches)
+
     # -- listener callbacks (the link's reader thread) -------------------------------------
 
     def on_result(self, epoch: int, request_id: int, samples: Sequence[ChainSample]) -> None:
@@ -399,6 +404,7 @@ class PipelineRuntime:
             if batch is None or batch.epoch != epoch:
                 return
             del self._batches[request_id]
+            self.counters.note_reply(time.monotonic() - batch.sent_at)
             for index, step in enumerate(batch.steps):
                 if step is None:
                     continue

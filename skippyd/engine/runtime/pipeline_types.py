@@ -139,6 +139,7 @@ class InflightBatch:
     epoch: int
     steps: list[InflightStep | None]
     """Per entry: its sampled step, or None for an entry that samples nothing."""
+    sent_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -181,6 +182,15 @@ class PipelineCounters:
     lookahead_retracted: int = 0
     started_at: float = field(default_factory=time.monotonic)
     timeline: StageTimeline = field(default_factory=StageTimeline)
+    reply_last_s: float | None = None
+    """Send-to-answer time of the last batch the final stage answered."""
+    reply_avg_s: float | None = None
+    """Moving average of that time: the whole chain's round trip, compute included."""
+
+    def note_reply(self, seconds: float) -> None:
+        self.reply_last_s = seconds
+        self.reply_avg_s = seconds if self.reply_avg_s is None else (
+            0.8 * self.reply_avg_s + 0.2 * seconds)
 
 
 @dataclass(frozen=True, slots=True)
