@@ -38,7 +38,7 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
-from skippyd.bench.process import SKIPPYD_READY, ServerProcess, free_port
+from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.shaper import READY_LINE
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
@@ -47,7 +47,6 @@ from skippyd.link.dialer import query_status
 logger = logging.getLogger(__name__)
 
 SECRET = "split-links-bench-secret-0123456789"
-STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
 #: Layer bounds per chain length: the final stage also computes the output head.
 BOUNDS = {2: (0, 17, 30), 3: (0, 11, 22, 30)}
 #: Target: at this RTT, 8 streams keep at least this share of the 0 ms figure.

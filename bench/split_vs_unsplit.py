@@ -45,7 +45,7 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
-from skippyd.bench.process import SKIPPYD_READY, ServerProcess, free_port
+from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
 from skippyd.link.dialer import query_status
@@ -53,7 +53,6 @@ from skippyd.link.dialer import query_status
 logger = logging.getLogger(__name__)
 
 SECRET = "split-bench-secret-0123456789abcdef"
-STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
 #: Targets: the chain at 8 streams reaches 0.9x the unsplit tok/s (same total threads),
 #: and at 1 stream 0.9x an unsplit server on one stage's threads.
 TARGETS = ((8, "unsplit", 0.9), (1, "unsplit-1t", 0.9))

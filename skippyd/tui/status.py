@@ -21,7 +21,15 @@ from rich.text import Text
 from skippyd.config import ConfigError
 from skippyd.control.client import ControlClient, ControlError, resolve_socket_path
 from skippyd.exitcodes import ExitCode
-from skippyd.tui.fmt import fmt_bytes, fmt_duration, fmt_ms, fmt_percent, number, probe_line, section
+from skippyd.tui.fmt import (
+    fmt_bytes,
+    fmt_duration,
+    fmt_ms,
+    fmt_percent,
+    number,
+    probe_line,
+    section,
+)
 
 logger = logging.getLogger(__name__)
 
