@@ -16,6 +16,11 @@ exits 0 only if every check passed.
                          --config examples/configs/split-2/stage1.toml    # a 2-stage split
     python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P \
                          [--socket S1 --pid P1 ...]                        # running stages
+    python bench/soak.py --config s0.toml --config s1.toml --restart-stage 1   # a stage dies
+
+With ``--restart-stage INDEX`` that later stage is killed (SIGKILL) halfway through and
+started again: requests it breaks may fail with a 503 (counted as ``unavailable``), and
+every stage, the restarted one from its restart on, must still pass the leak checks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +115,8 @@ async def run_one(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
         tally.add("ok")
     elif response.status_code == 429:
         tally.add("429")
+    elif response.status_code == 503:
+        tally.add("unavailable", f"503: {response.text[:120]}")
     else:
         tally.add("error", f"{response.status_code}: {response.text[:120]}")
 
@@ -118,6 +126,9 @@ async def read_stream(client, path, body, tally: Tally) -> None:
         if response.status_code == 429:
             tally.add("429")
             return
+        if response.status_code == 503:
+            tally.add("unavailable", "stream 503")
+            return
         if response.status_code != 200:
             tally.add("error", f"stream {response.status_code}")
             return
@@ -126,7 +137,9 @@ async def read_stream(client, path, body, tally: Tally) -> None:
             if line.strip() == "data: [DONE]":
                 done = True
             elif line.startswith("data: {") and '"error"' in line[:20]:
-                tally.add("error", f"stream error {line[:120]}")
+                # A stage lost mid-stream fails the stream with a retryable error.
+                kind = "unavailable" if "unavailable" in line else "error"
+                tally.add(kind, f"stream error {line[:120]}")
                 return
         tally.add("ok" if done else "error", None if done else "stream ended without [DONE]")
 
@@ -135,8 +148,8 @@ async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
     chunks_before_drop = rng.randint(0, 6)
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
-            tally.add("429" if response.status_code == 429 else "error",
-                      None if response.status_code == 429 else f"{response.status_code}")
+            kind = {429: "429", 503: "unavailable"}.get(response.status_code, "error")
+            tally.add(kind, None if kind == "429" else f"{response.status_code}")
             return
         seen = 0
         async for line in response.aiter_lines():
@@ -148,7 +161,8 @@ async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
 
 
 async def drive(url: str, total: int, concurrency: int, seed: int, max_output: int,
-                tally: Tally, progress_every: int) -> None:
+                tally: Tally, progress_every: int,
+                at_half: Callable[[], None] | None = None) -> None:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
@@ -161,6 +175,8 @@ async def drive(url: str, total: int, concurrency: int, seed: int, max_output: i
                     await run_one(client, random.Random(rng.random()), tally, max_output)
                 except (httpx.HTTPError, ValueError) as exc:
                     tally.add("error", f"{type(exc).__name__}: {exc}")
+            if at_half is not None and i + 1 == total // 2:
+                threading.Thread(target=at_half, daemon=True).start()
             if progress_every and (i + 1) % progress_every == 0:
                 print(f"  {i + 1}/{total} in {time.monotonic() - started:.0f}s "
                       f"{dict(tally.outcomes)}", file=sys.stderr, flush=True)
@@ -198,6 +214,33 @@ class Stage:
     name: str
     pid: int
     control: ControlClient
+    config: Path | None = None
+    proc: subprocess.Popen | None = None
+    restarted_at: float | None = None
+    """Seconds into the run when it was killed and started again (``--restart-stage``)."""
+    baseline: dict[str, int] | None = None
+    """Threads, fds and RSS after (re)start and warm-up: what the end is compared with."""
+
+
+def restart(stage: Stage, url: str, started: float) -> None:
+    """SIGKILL a stage in the middle of the run and start it again from its config.
+
+    Requests in flight fail with a 503 while it is away; stage 0 reconnects, and the
+    new process's leak checks start from its state once the chain is healthy again.
+    """
+    assert stage.proc is not None and stage.config is not None
+    print(f"  killing {stage.name} (pid {stage.pid})", file=sys.stderr, flush=True)
+    stage.proc.kill()
+    stage.proc.wait()
+    stage.restarted_at = time.monotonic() - started
+    stage.proc, _, socket_path = start_daemon(stage.config)
+    stage.pid = stage.proc.pid
+    stage.control = ControlClient.connect(socket_path)
+    wait_healthy(url, 60)
+    stage.baseline = proc_stats(stage.pid)
+    print(f"  {stage.name} is back (pid {stage.pid}) after "
+          f"{time.monotonic() - started - stage.restarted_at:.1f} s", file=sys.stderr,
+          flush=True)
 
 
 def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
@@ -256,10 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-bound-mib", type=float, default=64.0)
+    parser.add_argument("--restart-stage", type=int, default=None, metavar="INDEX",
+                        help="SIGKILL this later stage (its index, with --config per stage) "
+                             "halfway through and start it again; requests it breaks may "
+                             "fail with a 503, nothing may leak")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
 
     procs: list[subprocess.Popen] = []
+    soaked: list[Stage] = []
     try:
         if args.config is not None:
             url, stages = None, []
@@ -268,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc, stage_url, socket_path = start_daemon(config)
                 procs.append(proc)
                 url = stage_url or url
-                stages.append((config.stem, proc.pid, socket_path))
+                stages.append((config.stem, proc.pid, socket_path, config, proc))
             if url is None:
                 parser.error("no --config serves HTTP (a pipeline needs its stage 0)")
             stages.reverse()  # stage 0 first in the report
@@ -276,15 +324,22 @@ def main(argv: list[str] | None = None) -> int:
             if not args.socket or not args.pid or len(args.socket) != len(args.pid):
                 parser.error("--url needs one --pid per --socket")
             url = args.url
-            stages = [(f"stage {i}", pid, path)
+            stages = [(f"stage {i}", pid, path, None, None)
                       for i, (path, pid) in enumerate(zip(args.socket, args.pid, strict=True))]
+        if args.restart_stage is not None and not 0 < args.restart_stage < len(stages):
+            parser.error("--restart-stage: the index of a later stage started with --config")
         wait_healthy(url, 60)
-        return soak(args, url, [Stage(name, pid, ControlClient.connect(path))
-                                for name, pid, path in stages])
+        soaked += [Stage(name, pid, ControlClient.connect(path), config, proc)
+                   for name, pid, path, config, proc in stages]
+        return soak(args, url, soaked)
     finally:
         for proc in procs:  # stage 0 first, then the stages behind it
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
+        for stage in soaked:  # a restarted stage's new process
+            if stage.proc is not None and stage.proc not in procs:
+                stage.proc.send_signal(signal.SIGTERM)
+                stage.proc.wait(timeout=120)
 
 
 def _serves_http(config: Path) -> bool:
@@ -299,20 +354,35 @@ def soak(args, url: str, stages: list[Stage]) -> int:
     warm = Tally()
     asyncio.run(drive(url, args.warmup, concurrency, args.seed + 1, args.max_output, warm, 0))
     baseline_host = [settle(stage.control, 60)["prefix_cache"]["bytes_host"] for stage in stages]
-    baseline = [proc_stats(stage.pid) for stage in stages]
+    for stage in stages:
+        stage.baseline = proc_stats(stage.pid)
     tally = Tally()
     started = time.monotonic()
+    victim = None if args.restart_stage is None else stages[args.restart_stage]
+    restarted = threading.Event()
+
+    def at_half() -> None:
+        try:
+            restart(victim, url, started)
+        finally:
+            restarted.set()
+
     asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                      max(args.requests // 10, 1)))
+                      max(args.requests // 10, 1), None if victim is None else at_half))
     elapsed = time.monotonic() - started
+    if victim is not None and not restarted.wait(120):
+        raise SystemExit(f"{victim.name} did not come back within 120 s")
     figures = []
-    for stage, base, host in zip(stages, baseline, baseline_host, strict=True):
+    for stage, host in zip(stages, baseline_host, strict=True):
         snapshot = settle(stage.control, 60)
+        base = stage.baseline
+        assert base is not None
         after = wait_back_to(stage.pid, base, 30)
         # The prefix cache's host-RAM tier holds saved KV on purpose, within its own
         # configured budget (kv_cache.host_ram_bytes): that is not a leak.
         cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - host) // 1024
         figures.append(stage_checks(args, stage.name, snapshot, base, after, cache_growth_kib))
+        figures[-1]["restarted_at_s"] = stage.restarted_at
     return report(args, tally, figures, elapsed)
 
 
@@ -337,13 +407,18 @@ def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: i
 
 def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
     accounted = sum(tally.outcomes.values()) == args.requests
-    answered = accounted and tally.outcomes["error"] == 0
+    # Only a stage killed on purpose may fail requests, and only as "unavailable".
+    allowed = args.restart_stage is not None or tally.outcomes["unavailable"] == 0
+    answered = accounted and tally.outcomes["error"] == 0 and allowed
     passed = answered and all(all(stage["checks"].values()) for stage in stages)
     outcomes = " ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items()))
     print(f"soak: {args.requests} requests in {elapsed:.0f}s ({outcomes}): "
           f"{'PASS' if passed else 'FAIL'}")
     for stage in stages:
         base, after = stage["baseline"], stage["after"]
+        if stage["restarted_at_s"] is not None:
+            print(f"  {stage['stage']}: killed and restarted {stage['restarted_at_s']:.0f} s "
+                  "into the run; its figures count from the restart")
         print(f"  {stage['stage']}: active {stage['active']} sessions "
               f"{stage['active_sessions']}; kv cells {stage['kv_cells']}; threads "
               f"{base['threads']}->{after['threads']}; fds {base['fds']}->{after['fds']}; rss "
