@@ -62,7 +62,7 @@ _KEY_NOTES: dict[str, str] = {
     "stage.layer_end": "default: the model's last layer",
     "runtime.threads": "default: the CPUs available to the process",
     "runtime.threads_batch": "default: threads",
-    "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline",
+    "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline, plus one",
     "http.max_prompt_tokens": "default: runtime.ctx_size",
     "control.socket": "default: $XDG_RUNTIME_DIR/skippyd/<stage id>.sock, else "
                       "$RUNTIME_DIRECTORY/<stage id>.sock, else a per-user temp dir",

@@ -202,9 +202,9 @@ class RuntimeSection:
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
-    """Groups a split pipeline cuts each decode step into, so every stage works on one
-    while the next computes another; ``None``: one per stage. Also set by
-    ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
+    """Groups a split pipeline cuts each iteration into, so every stage works on one
+    while the next computes another; ``None``: one per stage plus one (the one
+    travelling). Also set by ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
     slice_cache_dir: str | None = _setting(None, check=_check_non_empty)
