@@ -101,6 +101,8 @@ async def run_one(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
         response = await client.post(path, **kwargs)
         if 400 <= response.status_code < 500 and response.json().get("error", {}).get("message"):
             tally.add("invalid->4xx")
+        elif response.status_code == 503:  # a degraded stage 0 refuses before validating
+            tally.add("unavailable", f"invalid request got 503: {response.text[:120]}")
         else:
             tally.add("error", f"invalid request got {response.status_code}: {response.text[:120]}")
         return
