@@ -11,12 +11,22 @@ holds on purpose (within ``kv_cache.host_ram_bytes``). A split pipeline is soake
 through stage 0 and every stage is checked. It prints a one-line summary per stage and
 exits 0 only if every check passed.
 
+With ``--attack`` the connection attacks run beside the load the whole time: idle
+connections that never send a byte (``--attack-idle``, default 1 000), request heads and
+bodies dripped a byte at a time, handshakes dripped at every stage's link port, and a
+supervisor probing ``/health`` twice a second, which must never see anything but 200.
+
+Daemons it started are stopped when it ends, however it ends: on SIGTERM, SIGHUP or
+Ctrl-C it stops them first, and each daemon gets SIGTERM from the kernel if the soak
+itself is killed outright.
+
     python bench/soak.py --config examples/configs/single.toml            # starts skippyd
     python bench/soak.py --config examples/configs/split-2/stage0.toml \
                          --config examples/configs/split-2/stage1.toml    # a 2-stage split
     python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P \
                          [--socket S1 --pid P1 ...]                        # running stages
     python bench/soak.py --config s0.toml --config s1.toml --restart-stage 1   # a stage dies
+    python bench/soak.py --config examples/configs/single.toml --attack   # under attack
 
 With ``--restart-stage INDEX`` that later stage is killed (SIGKILL) halfway through and
 started again: requests it breaks may fail with a 503 (counted as ``unavailable``), and
@@ -42,12 +52,24 @@ from pathlib import Path
 
 import httpx
 
+from skippyd.bench.attacks import (
+    SLOW_HEAD,
+    Drippers,
+    IdleFlood,
+    ProbeLoop,
+    running,
+    slow_body_request,
+)
 from skippyd.control.client import ControlClient
+from skippyd.link.wire import FrameKind, encode_frame
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jovial bard near the old stone bridge").split()
 READY = "skippyd serving"
 LINK_READY = "serving layers"
+#: A stage-link HELLO, dripped at link ports by ``--attack``.
+LINK_HELLO = encode_frame(FrameKind.HELLO, b"h" * 120)
+SLOW_BODY_HEAD, SLOW_BODY = slow_body_request()
 
 
 @dataclass
@@ -253,7 +275,8 @@ def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
     argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(config)]
     if loaded.http is not None:
         argv += ["--listen", "127.0.0.1:0"]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
     for line in proc.stderr:
         if READY in line or (loaded.http is None and LINK_READY in line):
             url = (line.split(" on ", 1)[1].strip().removesuffix("/v1")
@@ -262,6 +285,25 @@ def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
             threading.Thread(target=_drain, args=(proc.stderr,), daemon=True).start()
             return proc, url, loaded.control.socket_path
     raise SystemExit(f"skippyd ({config}) exited with {proc.wait()} before it was ready")
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the soak dies, even by SIGKILL (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so the daemons are stopped on the way out."""
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def wait_healthy(url: str, timeout: float) -> None:
@@ -306,11 +348,18 @@ def main(argv: list[str] | None = None) -> int:
                              "halfway through and start it again; requests it breaks may "
                              "fail with a 503, nothing may leak")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--attack", action="store_true",
+                        help="run the connection attacks beside the load")
+    parser.add_argument("--attack-idle", type=int, default=900,
+                        help="idle connections held open during --attack (default 900: with "
+                             "the load and the drippers, just under http.max_open_connections)")
     args = parser.parse_args(argv)
+    _exit_on_signals()
 
     procs: list[subprocess.Popen] = []
     soaked: list[Stage] = []
     try:
+        links: list[tuple[str, int] | None] = []
         if args.config is not None:
             url, stages = None, []
             # Later stages first: stage 0 connects to them as soon as it starts.
@@ -319,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs.append(proc)
                 url = stage_url or url
                 stages.append((config.stem, proc.pid, socket_path, config, proc))
+                links.append(_link_address(config))
             if url is None:
                 parser.error("no --config serves HTTP (a pipeline needs its stage 0)")
             stages.reverse()  # stage 0 first in the report
@@ -333,15 +383,26 @@ def main(argv: list[str] | None = None) -> int:
         wait_healthy(url, 60)
         soaked += [Stage(name, pid, ControlClient.connect(path), config, proc)
                    for name, pid, path, config, proc in stages]
-        return soak(args, url, soaked)
+        return soak(args, url, soaked, [link for link in links if link is not None])
     finally:
-        for proc in procs:  # stage 0 first, then the stages behind it
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        for stage in soaked:  # a restarted stage's new process
-            if stage.proc is not None and stage.proc not in procs:
-                stage.proc.send_signal(signal.SIGTERM)
-                stage.proc.wait(timeout=120)
+        # Stage 0 first, then the stages behind it, then a restarted stage's new process.
+        for proc in procs + [s.proc for s in soaked if s.proc is not None and s.proc not in procs]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _link_address(config: Path) -> tuple[str, int] | None:
+    from skippyd.config import load_config
+
+    address = load_config(config).link.listen_address
+    if address is None:
+        return None
+    host, port = address
+    return ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host), port
 
 
 def _serves_http(config: Path) -> bool:
@@ -350,7 +411,8 @@ def _serves_http(config: Path) -> bool:
     return load_config(config).http is not None
 
 
-def soak(args, url: str, stages: list[Stage]) -> int:
+def soak(args, url: str, stages: list[Stage],
+         links: list[tuple[str, int]] | None = None) -> int:
     lanes = stages[0].control.status()["lane_count"]
     concurrency = args.concurrency or 2 * lanes
     warm = Tally()
@@ -359,6 +421,7 @@ def soak(args, url: str, stages: list[Stage]) -> int:
     for stage in stages:
         stage.baseline = proc_stats(stage.pid)
     tally = Tally()
+    attacks = make_attacks(args, url, links or [])
     started = time.monotonic()
     victim = None if args.restart_stage is None else stages[args.restart_stage]
     restarted = threading.Event()
@@ -369,11 +432,16 @@ def soak(args, url: str, stages: list[Stage]) -> int:
         finally:
             restarted.set()
 
-    asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                      max(args.requests // 10, 1), None if victim is None else at_half))
+    with running(*attacks.values()):
+        asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
+                          max(args.requests // 10, 1), None if victim is None else at_half))
+        peaks = [proc_stats(stage.pid) for stage in stages]
     elapsed = time.monotonic() - started
     if victim is not None and not restarted.wait(120):
         raise SystemExit(f"{victim.name} did not come back within 120 s")
+    attack_figures = attack_report(attacks, peaks, [stage.baseline for stage in stages])
+    if attack_figures.get("probe_failures"):
+        tally.add("error", f"/health probes failed: {attacks['probe'].answers}")
     figures = []
     for stage, host in zip(stages, baseline_host, strict=True):
         snapshot = settle(stage.control, 60)
@@ -385,7 +453,40 @@ def soak(args, url: str, stages: list[Stage]) -> int:
         cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - host) // 1024
         figures.append(stage_checks(args, stage.name, snapshot, base, after, cache_growth_kib))
         figures[-1]["restarted_at_s"] = stage.restarted_at
-    return report(args, tally, figures, elapsed)
+    return report(args, tally, figures, elapsed, attack_figures)
+
+
+def make_attacks(args, url: str, links: list[tuple[str, int]]) -> dict:
+    """The connection attacks of ``--attack`` (none without it)."""
+    if not args.attack:
+        return {}
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    attacks = {
+        "idle": IdleFlood((host, port), args.attack_idle),
+        "slow_heads": Drippers((host, port), 16, SLOW_HEAD, every_s=1.0),
+        "slow_bodies": Drippers((host, port), 16, SLOW_BODY, every_s=1.0, prefix=SLOW_BODY_HEAD),
+        "probe": ProbeLoop(url, every_s=0.5),
+    }
+    for i, link in enumerate(links):
+        attacks[f"link{i}_handshakes"] = Drippers(link, 16, LINK_HELLO, every_s=3.5)
+    return attacks
+
+
+def attack_report(attacks: dict, peaks: list[dict], baseline: list[dict]) -> dict:
+    """What the attacks did, and the daemons' peak figures while they ran."""
+    if not attacks:
+        return {}
+    figures: dict = {"probe_answers": dict(attacks["probe"].answers),
+                     "probe_failures": attacks["probe"].failures,
+                     "peak_rss_growth_mib": [(p["rss_kib"] - b["rss_kib"]) / 1024
+                                             for p, b in zip(peaks, baseline, strict=True)],
+                     "peak_fds": [p["fds"] for p in peaks]}
+    for name, attack in attacks.items():
+        if name != "probe":
+            figures[name] = {"opened": attack.stats.opened, "cut": attack.stats.cut,
+                             "refused": attack.stats.refused,
+                             "completed": getattr(attack, "completed", 0)}
+    return figures
 
 
 def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: int) -> dict:
@@ -407,7 +508,8 @@ def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: i
             "prefix_cache_host_growth_mib": cache_growth_kib / 1024}
 
 
-def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
+def report(args, tally: Tally, stages: list[dict], elapsed: float,
+           attacks: dict | None = None) -> int:
     accounted = sum(tally.outcomes.values()) == args.requests
     # Only a stage killed on purpose may fail requests, and only as "unavailable".
     allowed = args.restart_stage is not None or tally.outcomes["unavailable"] == 0
@@ -426,6 +528,12 @@ def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
               f"{base['threads']}->{after['threads']}; fds {base['fds']}->{after['fds']}; rss "
               f"{stage['rss_growth_mib']:+.1f} MiB after warm-up (prefix-cache host tier "
               f"{stage['prefix_cache_host_growth_mib']:+.1f} MiB not counted)")
+    if attacks:
+        print(f"  under attack: /health probes {attacks['probe_answers']}; peak rss growth "
+              + ", ".join(f"{g:+.1f} MiB" for g in attacks["peak_rss_growth_mib"])
+              + "; " + "; ".join(f"{name} opened {f['opened']} cut {f['cut']} completed "
+                                 f"{f['completed']}" for name, f in attacks.items()
+                                 if isinstance(f, dict) and "opened" in f))
     if not answered:
         print("  failed: every request answered", file=sys.stderr)
     for stage in stages:
@@ -440,7 +548,7 @@ def report(args, tally: Tally, stages: list[dict], elapsed: float) -> int:
             "passed": passed, "checks": {"every request answered": answered, **{
                 f"{stage['stage']}: {name}": ok for stage in stages
                 for name, ok in stage["checks"].items()}},
-            "stages": stages, "errors": tally.failures}, indent=2))
+            "stages": stages, "errors": tally.failures, "attacks": attacks or {}}, indent=2))
     return 0 if passed else 1
 
 if __name__ == "__main__":

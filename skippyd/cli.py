@@ -1,8 +1,11 @@
 """The ``skippyd`` command line: serve, config, model, bench, top, status.
 
 Commands stay thin: they build a config, call one library function and map typed errors
-to an exit code (:class:`skippyd.exitcodes.ExitCode`) with a message on stderr. Heavy imports happen inside the commands so
-``skippyd --help`` and ``skippyd config check`` stay fast.
+to an exit code (:class:`skippyd.exitcodes.ExitCode`) with a message on stderr. Heavy
+imports (llama.cpp, uvicorn, Textual,
+httpx) happen inside the commands, so ``skippyd --help``, shell completion and
+``skippyd config check`` stay fast. Messages are printed verbatim: text from a config or
+a path is escaped for Rich (``[downstream]`` is not markup) and never hard-wrapped.
 """
 
 from __future__ import annotations
@@ -13,24 +16,18 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from skippyd import __version__
 from skippyd.bench.command import app as bench_app
-from skippyd.config import (
-    ConfigError,
-    StageConfig,
-    check_layer_range,
-    config_to_dict,
-    example_config_toml,
-    load_config,
-)
+from skippyd.checks import check_config_file
+from skippyd.config import ConfigError, StageConfig, config_to_dict, example_config_toml
 from skippyd.exitcodes import ExitCode
 
 app = typer.Typer(
     help="skippyd: a llama.cpp stage daemon with continuous batching and an OpenAI API.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_show_locals=False,
 )
 config_app = typer.Typer(help="Write, check and show stage configs.", no_args_is_help=True)
@@ -39,8 +36,9 @@ app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app)  # no name: `skippyd bench` is a top-level command
 
-stdout = Console()
-stderr = Console(stderr=True)
+# NOTE: soft_wrap: a message piped to a file or the journal keeps its lines whole.
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
 
 ConfigPath = Annotated[
     Path, typer.Argument(help="Stage config (TOML).", envvar="SKIPPYD_CONFIG", show_default=False)
@@ -49,22 +47,17 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a 
 
 
 def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
-    """Print ``message`` on stderr and return the Exit to raise."""
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print ``message`` (plain text, not markup) on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 
 def load_checked_config(path: Path | None, **overrides) -> StageConfig:
     """Load (or default) a config, apply CLI overrides and check it against its model."""
-    from skippyd.config import apply_overrides, default_config
-    from skippyd.gguf.inspect import ModelFileError, inspect_model
+    from skippyd.gguf.inspect import ModelFileError
 
     try:
-        config = load_config(path) if path is not None else default_config()
-        if any(v is not None for v in overrides.values()):
-            config = apply_overrides(config, **overrides)
-        info = inspect_model(config.resolved_model_path)
-        return check_layer_range(config, info.n_layer)
+        return check_config_file(path, **overrides)
     except ConfigError as exc:
         raise fail(f"invalid config {exc.source or ''}\n{exc}", ExitCode.CONFIG) from None
     except ModelFileError as exc:
@@ -102,7 +95,7 @@ def serve(
     stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
                                 ctx_size=ctx_size, lane_count=lanes, threads=threads,
                                 log_level=log_level)
-    configure_logging(stage.telemetry.log_level)
+    configure_logging(stage.telemetry.log_level, stage.telemetry.log_format)
     raise typer.Exit(run_daemon(stage))
 
 
@@ -152,7 +145,7 @@ def config_init(
     if path.exists() and not force:
         raise fail(f"{path} exists; pass --force to overwrite it")
     path.write_text(text, encoding="utf-8")
-    stderr.print(f"wrote {path}")
+    stderr.print(f"wrote {escape(str(path))}")
 
 
 @config_app.command("check")
@@ -160,30 +153,25 @@ def config_check(
     paths: Annotated[list[Path], typer.Argument(
         help="Stage config (TOML); give every stage's config to check a split pipeline.",
         show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Validate configs against their model; several configs must chain into one pipeline.
 
-    Exit 0 when valid. With several configs (any order), their indexes, layer ranges,
-    peers, secrets and capacities must line up into one pipeline.
+    Every config is checked and every problem reported. Exit 0 when valid, 4 on a config
+    error, 5 when a model file cannot be read. With several configs (any order), their
+    indexes, layer ranges, peers, secrets and capacities must line up into one pipeline.
     """
-    from skippyd.config import check_pipeline
+    from skippyd.checks import check_configs
 
-    configs = [load_checked_config(path) for path in paths]
-    for path, config in zip(paths, configs, strict=True):
-        stdout.print(
-            f"[green]ok[/] {path}: stage {config.stage.id} (index {config.stage.index}),"
-            f" layers {config.stage.layer_start}:{config.stage.layer_end} of"
-            f" {config.stage.model_id}"
-        )
-    if len(configs) > 1:
-        ordered = sorted(configs, key=lambda config: config.stage.index)
-        try:
-            check_pipeline(ordered)
-        except ConfigError as exc:
-            raise fail(f"the stages do not form one pipeline\n{exc}", ExitCode.CONFIG) from None
-        last = ordered[-1].stage
-        stdout.print(f"[green]ok[/] pipeline: {len(ordered)} stages, layers "
-                     f"{ordered[0].stage.layer_start}:{last.layer_end} of {last.model_id}")
+    report = check_configs(paths)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.lines():
+            console = stdout if line.ok else stderr
+            mark = "[green]ok[/]" if line.ok else "[bold red]error:[/]"
+            console.print(f"{mark} {escape(line.text)}", highlight=False)
+    raise typer.Exit(report.exit_code)
 
 
 @config_app.command("show")
@@ -214,7 +202,7 @@ def model_inspect(
     if as_json:
         typer.echo(json.dumps(info.to_dict(), indent=2))
         return
-    table = Table(show_header=False, title=str(path))
+    table = Table(show_header=False, title=escape(str(path)))
     rows = [
         ("architecture", info.architecture), ("name", info.name or "-"),
         ("layers", info.n_layer), ("n_embd", info.n_embd), ("vocab", info.n_vocab),
@@ -224,7 +212,7 @@ def model_inspect(
         ("recurrent state/seq", f"{info.recurrent_bytes()} bytes"),
     ]
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(key, escape(str(value)))
     nonzero = [f"{i}:{b}" for i, b in enumerate(info.recurrent_state_bytes_per_layer) if b]
     table.add_row("recurrent layers", ", ".join(nonzero) or "none (pure attention)")
     stdout.print(table)
@@ -260,7 +248,7 @@ def model_slice(
                         progress=lambda done, total: progress.update(task, completed=done, total=total))
         except ModelFileError as exc:
             raise fail(str(exc), ExitCode.MODEL) from None
-    stdout.print(f"wrote {output} (layers {start}:{end} of {path.name})")
+    stdout.print(f"wrote {escape(str(output))} (layers {start}:{end} of {escape(path.name)})")
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Helpers of the prefix-cache tests: tiny-model runtimes with cache slots, greedy runs."""
+"""Helpers of the prefix-cache tests: tiny-model runtimes, greedy runs, collectors."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def tokens(seed: int, count: int) -> list[int]:
     return [3 + (seed * 31 + i * 7) % 290 for i in range(count)]
 
 
-def open_runtime(path, *, lanes: int = 4, ctx_size: int = 1024, slots: int = 8) -> LlamaRuntime:
+def open_runtime(path, *, lanes: int = 4, ctx_size: int = 2048) -> LlamaRuntime:
+    """A tiny-model runtime; each lane holds ``ctx_size / lanes`` tokens."""
     return LlamaRuntime(RuntimeOptions(str(path), lane_count=lanes, ctx_size=ctx_size,
-                                       n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=1,
-                                       reserved_seq_ids=slots))
+                                       n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=1))
 
 
 def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], count: int) -> list[int]:

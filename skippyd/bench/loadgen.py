@@ -23,11 +23,10 @@ from typing import Any, Literal
 
 import httpx
 
-from skippyd.bench.workload import RequestSpec, WorkloadSpec, build_level
+from skippyd.bench.workload import DEFAULT_TIMEOUT_S, RequestSpec, WorkloadSpec, build_level
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 300.0
 _CONNECT_TIMEOUT_S = 10.0
 _ERROR_DETAIL_CHARS = 300
 

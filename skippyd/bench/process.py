@@ -142,6 +142,11 @@ class ServerProcess:
             self._queue.put(line)
         self._queue.put(None)  # end of output: the process exited
 
+    @property
+    def pid(self) -> int | None:
+        """The process id once started."""
+        return None if self._proc is None else self._proc.pid
+
     def log_tail(self) -> str:
         """The last lines the process printed."""
         return "".join(self._lines)

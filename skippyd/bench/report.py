@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
+from skippyd.bench.chart import sweep_chart
 from skippyd.bench.loadgen import LevelRun, ProgressHook, RequestRecord, Target, TargetRun
 from skippyd.bench.workload import WorkloadSpec
 
@@ -258,6 +259,9 @@ def print_report(out: Console, err: Console, spec: WorkloadSpec, runs: Sequence[
             err.print(f"[yellow]{escape(line)}[/]", highlight=False)
     if len(runs) == 2:
         out.print(comparison_table(runs[0], runs[1], comparison_rows(*metrics)))
+    chart = sweep_chart([run.target.name for run in runs], metrics, out.width)
+    if chart is not None:
+        out.print(chart)
     if json_path is not None:
         report = report_to_json(spec, runs, metrics, per_request=per_request)
         json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

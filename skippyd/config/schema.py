@@ -29,9 +29,11 @@ CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_
 FlashAttn = Literal["auto", "enabled", "disabled"]
 TelemetryLevel = Literal["summary", "debug"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "text", "json"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
 ActivationDtype = Literal["f32", "f16"]
+HttpProtocol = Literal["h11", "httptools", "auto"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -179,7 +181,8 @@ class RuntimeSection:
     """``[runtime]``: the llama.cpp context and the iteration scheduler."""
 
     ctx_size: int = _setting(4096, lo=16, hi=1 << 24)
-    """Shared KV cell pool in tokens, for all lanes together."""
+    """KV cells of all lanes together: each lane (one request) holds ``ctx_size /
+    lane_count`` tokens, as llama-server's ``-c`` does with ``-np`` slots."""
     lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
     """Concurrent sequences (llama.cpp sequence ids)."""
     n_batch: int = _setting(2048, lo=1, hi=1 << 16)
@@ -201,6 +204,12 @@ class RuntimeSection:
     by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
+    target_step_ms: float = _setting(250.0, lo=0.0, hi=60_000.0)
+    """While requests are decoding, prompts are prefilled in chunks sized so that one
+    iteration (their decode rows plus the chunk) takes about this long: running streams
+    keep getting a token every step instead of freezing for a whole prompt. Smaller
+    values smooth streams more and delay long prompts' first token; 0 prefills prompts
+    whole, between decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration into, so every stage works on one
     while the next computes another; ``None``: one per stage plus one (the one
@@ -251,7 +260,21 @@ class HttpSection:
     max_logit_bias: int = _setting(256, lo=0, hi=256)
     """Most logit-bias entries per request (llama.cpp allows 256)."""
     max_connections: int = _setting(256, lo=1, hi=65536)
-    """Concurrent HTTP connections."""
+    """Requests in flight at once (``/health`` aside); beyond it requests get 429."""
+    max_open_connections: int = _setting(1024, lo=1, hi=1 << 20)
+    """Open TCP connections; beyond it the one idle longest is closed for the newcomer."""
+    header_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A new connection must send a whole request head within this time."""
+    body_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A request body must arrive whole within this time of its head."""
+    keep_alive_timeout_s: float = _setting(75.0, lo=0.1, hi=3600.0)
+    """An idle keep-alive connection is closed after this long without a request head."""
+    send_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
+    """A client that reads nothing of its response for this long is disconnected."""
+    protocol: HttpProtocol = "h11"
+    """uvicorn's HTTP/1.1 implementation: ``h11``, ``httptools`` (installed apart) or ``auto``."""
+    parse_special_in_content: bool = False
+    """Let message text spell the chat template's control tokens (unsafe: prompt injection)."""
     drain_timeout_s: float = _setting(30.0, lo=0.0, hi=3600.0)
     """How long shutdown waits for running requests."""
 
@@ -280,12 +303,27 @@ class ControlSection:
 
 @dataclass(frozen=True, slots=True)
 class TelemetrySection:
-    """``[telemetry]``: event detail and log verbosity."""
+    """``[telemetry]``: event detail, logs and the Prometheus listener."""
 
     level: TelemetryLevel = "summary"
     """``debug`` adds per-iteration events."""
     log_level: LogLevel = "info"
     """Threshold of the ``skippyd`` loggers."""
+    log_format: LogFormat = "auto"
+    """``auto``: journal priorities under systemd, colour on a terminal, else plain text;
+    ``text``: always plain text; ``json``: one JSON object per line."""
+    log_requests: bool = True
+    """Log one ``info`` line per finished request (tokens, queue time, TTFT, tok/s)."""
+    stats_interval_s: float = _setting(10.0, lo=0.0, hi=3600.0)
+    """Seconds between throughput lines while the stage is busy; 0 turns them off."""
+    metrics_listen: str | None = _setting(None, check=_check_listen)
+    """``host:port`` of a listener serving only ``/metrics`` and ``/health`` (no API key):
+    the way to scrape a later stage of a split pipeline, which has no HTTP API."""
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``metrics_listen`` split into host and port, or ``None``."""
+        return None if self.metrics_listen is None else parse_host_port(self.metrics_listen)
 
     @property
     def log_level_number(self) -> int:
@@ -302,9 +340,7 @@ class KvCacheSection:
     payload: KvCachePayload = "auto"
     """What an entry holds: resident KV, KV plus recurrent state, or the full state."""
     max_entries: int = _setting(64, lo=0)
-    """Most cached prefixes."""
-    max_bytes: int = _setting(0, lo=0)
-    """Budget of resident entries; 0 means unbounded."""
+    """Most cached prefixes, in idle lanes and in host RAM together; 0 disables the cache."""
     host_ram_bytes: int = _setting(256 * MIB, lo=0)
     """Budget of the host-RAM tier: saved states plus their token index; 0 disables it."""
     min_tokens: int = _setting(64, lo=1)
@@ -328,7 +364,11 @@ class LinkSection:
     """``host:port`` to accept stage connections on; required on every later stage."""
     secret: str | None = _setting(None, check=_check_secret)
     """Secret shared by the pipeline's stages; required when a peer is set."""
-    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=1 << 32)
+    status_secret: str | None = _setting(None, check=_check_secret)
+    """A read-only credential: it opens STATUS connections (monitoring), nothing else."""
+    max_chains: int = _setting(1, lo=1, hi=64)
+    """Upstream chains a later stage serves at once; a second stage 0 is refused."""
+    max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=(1 << 32) - 1)
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""

@@ -64,6 +64,16 @@ class ControlRequestError(ControlError):
         self.code = code
 
 
+def _instance_sockets() -> set[Path]:
+    """Sockets in the runtime directories of the template unit's instances."""
+    from skippyd.config import defaults
+
+    try:
+        return {p for p in defaults.SYSTEM_RUNTIME_DIR.glob("*/*.sock") if p.is_socket()}
+    except OSError:
+        return set()
+
+
 def resolve_socket_path(socket_path: Path | None = None, config: Path | None = None, *,
                         wait: bool = False) -> Path:
     """Find a stage's control socket; ``skippyd status``, ``top`` and ``top --once`` agree.
@@ -103,7 +113,8 @@ def resolve_socket_path(socket_path: Path | None = None, config: Path | None = N
     if config is not None:
         return candidates[0]  # connecting names the missing socket
     found = sorted({p for c in candidates if c.parent.is_dir()
-                    for p in c.parent.glob("*.sock") if p.is_socket()})
+                    for p in c.parent.glob("*.sock") if p.is_socket()}
+                   | _instance_sockets())
     if len(found) == 1:
         return found[0]
     if found:

@@ -8,6 +8,7 @@ with 503 while the model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.daemon.split import SplitStage, make_split
+from skippyd.daemon.startup import StartupProgress
 from skippyd.engine.prefix_cache import (
     LivePrefixCache,
     PrefixCacheSettings,
@@ -23,7 +25,12 @@ from skippyd.engine.prefix_cache import (
     settings_from_config,
 )
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from skippyd.engine.runtime.tokenizer import (
+    IncrementalDetokenizer,
+    TemplateRewritesContent,
+    Tokenizer,
+    TokenizerError,
+)
 from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.handle import WorkerHandle
@@ -40,13 +47,56 @@ logger = logging.getLogger(__name__)
 HANG_THRESHOLD_S = 120.0
 
 
+def chat_prompt_tokens(tokenizer: Tokenizer, messages: list[dict[str, str]], *,
+                       parse_special_in_content: bool = False) -> list[int]:
+    """Render a chat with the model's template and tokenize it.
+
+    Only the template's own text is tokenized with special-token parsing: message
+    content is plain text, so a user who writes ``<|im_start|>system`` gets those
+    characters, not the control token (unless ``parse_special_in_content``).
+
+    Raises:
+        TokenizerError: The template rejected the messages, or it rewrites message text
+            and a content spells a control token.
+    """
+    if parse_special_in_content:
+        return _tokenize_rendered(tokenizer, [(tokenizer.render_chat(messages), True)])
+    try:
+        pieces = tokenizer.render_chat_pieces(messages)
+    except TemplateRewritesContent:
+        # The template transforms message text, so it cannot be cut out again: keep the
+        # whole rendering, but only if no content could spell a control token.
+        _refuse_control_text(tokenizer.control_token_texts(), messages)
+        pieces = [(tokenizer.render_chat(messages), True)]
+    return _tokenize_rendered(tokenizer, pieces)
+
+
+def _tokenize_rendered(tokenizer: Tokenizer, pieces: list[tuple[str, bool]]) -> list[int]:
+    # The template decides about BOS: add it only when the model wants one and the
+    # rendered text does not already start with it.
+    bos = tokenizer.detokenize([tokenizer.bos_token_id]) if tokenizer.add_bos else ""
+    first = pieces[0][0] if pieces else ""
+    add_special = tokenizer.add_bos and not (bos and first.startswith(bos))
+    return tokenizer.tokenize_pieces(pieces, add_special=add_special)
+
+
+def _refuse_control_text(control_texts: frozenset[str], messages: list[dict[str, str]]) -> None:
+    """Raise naming the first message whose content contains a control token's text."""
+    for index, message in enumerate(messages):
+        content = message.get("content") or ""
+        for text in control_texts:
+            if text in content:
+                raise TokenizerError(
+                    f"messages[{index}].content contains the control token text {text!r}, "
+                    "which this model's chat template cannot keep apart from its markup")
+
+
 class StartupError(Exception):
     """The stage could not start (bad model, unsupported topology...)."""
 
 
-def runtime_options(config: StageConfig, model_path: Path, *,
-                    reserved_seq_ids: int = 0) -> RuntimeOptions:
-    """The llama.cpp settings a stage config asks for (plus prefix-cache sequence ids)."""
+def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
+    """The llama.cpp settings a stage config asks for."""
     rt = config.runtime
     return RuntimeOptions(
         model_path=str(model_path),
@@ -61,7 +111,6 @@ def runtime_options(config: StageConfig, model_path: Path, *,
         flash_attn=rt.flash_attn,
         first_stage=config.is_first,
         final_stage=config.is_final,
-        reserved_seq_ids=reserved_seq_ids,
     )
 
 
@@ -80,9 +129,14 @@ class StageEngine:
         self.telemetry = telemetry or TelemetryHub()
         self.model_id = config.served_model_id
         self.ctx_size = config.runtime.ctx_size
+        """Most tokens one request can hold; its lane's KV once the model is loaded."""
+        self.kv_pool_tokens = config.runtime.ctx_size
+        """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
         self.n_vocab = 0
         self.info: ModelInfo | None = None
         self._progress = progress
+        self.startup = StartupProgress()
+        """What :meth:`load` is doing, for systemd's start-up timeout and STATUS."""
         self._tokenizer: Tokenizer | None = None
         self._runtime: WatchedRuntime | None = None
         self._worker: WorkerHandle | None = None
@@ -101,30 +155,43 @@ class StageEngine:
             StartupError: the model cannot be served by this stage.
         """
         source = self.config.resolved_model_path
+        self.startup.step("reading the model header")
         self.info = inspect_model(source)
         stage = self.config.stage
+        self.startup.step(f"slicing layers {stage.layer_start}:{stage.layer_end}")
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,
-                            self.config.runtime.slice_cache_dir, progress=self._progress)
+                            self.config.runtime.slice_cache_dir, progress=self._slice_progress)
         if self.config.is_first:  # later stages of a split take rows, not text
+            self.startup.step("loading the tokenizer")
             self._tokenizer = Tokenizer(source)
             self.n_vocab = self._tokenizer.n_vocab
         cache_settings = self._prefix_cache_settings()
-        reserved = 0 if cache_settings is None else cache_settings.slot_count(
-            self.config.runtime.lane_count)
-        local = LlamaRuntime(runtime_options(self.config, path, reserved_seq_ids=reserved))
+        self.startup.step("loading the model")
+        options = runtime_options(self.config, path)
+        local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
+        self.startup.step("starting the worker")
         self._split = make_split(self.config, local)
-        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime)
+        progress = local.compute_progress
+        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime,
+                                       progress=None if progress is None else progress.count)
         self._prefix_cache = self._make_prefix_cache(cache_settings, local)
         settings = WorkerSettings.for_stage(
             self.config, self._runtime,
             self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
         self._worker = WorkerHandle(self._runtime, settings, telemetry=self.telemetry,
                                     prefix_cache=self._prefix_cache)
+        self.ctx_size = self._worker.max_session_tokens
+        self.kv_pool_tokens = self._runtime.kv_pool_tokens
         self._start_split()
         self._set_state("ok", None)
-        logger.info("stage %s ready: %s layers %d:%s, %d lanes, ctx %d", stage.id,
-                    self.model_id, stage.layer_start, stage.layer_end,
-                    self._runtime.lane_count, self._runtime.kv_pool_tokens)
+        logger.info("stage %s ready: %s layers %d:%s, %d lanes of %d tokens (%d KV cells)",
+                    stage.id, self.model_id, stage.layer_start, stage.layer_end,
+                    self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
+
+    def _slice_progress(self, done: int, total: int) -> None:
+        self.startup.advance(done / total if total else 1.0)
+        if self._progress is not None:
+            self._progress(done, total)
 
     def _prefix_cache_settings(self) -> PrefixCacheSettings | None:
         """The prefix cache runs on an unsplit stage of an attention-only model."""
@@ -138,7 +205,7 @@ class StageEngine:
 
     def _make_prefix_cache(self, settings: PrefixCacheSettings | None,
                            local: LlamaRuntime) -> LivePrefixCache | None:
-        """The cache over the stage's own context, whose slot operations it needs."""
+        """The cache over the stage's own context, whose lane operations it needs."""
         if settings is None or self._split is not None:
             return None
         stage = self.config.stage
@@ -207,20 +274,30 @@ class StageEngine:
         runtime = self._runtime
         return 0.0 if runtime is None else runtime.busy_for()
 
+    def runtime_stalled_for(self) -> float:
+        """Seconds the current runtime call has gone without computing (0 when idle)."""
+        runtime = self._runtime
+        return 0.0 if runtime is None else runtime.stalled_for()
+
     def is_alive(self, hang_threshold_s: float) -> bool:
-        """The worker thread runs and no runtime call is stuck (the watchdog's question)."""
+        """The worker thread runs and no runtime call is stuck (the watchdog's question).
+
+        A call is stuck when llama.cpp computed nothing for ``hang_threshold_s``; a long
+        call that keeps computing (a big prefill on a CPU) is alive.
+        """
         worker = self._worker
         if worker is None or worker.failure is not None:
             return False
-        return worker.thread.is_alive() and self.runtime_busy_for() < hang_threshold_s
+        return worker.thread.is_alive() and self.runtime_stalled_for() < hang_threshold_s
 
     def health(self) -> tuple[HealthStatus, str | None]:
         worker = self._worker
         if self._state == "ok" and worker is not None and worker.failure is not None:
             return "failed", worker.failure
-        busy = self.runtime_busy_for()
-        if self._state == "ok" and busy >= self.hang_threshold_s:
-            return "failed", f"runtime call running for {busy:.0f} s (hung?)"
+        stalled = self.runtime_stalled_for()
+        if self._state == "ok" and stalled >= self.hang_threshold_s:
+            return "failed", (f"runtime call running for {self.runtime_busy_for():.0f} s,"
+                              f" no progress for {stalled:.0f} s (hung?)")
         split = self._split
         degraded = split.degraded() if split is not None else None
         if self._state == "ok" and degraded is not None:
@@ -233,13 +310,12 @@ class StageEngine:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self._require_tokenizer().render_chat(messages)
 
-    def tokenize_chat(self, text: str) -> list[int]:
-        tokenizer = self._require_tokenizer()
-        # The template decides about BOS: add it only when the model wants one and the
-        # rendered text does not already start with it.
-        bos = tokenizer.detokenize([tokenizer.bos_token_id]) if tokenizer.add_bos else ""
-        add_special = tokenizer.add_bos and not (bos and text.startswith(bos))
-        return tokenizer.tokenize(text, add_special=add_special, parse_special=True)
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render and tokenize a chat; see :func:`chat_prompt_tokens`."""
+        http = self.config.http
+        return chat_prompt_tokens(self._require_tokenizer(), messages,
+                                  parse_special_in_content=bool(
+                                      http is not None and http.parse_special_in_content))
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return self._require_tokenizer().detokenizer()

@@ -20,17 +20,28 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
 from skippyd.config import StageConfig
 from skippyd.control.server import ControlServer, ControlSocketError
 from skippyd.daemon.assembly import StageEngine, StartupError
+from skippyd.daemon.metrics_listener import MetricsListener, open_metrics_listener
 from skippyd.daemon.sdnotify import SystemdNotifier
 from skippyd.daemon.snapshot import snapshot_source
 from skippyd.daemon.split import slice_progress
+from skippyd.daemon.startup import load_with_progress
+from skippyd.daemon.stats_log import log_throughput
 from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
+from skippyd.http.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    fit_fd_limit,
+    guarded_protocol,
+    protocol_class,
+)
 from skippyd.http.metrics import ServingMetrics, metrics_route
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
@@ -52,6 +63,18 @@ def http_limits(config: StageConfig) -> HttpLimits:
         max_stop_strings=http.max_stop_strings,
         max_stop_length=http.max_stop_length,
         max_logit_bias=http.max_logit_bias,
+    )
+
+
+def connection_limits(config: StageConfig) -> ConnectionLimits:
+    """The HTTP connection limits of ``config``, the cap fitted to the open-files limit."""
+    http = config.http
+    return ConnectionLimits(
+        header_timeout_s=http.header_timeout_s,
+        body_timeout_s=http.body_timeout_s,
+        keep_alive_timeout_s=http.keep_alive_timeout_s,
+        send_timeout_s=http.send_timeout_s,
+        max_open_connections=fit_fd_limit(http.max_open_connections),
     )
 
 
@@ -122,12 +145,16 @@ class Daemon:
             logger.warning(
                 "SECURITY: http.listen %s is reachable from other machines and no"
                 " http.api_key is set: anyone who can reach it can use the model", host)
+        self.connections = ConnectionGuard(connection_limits(config))
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
-            # A backstop only: the app answers over-limit requests itself, with a 429
-            # that names http.max_connections; uvicorn's own refusal is a bare 503.
-            limit_concurrency=2 * config.http.max_connections + 16,
+            # NOTE: no limit_concurrency: uvicorn counts idle connections against it and
+            # then answers every request, /health included, with a bare 503. The app
+            # bounds requests in flight (429) and the guard bounds connections.
+            http=guarded_protocol(protocol_class(config.http.protocol), self.connections),
+            # uvicorn's own keep-alive timer is only a backstop: the guard's fires first.
+            timeout_keep_alive=config.http.keep_alive_timeout_s + 1,
         )
         self.notifier = SystemdNotifier()
         if self.notifier.watchdog_s is not None:
@@ -155,11 +182,15 @@ class Daemon:
             return STARTUP_FAILURE  # could not bind: uvicorn logged why
         self.metrics.attach(self.engine.telemetry)
         control = await self._start_control()
-        if control is not None:
+        listener = await self._start_metrics() if control is not None else None
+        if control is not None and not self.server.should_exit:
             await self._load()
-        chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
+        chores = start_chores(self.engine, self.notifier, self.metrics)
         await serving
-        chores.cancel()
+        for chore in chores:
+            chore.cancel()
+        if listener is not None:
+            await listener.close()
         if control is not None:
             await control.close()
         self.metrics.detach()
@@ -175,11 +206,21 @@ class Daemon:
             self.server.should_exit = True
         return control
 
+    async def _start_metrics(self) -> MetricsListener | None:
+        try:
+            return await open_metrics_listener(self.engine, self.metrics)
+        except StartupError as exc:
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            self.exit_code = STARTUP_FAILURE
+            self.server.should_exit = True
+            return None
+
     async def _load(self) -> None:
         host, port = self.bound_address or self.config.http.address
         logger.info("listening on http://%s:%d (loading the model)", host, port)
         try:
-            await asyncio.to_thread(self.engine.load)
+            await load_with_progress(self.engine.load, self.engine.startup, self.notifier)
         except (StartupError, ModelFileError, OSError, ValueError) as exc:
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
@@ -217,18 +258,29 @@ class LinkStageDaemon:
             loop.add_signal_handler(sig, stop.set)
         self.metrics.attach(self.engine.telemetry)
         control = await open_control(self.engine, self.metrics)
+        listener: MetricsListener | None = None
         try:
-            if control is None or not await self._load():
+            if control is None:
                 return STARTUP_FAILURE
-            chores = asyncio.create_task(housekeeping(self.engine, self.notifier))
+            listener = await open_metrics_listener(self.engine, self.metrics)
+            if not await self._load():
+                return STARTUP_FAILURE
+            chores = start_chores(self.engine, self.notifier, self.metrics)
             await stop.wait()
             logger.info("stage %s stopping", self.config.stage.id)
             self.notifier.stopping("stopping: closing the stage link")
-            chores.cancel()
+            for chore in chores:
+                chore.cancel()
             return 0
+        except StartupError as exc:  # the metrics listener could not bind
+            logger.error("startup failed: %s", exc)
+            self.engine.fail(str(exc))
+            return STARTUP_FAILURE
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if listener is not None:
+                await listener.close()
             if control is not None:
                 await control.close()
             self.metrics.detach()
@@ -237,7 +289,7 @@ class LinkStageDaemon:
 
     async def _load(self) -> bool:
         try:
-            await asyncio.to_thread(self.engine.load)
+            await load_with_progress(self.engine.load, self.engine.startup, self.notifier)
         except (StartupError, ModelFileError, OSError, ValueError) as exc:
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
@@ -272,6 +324,15 @@ async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlS
     return control
 
 
+def start_chores(engine: StageEngine, notifier: SystemdNotifier,
+                 metrics: ServingMetrics) -> list[asyncio.Task]:
+    """The periodic tasks of a serving stage: watchdog and STATUS, the throughput line."""
+    telemetry = engine.config.telemetry
+    return [asyncio.create_task(housekeeping(engine, notifier)),
+            asyncio.create_task(log_throughput(metrics, serves_http=engine.config.http is not None,
+                                               interval_s=telemetry.stats_interval_s))]
+
+
 async def housekeeping(engine: StageEngine, notifier: SystemdNotifier) -> None:
     """Watchdog pings while the worker is alive, and a STATUS line for systemctl."""
     watchdog_s = notifier.watchdog_s
@@ -300,6 +361,17 @@ def status_line(engine: StageEngine) -> str:
 
 def run_daemon(config: StageConfig) -> int:
     """Serve ``config`` until SIGINT/SIGTERM; returns the exit code."""
-    if config.http is None:  # a later stage of a split pipeline: only the stage link
-        return asyncio.run(LinkStageDaemon(config).serve())
-    return asyncio.run(Daemon(config).serve())
+    daemon = LinkStageDaemon(config) if config.http is None else Daemon(config)
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(daemon.serve())
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (it is a dependency on Linux and macOS),
+    else asyncio's own: every token a stream sends passes through the loop, and uvloop
+    does a wake-up and a socket write in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

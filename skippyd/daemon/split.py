@@ -58,10 +58,12 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
         layer_end=stage.layer_end or stage.layer_start + runtime.info.n_layer,
         model_id=stage.model_id, n_embd=runtime.n_embd, lanes=runtime.lane_count,
-        kv_pool_tokens=runtime.kv_pool_tokens, max_batch_tokens=runtime.max_batch_tokens,
+        session_tokens=runtime.max_session_tokens, max_batch_tokens=runtime.max_batch_tokens,
         is_first=config.is_first,
         is_final=config.is_final, secret=(link.secret or "").encode(),
         max_frame_bytes=link.max_frame_bytes,
+        status_secret=link.status_secret.encode() if link.status_secret else None,
+        max_chains=link.max_chains,
         downstream_id=downstream.stage_id if downstream else None,
         downstream=downstream.address if downstream else None,
         advertise=link.advertise,
@@ -89,7 +91,7 @@ class SplitStage:
         """A later stage's per-batch timeline (stage 0's lives in its pipeline runtime)."""
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
-                config, local.n_embd, local.lane_count, local.kv_pool_tokens,
+                config, local.n_embd, local.lane_count, local.max_session_tokens,
                 local.max_batch_tokens))
             self.pipeline = PipelineRuntime(
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)

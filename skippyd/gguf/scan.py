@@ -28,6 +28,10 @@ class GGUFFormatError(ValueError):
     """The bytes are not a GGUF file this reader understands."""
 
 
+class _TruncatedError(GGUFFormatError):
+    """The header runs past the bytes read so far (read more, or the file is cut)."""
+
+
 @dataclass(slots=True)
 class KeyValue:
     key: str
@@ -81,14 +85,14 @@ class _Cursor:
         try:
             value = struct.unpack_from(fmt, self.data, self.pos)[0]
         except struct.error as exc:
-            raise GGUFFormatError(f"truncated header at byte {self.pos}") from exc
+            raise _TruncatedError(f"truncated header at byte {self.pos}") from exc
         self.pos += struct.calcsize(fmt)
         return value
 
     def string(self) -> str:
         n = self.unpack("<Q")
         if self.pos + n > len(self.data):
-            raise GGUFFormatError(f"string of {n} bytes runs past the end at byte {self.pos}")
+            raise _TruncatedError(f"string of {n} bytes runs past the end at byte {self.pos}")
         raw = bytes(self.data[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", "replace")
@@ -106,16 +110,33 @@ class _Cursor:
         return self.unpack(fmt)
 
 
+#: Bytes read first; most headers fit, a large tokenizer table takes a few more reads.
+_FIRST_READ_BYTES = 1 << 20
+
+
 def read_header(path) -> GGUFHeader:
-    """Parse the header of a GGUF file (metadata and tensor table, no weights)."""
+    """Parse the header of a GGUF file (metadata and tensor table, no weights).
+
+    Reads 1 MiB, and four times more while the header runs past what was read, so a
+    model's weights are never read just to look at its metadata.
+    """
+    size = _FIRST_READ_BYTES
     with open(path, "rb") as fh:
-        head = fh.read(24)
-        if len(head) < 24 or head[:4] != MAGIC:
-            raise GGUFFormatError("missing GGUF magic")
-        # Read generously: headers are a few MB at most (tokenizer tables).
-        fh.seek(0)
-        data = fh.read(64 << 20)
-    cur = _Cursor(memoryview(data))
+        while True:
+            fh.seek(0)
+            data = fh.read(size)
+            try:
+                return _parse_header(memoryview(data))
+            except _TruncatedError:
+                if len(data) < size:  # the file itself ends inside its header
+                    raise
+            size *= 4
+
+
+def _parse_header(data: memoryview) -> GGUFHeader:
+    if len(data) < 24 or bytes(data[:4]) != MAGIC:
+        raise GGUFFormatError("missing GGUF magic")
+    cur = _Cursor(data)
     cur.pos = 4
     header = GGUFHeader(version=cur.unpack("<I"))
     if header.version not in (2, 3):
@@ -129,6 +150,8 @@ def read_header(path) -> GGUFHeader:
         name = cur.string()
         dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
         header.tensors.append(TensorInfo(name, dims, cur.unpack("<I"), cur.unpack("<Q")))
+    if cur.pos > len(data):  # a skipped array or string ran past the end
+        raise _TruncatedError(f"truncated header at byte {len(data)}")
     header.data_offset = _align(cur.pos, header.alignment)
     return header
 
@@ -155,6 +178,8 @@ def _read_kv(cur: _Cursor) -> KeyValue:
             raise GGUFFormatError(f"{key}: unknown array item type {item_type}")
         size = struct.calcsize(fmt)
         if keep:
+            if cur.pos + size * count > len(cur.data):
+                raise _TruncatedError(f"{key}: array runs past the end at byte {cur.pos}")
             raw = cur.data[cur.pos : cur.pos + size * count]
             values = [v[0] for v in struct.iter_unpack(fmt, raw)]
         cur.pos += size * count

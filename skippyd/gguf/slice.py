@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 #: Architectures that rescale the token embedding inside the graph: feeding them raw
 #: activation rows on a non-first stage would be wrong (DESIGN.md item 3).
 EMBEDDING_SCALED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
-#: Bumped whenever the slice layout changes, so stale cached slices are not reused.
-SLICE_FORMAT_VERSION = 1
+#: Bumped whenever the slice layout or its cache key changes, so stale slices are not reused.
+SLICE_FORMAT_VERSION = 2
 
 ProgressFn = Callable[[int, int], None]
 """Called with (bytes done, bytes total) while a slice is written."""
@@ -150,11 +150,22 @@ def _is_per_layer_array(item: scan.KeyValue, n_layer: int) -> bool:
 
 
 def file_identity(path: str | os.PathLike) -> str:
-    """A digest of the file's content, used to key the slice cache."""
-    digest = hashlib.sha256()
+    """What identifies a GGUF cheaply, to key the slice cache.
+
+    A digest of the header (every metadata key and the tensor table, which name the
+    model, its shapes and quantization), plus the file's size and modification time:
+    reading the header takes milliseconds where hashing a model's gigabytes of weights
+    took minutes at every start. A file rewritten in place gets a new mtime, hence a
+    new slice; a copy without its mtime (``cp`` without ``-p``) is sliced once more.
+    """
+    header = read_model_header(path)
+    info = os.stat(path)
+    digest = hashlib.sha256(f"{info.st_size}:{info.st_mtime_ns}:".encode())
     with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
+        remaining = header.data_offset
+        while remaining > 0 and (chunk := fh.read(min(remaining, 1 << 20))):
             digest.update(chunk)
+            remaining -= len(chunk)
     return digest.hexdigest()
 
 
@@ -173,7 +184,7 @@ def cached_slice(
     cache_dir: str | os.PathLike | None = None,
     progress: ProgressFn | None = None,
 ) -> Path:
-    """Return a stage slice of ``source``, writing it once per (content digest, range)."""
+    """Return a stage slice of ``source``, writing it once per (file identity, range)."""
     info = inspect_model(source)
     if layer_start == 0 and layer_end == info.n_layer:
         return Path(source)

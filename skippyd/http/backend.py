@@ -40,7 +40,7 @@ class IncrementalDetokenizer(Protocol):
 class ServingBackend(Protocol):
     """What the OpenAI app needs from the serving side.
 
-    ``tokenize``, ``render_chat`` and ``tokenize_chat`` run in a thread pool (several at
+    ``tokenize``, ``render_chat`` and ``chat_tokens`` run in a thread pool (several at
     once: they must be thread-safe); every other method is called on the event-loop
     thread and must not block. ``submit``'s ``on_event`` is called on the worker thread.
     """
@@ -64,9 +64,17 @@ class ServingBackend(Protocol):
         """
         ...
 
-    def tokenize_chat(self, text: str) -> list[int]:
-        """Tokenize a rendered chat prompt (the backend knows whether the template
-        already emitted BOS, so it decides whether to add special tokens)."""
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render the chat with the model's template and tokenize it.
+
+        Only the template's own text may produce control tokens: message content is
+        tokenized as plain text unless the operator allowed otherwise. The backend
+        also knows whether the template already emitted BOS.
+
+        Raises:
+            ValueError: The messages do not fit the template, or the content cannot be
+                kept apart from the template's markup.
+        """
         ...
 
     def detokenizer(self) -> IncrementalDetokenizer:

@@ -1,4 +1,4 @@
-"""Prometheus families of a split stage's link: round trips, queues, busy time.
+"""Prometheus families of a split stage's link probes: round trips and queues.
 
 Read at scrape time from the stage's link status (the dict a STATUS reply carries),
 so a slow later stage shows on stage 0's ``/metrics`` as a growing round trip on the
@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,11 @@ _PER_STAGE = (
 )
 
 
-def link_families(link: Mapping[str, Any] | None) -> Iterator[Any]:
-    """The link's metric families; nothing for a stage serving the whole model."""
+def link_probe_families(link: Mapping[str, Any] | None) -> Iterator[Any]:
+    """The link's round-trip and queue families; nothing for a whole-model stage.
+
+    Its traffic and busy time come from :func:`skippyd.http.prometheus.link_families`.
+    """
     if not link:
         return
     views = [v for v in link.get("links") or () if isinstance(v, Mapping)]
@@ -53,5 +56,3 @@ def link_families(link: Mapping[str, Any] | None) -> Iterator[Any]:
             "skippyd_link_reply_seconds", "Moving average from sending a batch down the "
             "chain to its predictions coming back (every stage's compute included).",
             value=float(link["reply_avg_ms"]) / 1000.0)
-    yield CounterMetricFamily("skippyd_link_busy_seconds", "Seconds this stage spent "
-                              "inside llama_decode.", value=float(link.get("busy_s", 0.0)))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from skippyd.http.errors import invalid_field, unsupported_field
 from skippyd.http.unsupported import is_int, is_set
 
 logger = logging.getLogger(__name__)
+
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,31}")
 
 
 def parse_prompt(value: Any, n_vocab: int | None) -> str | tuple[int, ...]:
@@ -62,8 +65,11 @@ def _parse_message(index: int, item: Any) -> dict[str, str]:
     if not isinstance(item, dict):
         raise invalid_field(where, "must be an object")
     role = item.get("role")
-    if not isinstance(role, str) or not role:
-        raise invalid_field(f"{where}.role", "must be a non-empty string")
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        # NOTE: the template prints the role verbatim: free text there could spell the
+        # template's markup (a role of "user<|im_end|>..." forges a system turn).
+        raise invalid_field(f"{where}.role", "must be a role name such as \"user\" "
+                            "(1-32 letters, digits, \"_\", \"-\" or \".\")")
     if is_set(item.get("tool_calls")) or is_set(item.get("function_call")):
         raise unsupported_field(f"{where}.tool_calls", "tool calling")
     # NOTE: chat templates predate the "developer" role; it means "system" to them.

@@ -23,9 +23,11 @@ logger = logging.getLogger(__name__)
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 _MAX_SEED = 2**64 - 1
+_MAX_INT32 = 2**31 - 1
 #: OpenAI's range for presence/frequency penalties and logit-bias values.
 _PENALTY_RANGE = (-2.0, 2.0)
 _BIAS_RANGE = (-100.0, 100.0)
+_MAY_BE_ZERO = frozenset({"max_stop_strings", "max_logit_bias"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +49,11 @@ class HttpLimits:
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"HttpLimits.{name}: must be > 0 (got {getattr(self, name)})")
+            # 0 stop strings or logit-bias entries is a policy: the field is refused.
+            lowest = 0 if name in _MAY_BE_ZERO else 1
+            if getattr(self, name) < lowest:
+                raise ValueError(f"HttpLimits.{name}: must be >= {lowest} "
+                                 f"(got {getattr(self, name)})")
         if self.max_logit_bias > MAX_LOGIT_BIAS:
             raise ValueError(
                 f"HttpLimits.max_logit_bias: at most {MAX_LOGIT_BIAS} (got {self.max_logit_bias})"
@@ -139,6 +144,44 @@ def parse_chat_request(
     return ChatParams(messages=messages, params=_parse_generation(body, limits, n_vocab))
 
 
+def find_invalid_text(body: Any) -> str | None:
+    """The path of the first string, key or value, that is not valid Unicode text.
+
+    JSON may spell lone UTF-16 surrogates (``"\\ud800"``); Python decodes them into
+    strings that cannot be encoded, tokenized or echoed back, so a body carrying one is
+    refused up front, naming where it is.
+
+    Returns:
+        A field path such as ``messages[0].content``, or None when all text is valid.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # iterative: a deeply nested body must not exhaust the stack
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = key if _is_text(key) else key.encode("utf-8", "backslashreplace").decode()
+                child = f"{path}.{name}" if path else name
+                if name is not key:
+                    return f"{child} (the key)"
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
@@ -218,7 +261,7 @@ def _parse_sampling(
     body: dict[str, Any], limits: HttpLimits, n_vocab: int | None
 ) -> SamplingConfig:
     defaults = SamplingConfig()
-    top_k = _opt_int(body, "top_k", -1)
+    top_k = _opt_int(body, "top_k", -1, _MAX_INT32)
     seed = _opt_int(body, "seed", -1, _MAX_SEED)
 
     def pick(value: float | None, default: float) -> float:

@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,6 +35,7 @@ from skippyd.http.generation import GenerationStream
 from skippyd.http.requests import (
     GenerationParams,
     HttpLimits,
+    find_invalid_text,
     parse_chat_request,
     parse_completion_request,
 )
@@ -46,6 +47,7 @@ from skippyd.http.sse import (
     make_usage,
     sse_event,
 )
+from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
     from skippyd.http.metrics import ServingMetrics
@@ -156,6 +158,7 @@ class ApiKeyMiddleware:
         self._expected = api_key.encode("utf-8")
         self._public_paths = frozenset(public_paths)
         self._metrics = metrics
+        self._refusals = ThrottledLog(logger)
 
     def _authorized(self, scope: Scope) -> bool:
         header = Headers(scope=scope).get("authorization", "")
@@ -168,6 +171,9 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._public_paths:
             if not self._authorized(scope):
+                client = scope.get("client") or ("?", 0)
+                self._refusals.warning("auth", "refused %s %r from %s:%s: missing or invalid API "
+                                  "key", scope["method"], scope["path"][:64], *client[:2])
                 error = ApiError(401, "missing or invalid API key", code="invalid_api_key")
                 error.headers["WWW-Authenticate"] = "Bearer"
                 if self._metrics is not None:
@@ -253,10 +259,9 @@ class OpenAiApi:
     def _chat_tokens(self, messages: tuple[dict[str, str], ...]) -> list[int]:
         """Render and tokenize a chat (runs in the thread pool: templates can be slow)."""
         try:
-            text = self._backend.render_chat([dict(m) for m in messages])
+            return self._backend.chat_tokens([dict(m) for m in messages])
         except ValueError as exc:
             raise invalid_field("messages", f"chat template rejected the messages: {exc}") from exc
-        return self._backend.tokenize_chat(text)
 
     def _model_object(self) -> dict[str, Any]:
         return {
@@ -341,15 +346,24 @@ async def read_json_body(request: Request, max_body_bytes: int) -> Any:
         raise _body_too_large(max_body_bytes)
     chunks: list[bytes] = []
     num_bytes = 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_body_bytes:
-            raise _body_too_large(max_body_bytes)
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+            if num_bytes > max_body_bytes:
+                raise _body_too_large(max_body_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left, or the connection guard closed it for a late body: nobody
+        # reads this answer, but the handler must end without a traceback.
+        raise ApiError(408, "the request body did not arrive", code="request_timeout") from None
+    try:
+        body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    invalid = find_invalid_text(body)
+    if invalid is not None:
+        raise invalid_field(invalid, "is not valid Unicode text (a lone UTF-16 surrogate)")
+    return body
 
 
 def _body_too_large(max_body_bytes: int) -> ApiError:

@@ -77,7 +77,8 @@ class ChainIdentity:
     layer_end: int
     n_embd: int
     lanes: int
-    kv_pool_tokens: int
+    session_tokens: int
+    """Most tokens one session holds (one lane's KV stream)."""
     max_batch_tokens: int
     max_frame_bytes: int
     half_rows: bool = False
@@ -85,20 +86,33 @@ class ChainIdentity:
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
-                    kv_pool_tokens: int, max_batch_tokens: int) -> ChainIdentity:
+                    session_tokens: int, max_batch_tokens: int) -> ChainIdentity:
         downstream = config.downstream
         if downstream is None or config.link.secret is None or config.stage.layer_end is None:
             raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
-                   kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes,
+                   session_tokens, max_batch_tokens, config.link.max_frame_bytes,
                    config.link.activation_dtype == "f16")
 
 
+#: TCP keepalive: probe after this idle time, then every interval, give up after count.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+
+
 def configure_socket(sock: socket.socket) -> None:
-    """No Nagle delay on small decode frames; keepalive finds silent peers."""
+    """No Nagle delay on small decode frames; keepalive finds vanished peers in ~25 s.
+
+    NOTE: the kernel's default (2 hours idle) would let a chain whose stage 0 vanished
+    without a FIN hold a later stage's only chain slot for that long.
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                          ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def dial(address: tuple[str, int], secret: bytes, hello: Hello,
@@ -299,9 +313,10 @@ class ChainLink:
         if ack.min_lanes < ident.lanes:
             raise ChainSetupError(f"a later stage has {ack.min_lanes} lanes, fewer than "
                                   f"stage 0's {ident.lanes}")
-        if ack.min_ctx < ident.kv_pool_tokens:
-            raise ChainSetupError(f"a later stage has a {ack.min_ctx}-token KV pool, smaller "
-                                  f"than stage 0's {ident.kv_pool_tokens}")
+        if ack.min_session_tokens < ident.session_tokens:
+            raise ChainSetupError(
+                f"a later stage holds at most {ack.min_session_tokens} tokens per session "
+                f"(runtime.ctx_size / lanes), fewer than stage 0's {ident.session_tokens}")
         if ack.min_batch < ident.max_batch_tokens:
             raise ChainSetupError(
                 f"a later stage takes at most {ack.min_batch} tokens per batch "

@@ -31,10 +31,20 @@ from skippyd.link.wire import (
 
 logger = logging.getLogger(__name__)
 
+#: A body up to this size is read into one buffer at once; a larger one grows with the
+#: bytes that actually arrive, so a header's claim alone never allocates much memory.
+EAGER_BODY_BYTES = 1 << 20
+
+
 class FrameSocket:
     """Reads and writes whole frames on a connected socket, counting bytes.
 
     Reading is for one thread; writes are for one thread at a time (callers serialise).
+
+    Two deadlines bound a reader: ``deadline`` (a ``time.monotonic()`` instant, or None)
+    ends every read past it, however the bytes trickle in; ``body_timeout_s`` bounds the
+    body of each frame once its header arrived, so a peer may be idle between frames
+    but cannot stall in the middle of one.
     """
 
     def __init__(self, sock: socket.socket, limits: LinkLimits = HANDSHAKE_LIMITS) -> None:
@@ -44,6 +54,8 @@ class FrameSocket:
         self.bytes_out = 0
         self.round_trips = RoundTrips()
         """What this end's PINGs measured (``skippyd.link.probe``)."""
+        self.deadline: float | None = None
+        self.body_timeout_s: float | None = None
         self._header = bytearray(HEADER_BYTES)
         self._write_lock = threading.Lock()
 
@@ -52,30 +64,57 @@ class FrameSocket:
 
         Raises:
             LinkProtocolError: Malformed, oversized or truncated frame.
-            OSError: The connection failed.
+            OSError: The connection failed, or a deadline passed (``TimeoutError``).
         """
-        got = self._recv_into(memoryview(self._header))
+        got = self._recv_into(memoryview(self._header), self.deadline)
         if got == 0:
             return None
         if got < HEADER_BYTES:
             raise LinkProtocolError(f"truncated frame header ({got} of {HEADER_BYTES} bytes)")
         header = decode_header(self._header, self.limits)
-        body = bytearray(header.body_bytes)
-        got = self._recv_into(memoryview(body))
-        if got < header.body_bytes:
+        body = self._read_body(header.body_bytes)
+        if len(body) < header.body_bytes:
             raise LinkProtocolError(f"truncated {header.kind.name} frame "
-                                    f"({got} of {header.body_bytes} body bytes)")
-        return decode_body(header, body)
+                                    f"({len(body)} of {header.body_bytes} body bytes)")
+        return decode_body(header, body, self.limits.max_context_tokens)
 
-    def _recv_into(self, view: memoryview) -> int:
-        """Fill ``view``; returns how many bytes arrived before the stream ended."""
+    def _read_body(self, size: int) -> bytearray:
+        deadline = self.deadline
+        if self.body_timeout_s is not None:
+            body_deadline = time.monotonic() + self.body_timeout_s
+            deadline = body_deadline if deadline is None else min(deadline, body_deadline)
+        body = bytearray(min(size, EAGER_BODY_BYTES))
+        filled = self._recv_into(memoryview(body), deadline)
+        while filled == len(body) < size:
+            # Double what arrived, never past the declared size: memory follows the bytes.
+            body.extend(bytes(min(len(body), size - len(body))))
+            filled += self._recv_into(memoryview(body)[filled:], deadline)
+        del body[filled:]
+        return body
+
+    def _recv_into(self, view: memoryview, deadline: float | None = None) -> int:
+        """Fill ``view``; returns how many bytes arrived before the stream ended.
+
+        Raises:
+            TimeoutError: ``deadline`` passed first.
+        """
         done = 0
-        while done < len(view):
-            n = self.sock.recv_into(view[done:])
-            if n == 0:
-                break
-            done += n
-        self.bytes_in += done
+        restore = self.sock.gettimeout() if deadline is not None else None
+        try:
+            while done < len(view):
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("read deadline passed")
+                    self.sock.settimeout(left if restore is None else min(left, restore))
+                n = self.sock.recv_into(view[done:])
+                if n == 0:
+                    break
+                done += n
+        finally:
+            self.bytes_in += done
+            if deadline is not None:
+                self.sock.settimeout(restore)
         return done
 
     def write(self, data: bytes) -> None:

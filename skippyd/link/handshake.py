@@ -79,8 +79,9 @@ class HelloAck:
     """Stages from the listener to the end of the pipeline, itself included."""
     min_lanes: int = 0
     """Fewest lanes of those stages."""
-    min_ctx: int = 0
-    """Smallest KV pool of those stages, in tokens."""
+    min_session_tokens: int = 0
+    """Smallest per-session KV capacity of those stages, in tokens (one lane's stream:
+    ``runtime.ctx_size / lanes``)."""
     min_batch: int = 0
     """Fewest tokens one iteration may hold on those stages (their ``runtime.n_batch``)."""
     return_endpoint: str = ""
@@ -120,11 +121,18 @@ def _expect(frame, kind: FrameKind, step: str) -> bytes:
 # -- listener side -------------------------------------------------------------------------
 
 
-def accept_handshake(conn: FrameSocket, secret: bytes) -> tuple[Hello, bytes, bytes]:
+def accept_handshake(conn: FrameSocket, secret: bytes,
+                     status_secret: bytes | None = None) -> tuple[Hello, bytes, bytes, bytes]:
     """Challenge a dialer and authenticate its HELLO.
 
+    Args:
+        conn: The new connection.
+        secret: The pipeline's data secret: any role.
+        status_secret: A read-only credential: the STATUS role only.
+
     Returns:
-        The hello, the server nonce and the client nonce (for :func:`send_ack`).
+        The hello, the server nonce, the client nonce (for :func:`send_ack`) and the
+        secret it proved it knows (answer with the same one).
 
     Raises:
         LinkAuthError: Wrong secret.
@@ -147,13 +155,26 @@ def accept_handshake(conn: FrameSocket, secret: bytes) -> tuple[Hello, bytes, by
     if len(body) != _HELLO.size + model_len:
         raise LinkProtocolError("HELLO length does not match its model id length")
     signed = body[:8] + body[40:]  # everything but the MAC itself
-    if not hmac.compare_digest(_mac(secret, nonce, signed), mac):
-        raise LinkAuthError("wrong or missing link secret")
+    used = _proven_secret(mac, _mac(secret, nonce, signed), secret, status_secret,
+                          nonce, signed, role)
     if role not in Role._value2member_map_:
         raise LinkProtocolError(f"unknown role {role}")
     hello = Hello(Role(role), chain_id, n_embd, stage_index, layer_end,
                   _utf8(body[_HELLO.size:], "model id"))
-    return hello, nonce, client_nonce
+    return hello, nonce, client_nonce, used
+
+
+def _proven_secret(mac: bytes, expected: bytes, secret: bytes, status_secret: bytes | None,
+                   nonce: bytes, signed: bytes, role: int) -> bytes:
+    """Which secret the HELLO's MAC proves; the status credential only for STATUS."""
+    if hmac.compare_digest(expected, mac):
+        return secret
+    if status_secret is not None and hmac.compare_digest(
+            _mac(status_secret, nonce, signed), mac):
+        if role != Role.STATUS:
+            raise LinkAuthError("the status credential allows the STATUS role only")
+        return status_secret
+    raise LinkAuthError("wrong or missing link secret")
 
 
 def send_ack(conn: FrameSocket, secret: bytes, nonces: tuple[bytes, bytes],
@@ -162,8 +183,8 @@ def send_ack(conn: FrameSocket, secret: bytes, nonces: tuple[bytes, bytes],
     server_nonce, client_nonce = nonces
     endpoint = _name(ack.return_endpoint, "return endpoint")
     stage_id = _name(ack.final_stage_id, "stage id")
-    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_ctx, ack.min_batch,
-                       len(endpoint), len(stage_id))[32:] + endpoint + stage_id
+    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_session_tokens,
+                       ack.min_batch, len(endpoint), len(stage_id))[32:] + endpoint + stage_id
     mac = _mac(secret, b"ack", client_nonce, server_nonce, fields)
     conn.write(encode_frame(FrameKind.HELLO_ACK, mac + fields))
 

@@ -18,6 +18,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,16 +43,17 @@ from skippyd.link.wire import (
     LinkProtocolError,
     encode_frame,
 )
+from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
     from skippyd.engine.worker.handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
 
-#: Connections allowed to be in the handshake at once; more are closed at once.
+#: Connections allowed to be in the handshake at once; beyond it the oldest gives way.
 MAX_PENDING_HANDSHAKES = 16
-#: Upstream connections served at once (a reconnecting stage 0 may briefly hold two).
-MAX_CHAINS = 8
+#: Handshakes one peer address may have pending at once; more are closed at once.
+MAX_HANDSHAKES_PER_PEER = 4
 #: The listener's own traffic counters, as STATUS reports them.
 LISTENER_COUNTERS = ("bytes_in", "bytes_out", "batches", "connections", "rejected")
 
@@ -69,12 +71,15 @@ class StageFacts:
     model_id: str
     n_embd: int
     lanes: int
-    kv_pool_tokens: int
+    session_tokens: int
     max_batch_tokens: int
     is_first: bool
     is_final: bool
     secret: bytes
     max_frame_bytes: int
+    status_secret: bytes | None = None
+    """The read-only credential (STATUS only), if the stage has one."""
+    max_chains: int = 1
     downstream_id: str | None = None
     downstream: tuple[str, int] | None = None
     advertise: str | None = None
@@ -102,7 +107,8 @@ class StageLinkServer:
         """PINGs every chain connection of this stage (started with the listener)."""
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None
-        self._handshakes = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._handshakes = PendingHandshakes(MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_PEER)
+        self._rejections = ThrottledLog(logger)
         self._lock = threading.Lock()
         self._chains: dict[int, ChainConnection] = {}
         self._closed = threading.Event()
@@ -162,9 +168,9 @@ class StageLinkServer:
     # -- registry (used by ChainConnection) --------------------------------------------------
 
     def register(self, chain: ChainConnection) -> bool:
-        """Admit a chain connection; False when too many are open."""
+        """Admit a chain connection; False when ``max_chains`` are open."""
         with self._lock:
-            if len(self._chains) >= MAX_CHAINS:
+            if len(self._chains) >= self.facts.max_chains:
                 return False
             self._chains[chain.chain_id] = chain
             self._totals["connections"] += 1
@@ -201,53 +207,60 @@ class StageLinkServer:
                 if not self._closed.is_set():
                     logger.exception("link listener failed")
                 return
-            threading.Thread(target=self._serve, args=(sock, _show(peer)), daemon=True,
+            threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name=f"skippyd-link-conn-{_show(peer)}").start()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
+    def _serve(self, sock: socket.socket, peer: tuple) -> None:
         conn = FrameSocket(sock)
         authenticated = self._authenticate(conn, peer)
         if authenticated is None:
             conn.close()
             return
-        hello, nonces = authenticated
+        hello, nonces, secret = authenticated
+        name = _show(peer)
         try:
             if hello.role is Role.STATUS:
-                self._serve_status(conn, nonces)
+                self._serve_status(conn, nonces, secret)
             elif hello.role is Role.CHAIN:
-                self._serve_chain(conn, hello, nonces, peer)
+                self._serve_chain(conn, hello, nonces, name)
             else:
-                self._serve_return(conn, hello, nonces, peer)
+                self._serve_return(conn, hello, nonces, name)
         except OSError as exc:
-            logger.info("link connection from %s ended: %s", peer, exc)
+            logger.info("link connection from %s ended: %s", name, exc)
         finally:
             conn.close()
 
-    def _authenticate(self, conn: FrameSocket, peer: str) -> tuple[Hello, tuple] | None:
-        if not self._handshakes.acquire(blocking=False):
-            logger.warning("link connection from %s closed: more than %d handshakes pending",
-                           peer, MAX_PENDING_HANDSHAKES)
-            return None
+    def _authenticate(self, conn: FrameSocket, peer: tuple) -> tuple[Hello, tuple, bytes] | None:
+        name = _show(peer)
+        self._handshakes.enter(conn, peer[0])
+        failure: tuple[str, str] | None = None
         try:
             configure_socket(conn.sock)
             conn.sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            hello, server_nonce, client_nonce = accept_handshake(conn, self.facts.secret)
+            # One deadline for the whole handshake: bytes dripped within each read's
+            # timeout must not keep an unauthenticated peer here for longer.
+            conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            hello, server_nonce, client_nonce, secret = accept_handshake(
+                conn, self.facts.secret, self.facts.status_secret)
         except LinkAuthError as exc:
-            self.reject(peer, str(exc))
-            return None
+            failure = ("auth", str(exc))
         except LinkProtocolError as exc:
-            self.reject(peer, f"bad handshake: {exc}")
-            return None
+            failure = ("protocol", f"bad handshake: {exc}")
         except OSError as exc:
-            self.reject(peer, f"handshake failed: {exc}")
+            failure = ("io", f"handshake failed: {exc}")
+        if self._handshakes.leave(conn):
+            failure = ("capacity", "gave way to newer connections (more than "
+                       f"{MAX_HANDSHAKES_PER_PEER} from this address or "
+                       f"{MAX_PENDING_HANDSHAKES} in all were in the handshake)")
+        if failure is not None:
+            self.reject(name, failure[1], kind=failure[0])
             return None
-        finally:
-            self._handshakes.release()
-        return hello, (server_nonce, client_nonce)
+        conn.deadline = None
+        return hello, (server_nonce, client_nonce), secret
 
-    def reject(self, peer: str, reason: str) -> None:
-        """Log why a connection is being closed and count it."""
-        logger.warning("link connection from %s rejected: %s", peer, reason)
+    def reject(self, peer: str, reason: str, kind: str = "refused") -> None:
+        """Log (rate-limited per kind) why a connection is being closed, and count it."""
+        self._rejections.warning(kind, "link connection from %s rejected: %s", peer, reason)
         with self._lock:
             self._totals["rejected"] += 1
 
@@ -256,8 +269,8 @@ class StageLinkServer:
         self.reject(peer, reason)
         send_refuse(conn, reason)
 
-    def _serve_status(self, conn: FrameSocket, nonces: tuple) -> None:
-        send_ack(conn, self.facts.secret, nonces, HelloAck(final_stage_id=self.facts.stage_id))
+    def _serve_status(self, conn: FrameSocket, nonces: tuple, secret: bytes) -> None:
+        send_ack(conn, secret, nonces, HelloAck(final_stage_id=self.facts.stage_id))
         body = json.dumps(self.status(), sort_keys=True).encode()
         conn.write(encode_frame(FrameKind.STATUS, body))
 
@@ -303,6 +316,56 @@ class StageLinkServer:
         if host in _WILDCARD_HOSTS:
             host = conn.sock.getsockname()[0]
         return _show((host, port))
+
+
+class PendingHandshakes:
+    """Connections still in the handshake, bounded per peer address and in total.
+
+    A newcomer is never turned away: when its address already holds its share, that
+    address's oldest pending handshake is shut down to make room, and when every slot
+    is taken, the oldest of all is. A real stage finishes its handshake within
+    milliseconds, so the peers that give way are the ones only holding slots (silent,
+    or dripping bytes), and a restarted stage 0 gets back in even from a host that
+    also runs an attacker.
+    """
+
+    def __init__(self, capacity: int, per_peer: int) -> None:
+        self._capacity = capacity
+        self._per_peer = per_peer
+        self._lock = threading.Lock()
+        self._pending: dict[FrameSocket, str] = {}  # insertion order: oldest first
+        self._evicted: set[FrameSocket] = set()
+
+    def enter(self, conn: FrameSocket, address: str) -> None:
+        """Take a slot, shutting the connection that gives way down (its reader fails)."""
+        with self._lock:
+            mine = [c for c, a in self._pending.items() if a == address]
+            victim = None
+            if len(mine) >= self._per_peer:
+                victim = mine[0]
+            elif len(self._pending) >= self._capacity:
+                victim = next(iter(self._pending))
+            if victim is not None:
+                del self._pending[victim]
+                self._evicted.add(victim)
+            self._pending[conn] = address
+        if victim is not None:
+            try:
+                victim.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def leave(self, conn: FrameSocket) -> bool:
+        """Free the slot; True if ``conn`` had been shut down to make room."""
+        with self._lock:
+            self._pending.pop(conn, None)
+            if conn in self._evicted:
+                self._evicted.discard(conn)
+                return True
+            return False
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 def status_body(facts: StageFacts, chains: int, totals: dict[str, int],

@@ -56,6 +56,8 @@ MAX_QUEUED_BATCHES = 32
 RETURN_WAIT_S = 10.0
 #: How long a submit keeps retrying while the worker's command queue is full.
 SUBMIT_RETRY_S = 10.0
+#: A frame's body must arrive within this time of its header (64 MiB at ~20 Mbit/s).
+FRAME_BODY_TIMEOUT_S = 30.0
 
 
 class _Refusal(Exception):
@@ -124,14 +126,18 @@ class ChainConnection:
             self._close_sockets()
             return
         if not self._server.register(self):
-            self._server.refuse(self._upstream, self._peer, "too many chain connections")
+            self._server.refuse(self._upstream, self._peer, "this stage already serves "
+                                f"link.max_chains={self._facts.max_chains} chain(s)")
             self._close_sockets()
             return
         send_ack(self._upstream, self._facts.secret, self._nonces, ack)
         limits = LinkLimits(max_frame_bytes=self._facts.max_frame_bytes,
-                            row_width=self._facts.n_embd)
+                            row_width=self._facts.n_embd,
+                            max_context_tokens=self._facts.session_tokens)
         self._upstream.limits = limits
         self._upstream.sock.settimeout(None)
+        # Idle between frames is fine; stalling inside one is not.
+        self._upstream.body_timeout_s = FRAME_BODY_TIMEOUT_S
         for conn in (self._upstream, self._downstream):
             if conn is not None:
                 self._server.pinger.add(conn)
@@ -214,7 +220,7 @@ class ChainConnection:
             if not ok:
                 raise _Refusal(problem)
         if facts.is_final:
-            return HelloAck(1, facts.lanes, facts.kv_pool_tokens, facts.max_batch_tokens,
+            return HelloAck(1, facts.lanes, facts.session_tokens, facts.max_batch_tokens,
                             self._server.return_endpoint(self._upstream), facts.stage_id)
         return self._extend_chain()
 
@@ -230,7 +236,7 @@ class ChainConnection:
             raise _Refusal(f"{facts.downstream_id} at {facts.downstream[0]}:"
                            f"{facts.downstream[1]}: {exc}") from None
         return HelloAck(ack.num_stages + 1, min(facts.lanes, ack.min_lanes),
-                        min(facts.kv_pool_tokens, ack.min_ctx),
+                        min(facts.session_tokens, ack.min_session_tokens),
                         min(facts.max_batch_tokens, ack.min_batch), ack.return_endpoint,
                         ack.final_stage_id)
 

@@ -74,6 +74,11 @@ class Flag(enum.IntFlag):
     ROWS_F16 = 1 << 5
 
 
+#: Kinds whose body has a small fixed bound, refused above it before any body is read.
+_MAX_BODY_BYTES = {
+    FrameKind.DROP: 0, FrameKind.ERROR: MAX_TEXT_BYTES, FrameKind.REFUSE: MAX_TEXT_BYTES,
+    FrameKind.STATUS: MAX_STATUS_BYTES, FrameKind.RESULT: MAX_BATCH_ENTRIES * _RESULT.size,
+}
 _ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
                  | Flag.DECODE | Flag.ROWS_F16)
 #: Largest magnitude float16 holds; a frame with a larger value travels as float32.
@@ -103,6 +108,8 @@ class LinkLimits:
     """Values per activation row agreed at the handshake; 0 refuses rows."""
     max_tokens: int = MAX_NATIVE_ITERATION_TOKENS
     """Most tokens in one ITERATION frame."""
+    max_context_tokens: int = 1 << 24
+    """The stage's KV pool: positions and ``penalty_last_n`` must stay within it."""
 
 
 #: Before authentication a peer may send only a small HELLO.
@@ -239,8 +246,11 @@ def decode_header(data: bytes | bytearray | memoryview, limits: LinkLimits) -> F
     if body_bytes > limits.max_frame_bytes:
         raise LinkProtocolError(f"{frame_kind.name} frame body of {body_bytes} bytes exceeds "
                                 f"the {limits.max_frame_bytes}-byte limit")
+    if body_bytes > _MAX_BODY_BYTES.get(frame_kind, body_bytes):
+        raise LinkProtocolError(f"{frame_kind.name} frame body of {body_bytes} bytes exceeds "
+                                f"the {_MAX_BODY_BYTES[frame_kind]} bytes such a frame can need")
     if frame_kind is FrameKind.ITERATION:
-        _check_iteration_header(flags, first, count, width, limits)
+        _check_iteration_header(body_bytes, flags, first, count, width, limits)
     elif flags or width or first or (count and frame_kind is not FrameKind.RESULT):
         raise LinkProtocolError(f"{frame_kind.name} frame: flags, first_position, "
                                 "token_count and row_width must be 0")
@@ -248,7 +258,7 @@ def decode_header(data: bytes | bytearray | memoryview, limits: LinkLimits) -> F
                        width)
 
 
-def _check_iteration_header(flags: int, first: int, count: int, width: int,
+def _check_iteration_header(body_bytes: int, flags: int, first: int, count: int, width: int,
                             limits: LinkLimits) -> None:
     if flags & ~_ALL_FLAGS:
         raise LinkProtocolError(f"ITERATION frame: unknown flags {flags & ~_ALL_FLAGS:#x}")
@@ -257,15 +267,27 @@ def _check_iteration_header(flags: int, first: int, count: int, width: int,
     if not 1 <= count <= limits.max_tokens:
         raise LinkProtocolError(f"ITERATION frame: token_count {count} outside "
                                 f"1..{limits.max_tokens}")
+    if first + count > limits.max_context_tokens:
+        raise LinkProtocolError(f"ITERATION frame: first_position {first} + token_count "
+                                f"{count} exceeds the {limits.max_context_tokens}-token context")
     if width not in (0, limits.row_width):
         raise LinkProtocolError(f"ITERATION frame: row_width {width}, expected "
                                 f"{limits.row_width} (agreed at the handshake)")
     if flags & Flag.ROWS_F16 and not width:
         raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
+    # Tokens, positions and rows, plus one sampling block: nothing may claim more.
+    most = 4 * count * (2 + width) + _SAMPLING.size + MAX_LOGIT_BIAS * _BIAS.size
+    if body_bytes > most:
+        raise LinkProtocolError(f"ITERATION frame: body_bytes {body_bytes} exceeds the "
+                                f"{most} bytes {count} tokens of width {width} can need")
 
 
-def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
+def decode_body(header: FrameHeader, body: bytes | bytearray,
+                max_context_tokens: int | None = None) -> Frame:
     """Decode a body whose header :func:`decode_header` accepted.
+
+    ``max_context_tokens`` caps ``penalty_last_n`` in a sampling block (the reader's
+    :attr:`LinkLimits.max_context_tokens`; None: no cap beyond the type's).
 
     Raises:
         LinkProtocolError: The body does not match the header or a field is invalid.
@@ -275,7 +297,7 @@ def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
                                 f"({len(body)} of {header.body_bytes} body bytes)")
     kind = header.kind
     if kind is FrameKind.ITERATION:
-        return Frame(header, _decode_iteration(header, body))
+        return Frame(header, _decode_iteration(header, body, max_context_tokens))
     if kind is FrameKind.RESULT:
         return Frame(header, _decode_result(header, body))
     if kind in (FrameKind.DROP, FrameKind.PING, FrameKind.PONG):
@@ -291,7 +313,8 @@ def decode_body(header: FrameHeader, body: bytes | bytearray) -> Frame:
     return Frame(header, bytes(body))
 
 
-def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntry:
+def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
+                      max_context_tokens: int | None) -> ChainEntry:
     count, width, flags = header.token_count, header.row_width, header.flags
     offset = 4 * count
     positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
@@ -313,7 +336,8 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntr
         offset += positions_bytes
     sampling = None
     if has_sampling:
-        sampling = decode_sampling(bytes(body[offset:offset + sampling_bytes]))
+        sampling = decode_sampling(bytes(body[offset:offset + sampling_bytes]),
+                                   max_context_tokens)
         offset += sampling_bytes
     rows = None
     if width:
@@ -322,6 +346,10 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntr
                              offset=offset).reshape(count, width)
         if row_value_bytes == 2:
             rows = rows.astype(np.float32)
+        if not np.isfinite(rows).all():
+            # NaN or Inf would flow through every later layer and come out as tokens.
+            raise LinkProtocolError("ITERATION frame: activation rows must be finite "
+                                    "(NaN or Inf found)")
     return ChainEntry(
         session_id=header.session_id, first_position=header.first_position,
         token_ids=tokens.tolist(), rows=rows, sampling=sampling,
@@ -330,8 +358,11 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray) -> ChainEntr
     )
 
 
-def decode_sampling(block: bytes) -> SamplingConfig:
+def decode_sampling(block: bytes, max_context_tokens: int | None = None) -> SamplingConfig:
     """Parse a sampling block; it must be exactly one block long.
+
+    ``penalty_last_n`` sizes the penalty sampler's history: it may not exceed
+    ``max_context_tokens`` (the receiving stage's context).
 
     Raises:
         LinkProtocolError: Wrong size, too many logit biases, or an invalid value.
@@ -356,7 +387,7 @@ def decode_sampling(block: bytes) -> SamplingConfig:
     if not all(np.isfinite(values)):
         raise LinkProtocolError("sampling block: values must be finite")
     try:
-        config.validate()
+        config.validate(n_ctx=max_context_tokens)
     except ValueError as exc:
         raise LinkProtocolError(f"sampling block: {exc}") from None
     return config
@@ -388,6 +419,7 @@ def decode_stream(data: bytes, limits: LinkLimits) -> list[Frame]:
     while offset < len(data):
         header = decode_header(data[offset:offset + HEADER_BYTES], limits)
         start = offset + HEADER_BYTES
-        frames.append(decode_body(header, data[start:start + header.body_bytes]))
+        frames.append(decode_body(header, data[start:start + header.body_bytes],
+                                  limits.max_context_tokens))
         offset = start + header.body_bytes
     return frames

@@ -38,6 +38,7 @@ def run_top(socket: Path | None, config: Path | None, once: bool, as_json: bool)
 
         return run_status(socket, config, as_json)
     from rich.console import Console
+    from rich.markup import escape
 
     from skippyd.config import ConfigError
     from skippyd.control.client import ControlError, resolve_socket_path
@@ -45,11 +46,13 @@ def run_top(socket: Path | None, config: Path | None, once: bool, as_json: bool)
     try:
         path = resolve_socket_path(socket, config, wait=True)
     except ConfigError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] invalid config {exc.source or ''}\n{exc}",
-                                   highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"[bold red]error:[/] invalid config {escape(exc.source or '')}\n{escape(str(exc))}",
+            highlight=False)
         return ExitCode.CONFIG
     except ControlError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(exc))}",
+                                                   highlight=False)
         return ExitCode.UNREACHABLE
     from skippyd.tui.app import TopApp
 

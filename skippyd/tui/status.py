@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -64,17 +65,17 @@ def run_status(socket: Path | None, config: Path | None, as_json: bool, *,
         serving, ``UNREACHABLE`` when nothing answered, ``CONFIG`` for a bad config.
     """
     out = out or Console()
-    err = err or Console(stderr=True)
+    err = err or Console(stderr=True, soft_wrap=True)
     try:
         path = resolve_socket_path(socket, config)
         with ControlClient.connect(path, timeout_s) as client:
             snapshot = client.status()
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] invalid config {exc.source or ''}\n{exc}",
+        err.print(f"[bold red]error:[/] invalid config {escape(exc.source or '')}\n{escape(str(exc))}",
                   highlight=False)
         return ExitCode.CONFIG
     except ControlError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return ExitCode.UNREACHABLE
     if as_json:
         # NOTE: plain text, never highlighted or wrapped: scripts parse it.

@@ -79,6 +79,8 @@ def test_url_report_counts_what_was_sent(server_url, tmp_path):
     assert all(r["token_source"] == "usage" and r["num_output_tokens"] == r["max_tokens"]
                for r in records)
     assert "throughput" in result.stdout and "out tok/s" in result.stdout
+    assert "output tok/s by concurrent streams" in result.stdout  # the sweep's chart
+    assert "TTFT p50 (ms) by concurrent streams" in result.stdout
 
 
 def test_vs_prints_and_writes_ratios(server_url, tmp_path):

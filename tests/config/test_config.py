@@ -137,11 +137,18 @@ def test_config_is_frozen() -> None:
         config.runtime.lane_count = 9  # type: ignore[misc]
 
 
-def test_socket_path_resolution_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_socket_path_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    system = tmp_path / "run-skippyd"
+    monkeypatch.setattr(config_defaults, "SYSTEM_RUNTIME_DIR", system)
     temp_sock = Path(tempfile.gettempdir()) / f"skippyd-{os.getuid()}" / "s.sock"
     both = {"XDG_RUNTIME_DIR": "/run/user/7", "RUNTIME_DIRECTORY": "/run/skippyd:/run/b"}
     assert candidate_socket_paths("s", both) == [
-        Path("/run/user/7/skippyd/s.sock"), Path("/run/skippyd/s.sock"), temp_sock]
+        Path("/run/user/7/skippyd/s.sock"), Path("/run/skippyd/s.sock"), temp_sock,
+        system / "s.sock"]
+    # A template instance's own runtime directory (RuntimeDirectory=skippyd/%i).
+    (system / "stage1").mkdir(parents=True)
+    (system / "stage1" / "s.sock").touch()
+    assert candidate_socket_paths("s", {})[-2:] == [system / "s.sock", system / "stage1" / "s.sock"]
     assert default_socket_path("s", {"RUNTIME_DIRECTORY": "/run/skippyd"}) == Path(
         "/run/skippyd/s.sock")
     assert default_socket_path("s", {}) == temp_sock
@@ -444,7 +451,7 @@ def full_config_data() -> dict[str, Any]:
                  "flash_attn": "enabled", "slice_cache_dir": "/var/cache/skippyd"},
         control={"group": "skippyd"},
         telemetry={"level": "debug", "log_level": "warning"},
-        kv_cache={"mode": "lookup-record", "payload": "full-state", "max_bytes": 1 << 30},
+        kv_cache={"mode": "lookup-record", "payload": "full-state", "max_entries": 9},
         link={"connect_timeout_s": 5},
         downstream={"stage_id": "stage-2", "endpoint": "10.0.0.3:9103"},
     )
@@ -493,7 +500,7 @@ def test_all_examples_load() -> None:
 def test_single_example() -> None:
     config = load_config(EXAMPLES / "single.toml")
     assert config.stage.model_path is None and config.is_first and config.is_final
-    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, 4096)
+    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, 8192)
 
 
 @pytest.mark.parametrize(("directory", "ranges"), [
@@ -573,3 +580,19 @@ def test_link_advertise_and_activation_dtype() -> None:
         "it for predictions)"]
     assert issues_of(later_stage(link={"activation_dtype": "f8"}))[0].startswith(
         "link.activation_dtype")
+
+
+def test_telemetry_keys_for_logs_and_the_metrics_listener() -> None:
+    telemetry = parse_config({"telemetry": {
+        "log_format": "json", "log_requests": False, "stats_interval_s": 0,
+        "metrics_listen": "0.0.0.0:9190"}}).telemetry
+    assert telemetry.log_format == "json" and not telemetry.log_requests
+    assert telemetry.stats_interval_s == 0.0 and telemetry.metrics_address == ("0.0.0.0", 9190)
+    defaults = parse_config({}).telemetry
+    assert (defaults.log_format, defaults.log_requests, defaults.stats_interval_s,
+            defaults.metrics_listen) == ("auto", True, 10.0, None)
+    with pytest.raises(ConfigError) as info:
+        parse_config({"telemetry": {"log_format": "jsno", "metrics_listen": "127.0.0.1:8080"}})
+    assert info.value.keys == ["telemetry.log_format", "telemetry.metrics_listen"]
+    assert 'did you mean "json"' in str(info.value)
+    assert "another port than http.listen (both use 8080)" in str(info.value)

@@ -93,7 +93,8 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of a Prometheus text page, keyed by (name, sorted labels)."""
     samples = {}
     for family in text_string_to_metric_families(text):
-        assert family.name.startswith("skippyd_"), family.name
+        # Ours, plus prometheus_client's standard process and Python collectors.
+        assert family.name.startswith(("skippyd_", "process_", "python_")), family.name
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return samples

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import signal
@@ -17,15 +18,24 @@ class ServeProcess:
     """A ``skippyd serve`` child process with its stderr captured line by line."""
 
     def __init__(self, config_text: str, workdir: Path, *, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, journal: bool = False) -> None:
+        """``journal``: stderr is a pipe that ``JOURNAL_STREAM`` names, as under systemd."""
         self.config_path = workdir / "stage.toml"
         self.config_path.write_text(config_text)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(self.config_path),
-             *extra_args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, env=env,
-        )
+        env = dict(os.environ if env is None else env)
+        read_fd, write_fd = os.pipe()
+        if journal:
+            info = os.fstat(write_fd)
+            env["JOURNAL_STREAM"] = f"{info.st_dev}:{info.st_ino}"
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "skippyd.cli", "serve", "--config",
+                 str(self.config_path), *extra_args],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=write_fd, env=env,
+            )
+        finally:
+            os.close(write_fd)
+        self._stderr = os.fdopen(read_fd, "r", encoding="utf-8", errors="replace")
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -34,7 +44,7 @@ class ServeProcess:
         self.model = ""
 
     def _read(self) -> None:
-        for line in self.proc.stderr:
+        for line in self._stderr:
             self.lines.append(line)
             self._queue.put(line)
         self._queue.put(None)
@@ -81,6 +91,10 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
             raise
+        finally:
+            self._reader.join(timeout)
+            if not self._reader.is_alive():
+                self._stderr.close()
 
 
 LANES = 8

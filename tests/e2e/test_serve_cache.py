@@ -1,7 +1,7 @@
 """The prefix cache through the HTTP API: two real SmolLM2 servers, cache on and off.
 
-The cache server keeps a single resident entry (``max_entries = 1``), so a second
-conversation pushes the first one out to the host-RAM tier.
+The cache server has a single lane, so a second conversation takes the lane the first
+one's KV stayed in, which pushes the first one out to the host-RAM tier.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ SYSTEM = ("You are a geography tutor. Answer every question with the name of one
           "preparing for a quiz about the capitals of European countries.")
 
 
-def config(stage_id: str, workdir, kv_cache: str) -> str:
+def config(stage_id: str, workdir, kv_cache: str, lanes: int) -> str:
     return f"""
 [stage]
 id = "{stage_id}"
 
 [runtime]
 ctx_size = 2048
-lane_count = 2
+lane_count = {lanes}
 threads = 1
 threads_batch = 1
 
@@ -46,8 +46,8 @@ socket = "{workdir / 'control.sock'}"
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     on_dir, off_dir = tmp_path_factory.mktemp("on"), tmp_path_factory.mktemp("off")
-    on = ServeProcess(config("cache-on", on_dir, 'mode = "auto"\nmax_entries = 1'), on_dir)
-    off = ServeProcess(config("cache-off", off_dir, 'mode = "disabled"'), off_dir)
+    on = ServeProcess(config("cache-on", on_dir, 'mode = "auto"', lanes=1), on_dir)
+    off = ServeProcess(config("cache-off", off_dir, 'mode = "disabled"', lanes=2), off_dir)
     try:
         yield on.wait_ready(), off.wait_ready()
     finally:
@@ -118,7 +118,7 @@ def test_a_conversation_pushed_to_host_ram_comes_back_with_the_same_answer(serve
     first_a, template_a = conversation("What is the capital of Spain?", "And of Portugal?")
     first_b, _ = conversation("What is the capital of Germany?", "And of Austria?")
     reply_a = chat(on, first_a, 8)
-    chat(on, first_b, 8)  # takes the only resident slot: A's entry goes to host RAM
+    chat(on, first_b, 8)  # takes the only lane: A's entry goes to host RAM
     second_a = second_turn(template_a, reply_a.choices[0].message.content)
     answer_on, answer_off = chat(on, second_a, 8), chat(off, second_a, 8)
     # B only shares the system prompt: a restore this long came from A's host entry.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -251,5 +252,90 @@ def test_link_stage_notifies_systemd_and_answers_on_its_control_socket(
         assert notify.wait_for("STOPPING")["STOPPING"] == "1"
         assert proc.proc.wait(timeout=60) == 0
         assert not control_socket.exists()
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+def test_journal_lines_carry_priorities_and_requests_and_throughput_are_logged(
+        tmp_path, tiny_model_path):
+    config = tiny_config(tiny_model_path) + "\n[telemetry]\nstats_interval_s = 0.5\n"
+    proc = ServeProcess(config, tmp_path, journal=True)
+    try:
+        proc.wait_ready()
+        response = httpx.post(proc.url + "/completions", timeout=60, json={
+            "prompt": "the cat", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+        assert response.status_code == 200
+        request_id = response.json()["id"]
+        line = proc.wait_for_line(rf"request {request_id}: ")
+        assert re.fullmatch(
+            rf"<6>skippyd\.http\.request_log: request {request_id}: 200 length, prompt \d+ tok"
+            r" \(cached 0\), generated 8 tok, queue [\d.]+ ms, ttft [\d.]+ ms,"
+            r" decode [\d.]+ tok/s, total [\d.]+ ms", line.rstrip("\n")), line
+        throughput = proc.wait_for_line(r"throughput: prompt")
+        assert throughput.startswith("<6>skippyd.daemon.stats_log: throughput: prompt")
+        assert proc.stop() == 0
+    finally:
+        proc.stop(signal.SIGKILL)
+    logged = [line for line in proc.lines if not line.startswith("skippyd serving ")]
+    assert logged and all(re.match(r"<[2-7]>\S", line) for line in logged), proc.log()
+    # No timestamp of our own: the journal stamps every entry.
+    assert not any(re.search(r"\d\d:\d\d:\d\d", line) for line in logged), proc.log()
+
+
+@pytest.mark.model
+def test_watchdog_keeps_pinging_through_a_long_prefill_that_computes(tmp_path, smollm2_path,
+                                                                     notify):
+    # A 1 s watchdog: a stuck call must be caught within 0.5 s, yet one prefill of
+    # ~1800 tokens on one thread runs for seconds and must not count as stuck.
+    config = f"""
+[stage]
+id = "long-prefill"
+model_path = "{smollm2_path}"
+[runtime]
+ctx_size = 2048
+lane_count = 1
+n_batch = 2048
+n_ubatch = 512
+threads = 1
+threads_batch = 1
+[kv_cache]
+mode = "disabled"
+[http]
+listen = "127.0.0.1:0"
+"""
+    proc = ServeProcess(config, tmp_path, env={**os.environ, "NOTIFY_SOCKET": str(notify.path),
+                                               "WATCHDOG_USEC": "1000000"})
+    try:
+        notify.wait_for("READY")
+        proc.wait_ready()
+        prompt = " ".join(["word"] * 1800)
+        done = threading.Event()
+        timings: dict[str, float] = {}
+
+        def long_prefill() -> None:
+            started = time.monotonic()
+            with httpx.stream("POST", proc.url + "/completions", timeout=300, json={
+                    "prompt": prompt, "max_tokens": 1, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        timings["ttft"] = time.monotonic() - started
+                        break
+            done.set()
+
+        client = threading.Thread(target=long_prefill)
+        notify.wait_for("WATCHDOG", timeout=5)
+        client.start()
+        pings, started = [], time.monotonic()
+        while not done.is_set():
+            notify.sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                if "WATCHDOG" in notify.receive():
+                    pings.append(time.monotonic())
+        client.join(60)
+        assert timings.get("ttft", 0) > 2.0, f"the prefill was too short to tell: {timings}"
+        gaps = [b - a for a, b in zip([started, *pings], [*pings, time.monotonic()],
+                                      strict=True)]
+        assert max(gaps) < 1.0, f"watchdog pings stopped for {max(gaps):.1f} s"
+        assert httpx.get(proc.base_url + "/health").status_code == 200
     finally:
         proc.stop(signal.SIGKILL)

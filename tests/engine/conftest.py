@@ -1,4 +1,4 @@
-"""Engine fixtures on the tiny model: runtimes with prefix-cache slots, worker stacks."""
+"""Engine fixtures on the tiny model: runtimes, worker stacks with or without a prefix cache."""
 
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[WorkerHandle, An
     opened: list[tuple[WorkerHandle, LlamaRuntime]] = []
 
     def build(*, cache: bool = True, settings: PrefixCacheSettings = SETTINGS, lanes: int = 4,
-              ctx_size: int = 1024, queue_capacity: int = 8):
-        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=ctx_size,
-                               slots=settings.slot_count(lanes) if cache else 0)
+              ctx_size: int = 2048, queue_capacity: int = 8):
+        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=ctx_size)
         hub = TelemetryHub()
         live = LivePrefixCache(runtime, settings, namespace="tiny:0-4",
                                publish=hub.publish) if cache else None

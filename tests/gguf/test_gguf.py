@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 
+import gguf
+import numpy as np
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.inspect import ModelFileError, inspect_model
-from skippyd.gguf.slice import cached_slice, slice_model
+from skippyd.gguf.inspect import ModelFileError, inspect_model, read_model_header
+from skippyd.gguf.slice import cached_slice, file_identity, slice_model
 
 
 def test_inspect_reports_the_model(tiny_model_path):
@@ -64,6 +68,25 @@ def test_slice_cache_writes_once(tiny_model_path, tmp_path):
     assert cached_slice(tiny_model_path, 0, 4, tmp_path) == tiny_model_path  # whole model
 
 
+def test_slice_cache_key_is_the_header_the_size_and_the_mtime(tiny_model_path, tmp_path):
+    """A warm start reads the header only: hashing a big model's weights took minutes."""
+    source, cache = tmp_path / "model.gguf", tmp_path / "cache"
+    shutil.copyfile(tiny_model_path, source)
+    first = cached_slice(source, 0, 2, cache)
+    key, stat = file_identity(source), source.stat()
+    data = bytearray(source.read_bytes())
+    data[read_model_header(source).data_offset + 10] ^= 0xFF  # one weight byte
+    source.write_bytes(data)
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file_identity(source) == key  # the weights are not read
+    assert cached_slice(source, 0, 2, cache) == first
+
+    source.write_bytes(data)  # written again: a new mtime, a new slice
+    assert file_identity(source) != key
+    fresh = cached_slice(source, 0, 2, cache)
+    assert fresh != first and fresh.is_file()
+
+
 def test_failed_slice_leaves_no_half_file(tiny_model_path, tmp_path):
     def disk_full(done, total):
         if done < total:
@@ -89,3 +112,27 @@ def test_tokenizer_round_trip_and_utf8_safe_streaming(tiny_model_path):
         assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<|user|>hi</s><|assistant|>"
     finally:
         tok.close()
+
+
+def test_a_header_larger_than_the_first_read_is_read_whole(tmp_path):
+    """A big tokenizer table pushes the header past the first MiB read."""
+    path = tmp_path / "big-header.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.merges", [f"merge-{i:07d} x" for i in range(150_000)])
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_array("llama.kept", list(range(3000)))
+    writer.add_tensor("blk.0.w", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_model_header(path)
+    reference = gguf.GGUFReader(str(path))
+    assert header.data_offset == reference.data_offset > 2 << 20
+    assert header.kv["tokenizer.ggml.merges"].length == 150_000
+    assert header.get("llama.kept") == list(range(3000))
+    assert [t.name for t in header.tensors] == ["blk.0.w"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: 3 << 20])
+    with pytest.raises(ModelFileError, match="not a readable GGUF"):
+        read_model_header(cut)

@@ -112,8 +112,8 @@ class FakeBackend:
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return f"{turns}<assistant>"
 
-    def tokenize_chat(self, text: str) -> list[int]:
-        return self.tokenize(text, add_special=True)
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenize(self.render_chat(messages), add_special=True)
 
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()

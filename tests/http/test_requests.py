@@ -269,6 +269,18 @@ def test_logit_bias_token_range_needs_vocab_only_when_known() -> None:
 
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_stop_strings"):
-        HttpLimits(max_stop_strings=0)
+        HttpLimits(max_stop_strings=-1)
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        HttpLimits(max_body_bytes=0)
     with pytest.raises(ValueError, match="max_logit_bias"):
         HttpLimits(max_logit_bias=10_000)
+
+
+def test_zero_stop_strings_or_logit_biases_refuse_the_field() -> None:
+    limits = HttpLimits(max_stop_strings=0, max_logit_bias=0)
+    with pytest.raises(ApiError, match="max_stop_strings=0") as error:
+        parse_completion_request({"prompt": "x", "stop": "a"}, limits)
+    assert error.value.param == "stop"
+    with pytest.raises(ApiError, match="max_logit_bias=0"):
+        parse_completion_request({"prompt": "x", "logit_bias": {"1": 1}}, limits)
+    assert parse_completion_request({"prompt": "x"}, limits).params.stop == ()

@@ -96,3 +96,44 @@ def test_mismatched_topology_is_refused_with_a_reason(chain2):
                                                 "starts at 15"):
         dial(_address(chain2), SECRET.encode(), hello)
     _still_serves(chain2)
+
+
+def test_a_chain_beyond_max_chains_is_refused(chain2):
+    first, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
+    try:
+        hello = Hello(Role.CHAIN, 0xFEED, N_EMBD, 0, 15, chain2.head.model)
+        with pytest.raises(LinkProtocolError, match=r"already serves link\.max_chains=2"):
+            dial(_address(chain2), SECRET.encode(), hello)
+    finally:
+        first.close()
+    _still_serves(chain2)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_activations_are_a_protocol_error(chain2, poison):
+    import numpy as np
+
+    conn, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
+    rows = np.zeros((2, N_EMBD), dtype=np.float32)
+    rows[1, 7] = poison
+    entry = ChainEntry(session_id=3, first_position=0, token_ids=[1, 2], rows=rows)
+    conn.sock.sendall(encode_iteration(11, entry, end_of_batch=True))
+    assert _closed_by_peer(conn.sock)
+    conn.close()
+    chain2.stages[1].wait_for_line(r"activation rows must be finite")
+    _still_serves(chain2)
+
+
+def test_a_huge_penalty_window_is_a_protocol_error(chain2):
+    from skippyd.engine.runtime.protocol import SamplingConfig
+
+    conn, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
+    sampling = SamplingConfig(repeat_penalty=1.3, penalty_last_n=2**26)
+    entry = ChainEntry(session_id=4, first_position=0, token_ids=[1],
+                       rows=__import__("numpy").zeros((1, N_EMBD), dtype="float32"),
+                       sampling=sampling, sample_last=True)
+    conn.sock.sendall(encode_iteration(12, entry, end_of_batch=True))
+    assert _closed_by_peer(conn.sock)
+    conn.close()
+    chain2.stages[1].wait_for_line(r"penalty_last_n: must be at most the context size")
+    _still_serves(chain2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -41,7 +42,8 @@ from skippyd.link.wire import (
 )
 
 WIDTH = 8
-LIMITS = LinkLimits(max_frame_bytes=1 << 16, row_width=WIDTH, max_tokens=64)
+LIMITS = LinkLimits(max_frame_bytes=1 << 16, row_width=WIDTH, max_tokens=64,
+                    max_context_tokens=4096)
 SECRET = b"a-test-secret-of-enough-length"
 SAMPLING = SamplingConfig(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=2**64 - 1,
                           logit_bias=((3, -1.5), (7, 2.0)), ignore_eos=True)
@@ -114,13 +116,16 @@ def _header(kind=FrameKind.ITERATION, body=0, flags=0, first=0, count=1, width=0
     (_header(count=65), "token_count 65 outside"),
     (_header(first=-1), "first_position -1 is negative"),
     (_header(width=WIDTH + 1), "row_width 9, expected 8"),
+    (_header(first=4090, count=7), "exceeds the 4096-token context"),
+    (_header(body=60_000, count=2, width=WIDTH), "body_bytes 60000 exceeds"),
     (_header(flags=1 << 9), "unknown flags"),
     (_header(kind=FrameKind.DROP, count=3), "must be 0"),
     (_header(body=8)[:-3], "truncated frame header"),
     (_header(body=8) + b"\0" * 4, "truncated ITERATION frame"),
     (_header(body=5, count=1) + b"\0" * 5, "does not match 1 tokens"),
     (_header(kind=FrameKind.RESULT, body=12, count=2) + b"\0" * 12, "2 samples do not fit"),
-    (_header(kind=FrameKind.DROP, body=1, count=0) + b"x", "DROP frame must have no body"),
+    (_header(kind=FrameKind.DROP, body=1, count=0) + b"x", "DROP frame body of 1 bytes exceeds"),
+    (_header(kind=FrameKind.STATUS, body=1 << 16 + 1, count=0), "STATUS frame body of"),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_malformed_frames_are_rejected_with_a_reason(data, message):
     with pytest.raises(LinkProtocolError, match=message):
@@ -131,6 +136,8 @@ def test_malformed_frames_are_rejected_with_a_reason(data, message):
     (SamplingConfig(temperature=float("nan")), "finite"),
     (SamplingConfig(top_p=1.5), "top_p"),
     (SamplingConfig(logit_bias=((1, float("inf")),)), "finite"),
+    (SamplingConfig(repeat_penalty=1.1, penalty_last_n=2**26),
+     "penalty_last_n: must be at most the context size 4096"),
 ])
 def test_invalid_sampling_values_are_protocol_errors(sampling, message):
     data = encode_iteration(1, _entry(sampling=sampling), end_of_batch=True)
@@ -201,7 +208,8 @@ def test_fuzz_frame_socket_reader(data):
 
 # -- handshake over a real socket pair ----------------------------------------------------------
 
-def _handshake(dial_secret: bytes, *, refuse: str | None = None):
+def _handshake(dial_secret: bytes, *, refuse: str | None = None, role: Role = Role.CHAIN,
+               status_secret: bytes | None = None):
     """Run both sides; returns (listener outcome, dialer outcome): a value or an error."""
     left, right = socket.socketpair()
     outcome: dict[str, object] = {}
@@ -209,11 +217,12 @@ def _handshake(dial_secret: bytes, *, refuse: str | None = None):
     def listen():
         conn = FrameSocket(left)
         try:
-            hello, server_nonce, client_nonce = accept_handshake(conn, SECRET)
+            hello, server_nonce, client_nonce, secret = accept_handshake(conn, SECRET,
+                                                                         status_secret)
             if refuse is not None:
                 conn.write(encode_text(FrameKind.REFUSE, refuse))
             else:
-                send_ack(conn, SECRET, (server_nonce, client_nonce),
+                send_ack(conn, secret, (server_nonce, client_nonce),
                          HelloAck(2, 4, 4096, 512, "127.0.0.1:9", "stage-2"))
             outcome["listener"] = hello
         except LinkProtocolError as exc:
@@ -223,7 +232,7 @@ def _handshake(dial_secret: bytes, *, refuse: str | None = None):
 
     thread = threading.Thread(target=listen)
     thread.start()
-    hello = Hello(Role.CHAIN, 77, 576, 0, 15, "model-x")
+    hello = Hello(role, 77, 576, 0, 15, "model-x")
     try:
         result: object = dial_handshake(FrameSocket(right), dial_secret, hello)
     except LinkProtocolError as exc:
@@ -288,3 +297,103 @@ def test_a_float16_flag_without_rows_is_refused():
     data[6:8] = flags.to_bytes(2, "little")
     with pytest.raises(LinkProtocolError, match="ROWS_F16 flag without rows"):
         decode_stream(bytes(data), LIMITS)
+
+
+def test_the_status_credential_opens_status_and_nothing_else():
+    status_secret = b"read-only-monitoring-credential"
+    listener, dialer = _handshake(status_secret, role=Role.STATUS, status_secret=status_secret)
+    assert listener == Hello(Role.STATUS, 77, 576, 0, 15, "model-x")
+    assert isinstance(dialer, HelloAck)  # the ack is MAC'd with the status credential
+    listener, dialer = _handshake(status_secret, status_secret=status_secret)  # CHAIN
+    assert isinstance(listener, LinkAuthError)
+    assert "allows the STATUS role only" in str(listener)
+    listener, _ = _handshake(status_secret, role=Role.STATUS)  # no credential configured
+    assert isinstance(listener, LinkAuthError)
+
+
+@pytest.mark.parametrize("half_rows", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_activation_rows_must_be_finite(bad, half_rows):
+    entry = _entry()
+    entry.rows[1, 3] = bad
+    data = encode_iteration(1, entry, end_of_batch=True, half_rows=half_rows)
+    with pytest.raises(LinkProtocolError, match="activation rows must be finite"):
+        decode_stream(data, LIMITS)
+
+
+def test_float16_rows_are_checked_for_infinity_after_decoding():
+    entry = _entry(2)
+    data = bytearray(encode_iteration(3, entry, end_of_batch=True, half_rows=True))
+    inf16 = np.array([np.inf], dtype="<f2").tobytes()
+    data[-2:] = inf16  # the last row value: +Inf in float16, never sent by an honest peer
+    with pytest.raises(LinkProtocolError, match="activation rows must be finite"):
+        decode_stream(bytes(data), LIMITS)
+
+
+def test_a_claimed_body_allocates_with_the_bytes_that_arrive():
+    import tracemalloc
+
+    left, right = socket.socketpair()
+    with left, right:
+        # A header claiming 60 MiB, then 10 bytes and the end of the stream.
+        right.sendall(HEADER.pack(60 << 20, int(FrameKind.HELLO), 0, 0, 0, 0, 0, 0) + b"x" * 10)
+        right.shutdown(socket.SHUT_WR)
+        reader = FrameSocket(left, LinkLimits(max_frame_bytes=64 << 20))
+        tracemalloc.start()
+        try:
+            with pytest.raises(LinkProtocolError, match="10 of 62914560 body bytes"):
+                reader.read()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 4 << 20
+
+
+def test_large_bodies_still_arrive_whole():
+    left, right = socket.socketpair()
+    rows = np.random.default_rng(0).standard_normal((1500, 576)).astype(np.float32)
+    entry = ChainEntry(session_id=1, first_position=0, token_ids=[1] * 1500, rows=rows)
+    data = encode_iteration(3, entry, end_of_batch=True)  # 3.5 MB, past the eager buffer
+    with left, right:
+        sender = threading.Thread(target=right.sendall, args=(data,))
+        sender.start()
+        limits = LinkLimits(max_frame_bytes=64 << 20, row_width=576, max_tokens=2048)
+        frame = FrameSocket(left, limits).read()
+        sender.join(5)
+    np.testing.assert_array_equal(frame.payload.rows, rows)
+
+
+def test_a_read_deadline_holds_however_the_bytes_trickle(monkeypatch):
+    left, right = socket.socketpair()
+    with left, right:
+        reader = FrameSocket(left)
+        reader.sock.settimeout(5.0)  # per recv: each dripped byte would reset it
+        reader.deadline = time.monotonic() + 0.3
+        stop = threading.Event()
+
+        def drip():
+            frame = encode_frame(FrameKind.HELLO, b"h" * 100)
+            for byte in frame:
+                if stop.wait(0.02):
+                    return
+                right.sendall(bytes([byte]))
+
+        dripper = threading.Thread(target=drip)
+        dripper.start()
+        try:
+            with pytest.raises(TimeoutError):
+                reader.read()
+        finally:
+            stop.set()
+            dripper.join(5)
+        assert reader.bytes_in < 136
+
+
+def test_a_frame_body_has_its_own_deadline():
+    left, right = socket.socketpair()
+    with left, right:
+        reader = FrameSocket(left, LinkLimits(max_frame_bytes=1 << 16))
+        reader.body_timeout_s = 0.2
+        right.sendall(encode_frame(FrameKind.STATUS, b"s" * 1000)[:HEADER_BYTES + 10])
+        with pytest.raises(TimeoutError):
+            reader.read()

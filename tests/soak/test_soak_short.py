@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
 
-def test_short_soak_leaves_nothing_behind(tmp_path, tiny_model_path):
+def _single_config(tmp_path, tiny_model_path) -> Path:
     config = tmp_path / "soak.toml"
     config.write_text(f"""
 [stage]
@@ -21,7 +23,7 @@ id = "soak"
 model_path = "{tiny_model_path}"
 
 [runtime]
-ctx_size = 2048
+ctx_size = 4096
 lane_count = 4
 threads = 2
 threads_batch = 2
@@ -33,10 +35,16 @@ listen = "127.0.0.1:0"
 [control]
 socket = "{tmp_path / 'control.sock'}"
 """)
+    return config
+
+
+def test_short_soak_leaves_nothing_behind(tmp_path, tiny_model_path):
+    config = _single_config(tmp_path, tiny_model_path)
     report = tmp_path / "soak.json"
     result = subprocess.run(
         [sys.executable, str(SOAK), "--config", str(config), "--requests", "200",
-         "--warmup", "32", "--max-output", "16", "--json", str(report)],
+         "--warmup", "32", "--max-output", "16", "--json", str(report), "--attack",
+         "--attack-idle", "300"],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -46,6 +54,46 @@ socket = "{tmp_path / 'control.sock'}"
     assert figures["outcomes"].get("disconnected", 0) > 0  # the disconnect path ran
     assert figures["outcomes"].get("invalid->4xx", 0) > 0  # and the invalid one
     assert all(figures["checks"].values()), figures["checks"]
+    attacks = figures["attacks"]
+    assert attacks["probe_failures"] == 0 and attacks["probe_answers"]["200"] > 0
+    assert attacks["idle"]["opened"] >= 300
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_soak_stops_its_daemon(tmp_path, tiny_model_path, sig):
+    config = _single_config(tmp_path, tiny_model_path)
+    soak = subprocess.Popen([sys.executable, str(SOAK), "--config", str(config),
+                             "--requests", "100000", "--warmup", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "control.sock").exists() and _children(soak.pid)):
+            assert soak.poll() is None and time.monotonic() < deadline, "no daemon started"
+            time.sleep(0.1)
+        daemons = _children(soak.pid)
+        assert daemons, "the soak started no daemon"
+        soak.send_signal(sig)
+        soak.wait(timeout=120)
+        deadline = time.monotonic() + 120
+        while any(_alive(pid) for pid in daemons):
+            assert time.monotonic() < deadline, "the daemon outlived its soak"
+            time.sleep(0.1)
+    finally:
+        if soak.poll() is None:
+            soak.kill()
+            soak.wait()
 
 
 def _free_port() -> int:
@@ -70,7 +118,7 @@ layer_start = {start}
 layer_end = {end}
 
 [runtime]
-ctx_size = 2048
+ctx_size = 4096
 lane_count = 4
 threads = 1
 threads_batch = 1

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from skippyd.config import defaults as config_defaults
 from skippyd.config import parse_config
 from skippyd.control.client import ControlConnectError, resolve_socket_path
 from skippyd.control.server import ControlServer
@@ -233,7 +234,17 @@ def default_dirs(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(short_dir / "xdg"))
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(short_dir / "tmp"))
+    monkeypatch.setattr(config_defaults, "SYSTEM_RUNTIME_DIR", short_dir / "run")
     return short_dir
+
+
+def test_a_system_service_instance_socket_is_found(default_dirs: Path) -> None:
+    # skippyd@stage1 (RuntimeDirectory=skippyd/%i) runs stage "stage-1" of a pipeline.
+    config = default_dirs / "stage1.toml"
+    config.write_text('[stage]\nid = "stage-1"\n')
+    instance = make_socket(default_dirs / "run" / "stage1" / "stage-1.sock")
+    assert resolve_socket_path(None, config) == instance
+    assert resolve_socket_path() == instance  # the only socket around
 
 
 def test_explicit_socket_and_config_socket_win(short_dir: Path) -> None:
@@ -262,3 +273,9 @@ def test_status_with_a_bad_config_is_a_config_error(short_dir: Path,
     config.write_text("[runtime]\nlane_count = 0\n")
     assert run_status(None, config, False) == ExitCode.CONFIG
     assert "runtime.lane_count" in capsys.readouterr().err
+    # Bracketed text in a message is not Rich markup, and a long line is not wrapped.
+    config.write_text('[stage]\nindex = 1\nlayer_start = 2\n[link]\nlisten = "127.0.0.1:9"\n'
+                      '[upstream]\nstage_id = "a"\nendpoint = "127.0.0.1:8"\n[http]\n')
+    assert run_status(None, config, False) == ExitCode.CONFIG
+    assert ("http: only the first stage serves HTTP (stage.index 1, layer_start 2);"
+            " remove [http]") in capsys.readouterr().err.splitlines()

@@ -65,6 +65,7 @@ _COUNT_FIELDS = (
     "max_prefill_sequences_per_iteration",
     "max_consecutive_prefill_iterations",
     "cache_aging_cost_per_iteration",
+    "target_step_us",
 )
 
 
@@ -93,6 +94,10 @@ class SchedulerConfig:
     """Prefill-only iterations allowed back to back while decoders wait."""
     mixed_prefill_decode: bool = False
     """Allow decode rows and prefill rows in one iteration, subject to calibration."""
+    target_step_us: int = 0
+    """With ``mixed_prefill_decode``: give iterations that carry decode rows only as many
+    prompt tokens as fit in this step time (µs), from learned costs (``step_budget``);
+    0 keeps the calibration-gated mixing."""
     cache_aging_cost_per_iteration: int = 4096
     """Credit a waiting request gains per turn (anti-starvation)."""
     group_waiting_prefixes: bool = True

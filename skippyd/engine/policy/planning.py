@@ -131,18 +131,7 @@ def plan_mixed(
         The work rows and the new decode cursor.
     """
     draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
-    count = len(sequences)
-    start = decode_cursor % count if count else 0
-    examined = 0
-    for offset in range(count):
-        if draft.budget == 0:
-            break
-        examined = offset + 1
-        sequence = sequences[(start + offset) % count]
-        if sequence.is_live_decoder():
-            draft.add_decode(sequence)
-    if count:
-        decode_cursor = (start + examined) % count
+    decode_cursor = _add_decode_rows(draft, sequences, decode_cursor)
     for sequence in sequences:
         if draft.budget == 0:
             break
@@ -151,6 +140,60 @@ def plan_mixed(
         if sequence.needs_replay():
             draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens)
     return draft.work, decode_cursor
+
+
+def plan_budgeted(
+    sequences: SequenceOf[Sequence],
+    prefill_order: SequenceOf[Sequence],
+    config: SchedulerConfig,
+    prefill_budget: int,
+    decode_cursor: int,
+) -> tuple[list[IterationWork], int]:
+    """Plan every decode row, then at most ``prefill_budget`` prompt tokens.
+
+    The prompt tokens go to the sequences in ``prefill_order`` (admission order: the
+    oldest prompt finishes first instead of every prompt advancing a little), each chunk
+    at most ``prefill_chunk_tokens``.
+
+    Args:
+        sequences: Admitted sequences in sorted-id order (the decode rotation's order).
+        prefill_order: The same sequences in the order prompt work is served.
+        config: Normalised scheduler config.
+        prefill_budget: Prompt tokens this iteration may carry (see ``step_budget``).
+        decode_cursor: Where the previous plan's decode scan stopped.
+
+    Returns:
+        The work rows and the new decode cursor.
+    """
+    draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
+    decode_cursor = _add_decode_rows(draft, sequences, decode_cursor)
+    prompt_budget = min(prefill_budget, draft.budget)
+    for sequence in prefill_order:
+        if prompt_budget <= 0:
+            break
+        if draft.prefill_sequences >= config.max_prefill_sequences_per_iteration:
+            break
+        if sequence.needs_replay():
+            before = draft.budget
+            draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
+            prompt_budget -= before - draft.budget
+    return draft.work, decode_cursor
+
+
+def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[Sequence], cursor: int) -> int:
+    """Add the live decoders' rows, starting at ``cursor`` and rotating; returns the new
+    cursor (where the scan stopped), so that decoders beyond the budget go next time."""
+    count = len(sequences)
+    start = cursor % count if count else 0
+    examined = 0
+    for offset in range(count):
+        if draft.budget == 0:
+            break
+        examined = offset + 1
+        sequence = sequences[(start + offset) % count]
+        if sequence.is_live_decoder():
+            draft.add_decode(sequence)
+    return (start + examined) % count if count else cursor
 
 
 def live_decode_rows(sequences: SequenceOf[Sequence], config: SchedulerConfig) -> int:

@@ -30,10 +30,12 @@ from skippyd.engine.policy.plan import IterationPhase, IterationPlan, IterationP
 from skippyd.engine.policy.planning import (
     check_plan_invariants,
     live_decode_rows,
+    plan_budgeted,
     plan_mixed,
     plan_phase_homogeneous,
 )
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
+from skippyd.engine.policy.step_budget import StepCostModel
 from skippyd.engine.policy.telemetry import (
     IterationTelemetry,
     SchedulerMetrics,
@@ -71,6 +73,7 @@ class Scheduler:
         self._memory = MemoryLedger(self._config.memory_components)
         self._metrics = SchedulerMetrics()
         self._calibration = MixedCalibration()
+        self._costs = StepCostModel()
         self._waiting_turn = 0
         self._next_waiting_order = 0
         self._next_admission_serial = 0
@@ -184,7 +187,14 @@ class Scheduler:
         admitted = self._admit_waiting()
         sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
         rows = live_decode_rows(sequences, self._config)
-        if self._config.mixed_prefill_decode and self._calibration.allows_mixed(rows):
+        if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
+            budget = self._costs.prefill_budget(rows, self._config.target_step_us,
+                                                self._config.max_tokens_per_iteration - rows)
+            by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
+            work, self._mixed_decode_cursor = plan_budgeted(
+                sequences, by_admission, self._config, budget, self._mixed_decode_cursor)
+            self._consecutive_prefill_iterations = 0
+        elif self._config.mixed_prefill_decode and self._calibration.allows_mixed(rows):
             work, self._mixed_decode_cursor = plan_mixed(
                 sequences, self._config, self._mixed_decode_cursor
             )
@@ -200,8 +210,15 @@ class Scheduler:
         return plan
 
     def observe_iteration_duration(self, plan: IterationPlan, elapsed_s: float) -> None:
-        """Feed back how long ``plan`` took, for the mixed-mode calibration."""
+        """Feed back how long ``plan`` took, for the mixed-mode calibration and the
+        step-time budget's costs."""
         self._calibration.observe(plan, elapsed_s)
+        self._costs.observe(plan, elapsed_s)
+
+    @property
+    def step_costs(self) -> StepCostModel:
+        """The learned step costs the step-time budget plans with (read-only use)."""
+        return self._costs
 
     @property
     def mixed_prefill_viable(self) -> bool:

@@ -1,9 +1,9 @@
-"""Radix prefix cache over resident KV and saved sequence states (DESIGN.md item 9).
+"""Radix prefix cache over the KV idle lanes keep and saved sequence states.
 
 * :mod:`.radix` indexes recorded token prefixes per namespace (model and layer range).
-* :mod:`.entries` keeps the entries' tiers, slots, pins, recency and counters.
-* :mod:`.eviction` picks victims with the capacity-planning helper.
-* :mod:`.live` runs it all against a runtime's reserved sequence ids.
+* :mod:`.entries` keeps the entries' tiers, lanes, pins, recency and counters.
+* :mod:`.eviction` picks what gives way to the host-RAM and entry-count budgets.
+* :mod:`.live` runs it all against a runtime's lanes.
 
 The worker drives it (``worker/thread_cache.py``); the policy only sees the results: a
 ``PrefixRestore`` on a sequence and its ``CacheAffinity``. It never calls llama.cpp
@@ -19,9 +19,10 @@ from skippyd.engine.prefix_cache.entries import (
 )
 from skippyd.engine.prefix_cache.live import (
     PREFIX_CACHE_EVENT,
+    LaneRuntime,
     Lease,
     LivePrefixCache,
-    SlotRuntime,
+    Placement,
 )
 from skippyd.engine.prefix_cache.radix import (
     PrefixIndex,
@@ -36,14 +37,15 @@ __all__ = [
     "CacheEntry",
     "CacheMatch",
     "EntryTable",
+    "LaneRuntime",
     "Lease",
     "LivePrefixCache",
+    "Placement",
     "PrefixCacheSettings",
     "PrefixCacheStats",
     "PrefixIndex",
     "RadixMatch",
     "RadixTree",
-    "SlotRuntime",
     "Tier",
     "common_prefix_length",
     "settings_from_config",

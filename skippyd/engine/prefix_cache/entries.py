@@ -1,11 +1,16 @@
-"""Cache entries and their bookkeeping: tiers, sequence-id slots, pins, recency, counters.
+"""Cache entries and their bookkeeping: tiers, lanes, pins, recency, counters.
 
 An entry is one recorded token prefix. It lives in one of two tiers:
 
-* **resident**: its KV cells stay in the unified pool under a reserved sequence id (a
-  *slot*); a hit copies them into a lane with ``llama_memory_seq_cp`` (cells shared).
-* **host**: evicted from the pool but kept as a saved sequence state in host RAM; a hit
-  loads the state into a lane.
+* **resident**: the first tokens of a lane's KV (every lane has a KV stream of its own
+  and keeps it after its session ends); a hit starts the new session in that lane, or
+  copies the lane's KV into another one.
+* **host**: its lane was given to another session, but its KV was saved as a sequence
+  state in host RAM first; a hit loads the state into a lane.
+
+A resident entry is only as good as its lane: when the lane's KV no longer starts with
+the entry's tokens (the lane was trimmed or reused) the entry is stale, which the live
+cache checks before it relies on one.
 
 :class:`EntryTable` is pure bookkeeping over one namespace; it never calls a runtime.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 
 from skippyd.engine.prefix_cache.radix import RadixTree
@@ -44,8 +49,8 @@ class CacheEntry:
     id: str
     tokens: tuple[int, ...]
     tier: Tier
-    slot: int | None = None
-    """Reserved sequence id holding the KV (resident tier)."""
+    lane: int | None = None
+    """The lane whose KV starts with the entry's tokens (resident tier)."""
     state: Sized | None = None
     """Saved sequence state (host tier), as the runtime saved it: ``nbytes`` (when it has
     one) or ``len()`` is the host RAM it takes."""
@@ -67,7 +72,7 @@ class CacheEntry:
     def anon_repr(self) -> str:
         """Describe the entry without its tokens."""
         return (f"CacheEntry(id={self.id}, tokens={self.num_tokens}, tier={self.tier.value}, "
-                f"slot={self.slot}, pins={len(self.pins)})")
+                f"lane={self.lane}, pins={len(self.pins)})")
 
 
 def state_nbytes(state: Sized) -> int:
@@ -97,6 +102,8 @@ class PrefixCacheStats:
     misses: int = 0
     matched_tokens: int = 0
     """Prompt tokens restored instead of computed, summed over hits."""
+    queried_tokens: int = 0
+    """Prompt tokens looked up, summed over every lookup (vLLM's "queries")."""
     bytes_resident: int = 0
     bytes_host: int = 0
     evictions: int = 0
@@ -113,7 +120,8 @@ class PrefixCacheStats:
     def as_dict(self) -> dict[str, int | float]:
         """The status snapshot's ``prefix_cache`` section (exactly these keys)."""
         return {"hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
-                "matched_tokens": self.matched_tokens, "bytes_resident": self.bytes_resident,
+                "matched_tokens": self.matched_tokens, "queried_tokens": self.queried_tokens,
+                "bytes_resident": self.bytes_resident,
                 "bytes_host": self.bytes_host, "evictions": self.evictions}
 
     def telemetry(self) -> dict[str, int | float]:
@@ -127,6 +135,7 @@ class _Counters:
     hits: int = 0
     misses: int = 0
     matched_tokens: int = 0
+    queried_tokens: int = 0
     evictions: int = 0
     records: int = 0
 
@@ -136,10 +145,9 @@ class EntryTable:
 
     Args:
         settings: Budgets and thresholds.
-        slot_ids: The reserved sequence ids entries may occupy.
     """
 
-    def __init__(self, settings: PrefixCacheSettings, slot_ids: Iterable[int]) -> None:
+    def __init__(self, settings: PrefixCacheSettings) -> None:
         self.settings = settings
         self.index = RadixTree()
         self.entries: dict[str, CacheEntry] = {}
@@ -148,7 +156,6 @@ class EntryTable:
         """Bumped on every change of what is cached (stale-affinity detection)."""
         self.kv_bytes_per_token = 0
         """Measured at the first saved state; 0 until then."""
-        self._free_slots = sorted(slot_ids, reverse=True)
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
 
@@ -163,14 +170,13 @@ class EntryTable:
         best = max(entries, key=lambda e: (e.tier is Tier.RESIDENT, e.last_used, e.id))
         return CacheMatch(found.num_tokens, best)
 
-    def covers(self, tokens: Sequence[int]) -> CacheEntry | None:
-        """A resident entry holding all of ``tokens`` already, if any."""
+    def covers(self, tokens: Sequence[int], lane: int) -> CacheEntry | None:
+        """An entry of ``lane`` holding all of ``tokens`` already, if any."""
         found = self.index.match(tokens)
         if found.num_tokens < len(tokens):
             return None
-        resident = [self.entries[i] for i in found.entry_ids
-                    if self.entries[i].tier is Tier.RESIDENT]
-        return max(resident, key=lambda e: e.last_used, default=None)
+        return max((self.entries[i] for i in found.entry_ids
+                    if self.entries[i].lane == lane), key=lambda e: e.last_used, default=None)
 
     def touch(self, entry: CacheEntry) -> None:
         """Mark ``entry`` as just used (LRU recency)."""
@@ -182,25 +188,20 @@ class EntryTable:
     def host(self) -> list[CacheEntry]:
         return [e for e in self.entries.values() if e.tier is Tier.HOST]
 
-    def has_free_slot(self) -> bool:
-        return bool(self._free_slots) and len(self.resident()) < self.settings.max_entries
+    def in_lane(self, lane: int) -> list[CacheEntry]:
+        """Resident entries of ``lane``, longest first."""
+        return sorted((e for e in self.entries.values() if e.lane == lane),
+                      key=lambda e: -e.num_tokens)
 
     def host_bytes(self) -> int:
         return sum(entry.host_bytes for entry in self.entries.values())
 
     # -- changes -----------------------------------------------------------------------
 
-    def add_resident(self, tokens: Sequence[int]) -> CacheEntry:
-        """Index a new resident entry and give it a free slot.
-
-        Raises:
-            RuntimeError: No slot is free (the caller must evict first).
-        """
-        if not self.has_free_slot():
-            raise RuntimeError(f"no free prefix-cache slot ({len(self.resident())} resident, "
-                               f"max_entries {self.settings.max_entries})")
+    def add_resident(self, tokens: Sequence[int], lane: int) -> CacheEntry:
+        """Index a new entry held by the first ``len(tokens)`` cells of ``lane``."""
         entry = CacheEntry(id=f"p{next(self._ids)}", tokens=tuple(tokens), tier=Tier.RESIDENT,
-                           slot=self._free_slots.pop())
+                           lane=lane)
         self.touch(entry)
         self.entries[entry.id] = entry
         self.index.insert(entry.tokens, entry.id)
@@ -209,57 +210,41 @@ class EntryTable:
         return entry
 
     def move_to_host(self, entry: CacheEntry, state: Sized) -> None:
-        """The entry's slot was saved to ``state`` and cleared."""
-        self._release_slot(entry)
+        """The entry's lane was saved to ``state`` (and is about to be reused)."""
+        entry.lane = None
         entry.tier, entry.state = Tier.HOST, state
         self.counters.evictions += 1
         self.epoch += 1
 
-    def move_to_resident(self, entry: CacheEntry) -> int:
-        """Give a host entry a slot again (its state goes); returns the slot.
-
-        Raises:
-            RuntimeError: No slot is free.
-        """
-        if not self.has_free_slot():
-            raise RuntimeError("no free prefix-cache slot to promote a host entry into")
-        entry.slot, entry.tier, entry.state = self._free_slots.pop(), Tier.RESIDENT, None
-        self.epoch += 1
-        return entry.slot
-
     def remove(self, entry: CacheEntry, *, evicted: bool = True) -> None:
-        """Forget ``entry`` (its slot, if any, must already be cleared by the caller)."""
+        """Forget ``entry``."""
         if self.entries.pop(entry.id, None) is None:
             return
         self.index.remove(entry.id)
-        self._release_slot(entry)
+        entry.lane = None
         entry.state = None
         if evicted:
             self.counters.evictions += 1
         self.epoch += 1
 
-    def _release_slot(self, entry: CacheEntry) -> None:
-        if entry.slot is not None:
-            self._free_slots.append(entry.slot)
-            entry.slot = None
-
     def superseded(self, entry: CacheEntry) -> list[CacheEntry]:
-        """Unpinned entries whose tokens resident ``entry`` starts with.
-
-        A partial match into ``entry`` restores the same prefix, so a shorter resident
-        entry only holds a slot, and a host entry (even as long) only holds host RAM.
-        """
+        """Unpinned entries whose tokens resident ``entry`` starts with, and which only
+        cost something: shorter entries of the same lane (a partial match into ``entry``
+        restores the same prefix from the same cells) and host entries (host RAM)."""
         covered = []
         for other in self.entries.values():
+            costly = other.lane == entry.lane or other.tier is Tier.HOST
             longest = entry.num_tokens - (other.tier is Tier.RESIDENT)
-            if (other is not entry and not other.pins and other.num_tokens <= longest
+            if (other is not entry and costly and not other.pins
+                    and other.num_tokens <= longest
                     and entry.tokens[:other.num_tokens] == other.tokens):
                 covered.append(other)
         return covered
 
     # -- counters ----------------------------------------------------------------------
 
-    def count_lookup(self, restored_tokens: int) -> None:
+    def count_lookup(self, restored_tokens: int, prompt_tokens: int = 0) -> None:
+        self.counters.queried_tokens += prompt_tokens
         if restored_tokens > 0:
             self.counters.hits += 1
             self.counters.matched_tokens += restored_tokens
@@ -271,6 +256,7 @@ class EntryTable:
         counters = self.counters
         return PrefixCacheStats(
             hits=counters.hits, misses=counters.misses, matched_tokens=counters.matched_tokens,
+            queried_tokens=counters.queried_tokens,
             bytes_resident=sum(e.num_tokens for e in resident) * self.kv_bytes_per_token,
             bytes_host=self.host_bytes(), evictions=counters.evictions,
             entries_resident=len(resident), entries_host=len(self.entries) - len(resident),

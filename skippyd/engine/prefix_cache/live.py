@@ -1,9 +1,16 @@
-"""The prefix cache on a live runtime: record, lease, restore, demote and evict entries.
+"""The prefix cache on a live runtime: record, lease, place, restore and demote entries.
 
-:class:`LivePrefixCache` joins the :class:`EntryTable` bookkeeping to the runtime's slot
-operations. Every method but :meth:`stats` and :meth:`cached_prompt_tokens` runs on the
-worker thread (the only thread allowed to call the runtime); those two read values the
-worker replaces atomically, so the HTTP and control threads may call them at any time.
+:class:`LivePrefixCache` joins the :class:`EntryTable` bookkeeping to the runtime's lane
+operations. Every lane has a KV stream of its own and keeps its KV after its session
+ends, so recording costs nothing: an entry just names the first tokens of a lane. A new
+request that leased an entry starts in that lane when it is idle (the hit is free), or
+gets the lane's KV copied into its own. A lane with entries is only given to another
+request after its longest entry was saved to host RAM (or dropped, when the host tier is
+off or the entry too short to be worth it).
+
+Every method but :meth:`stats` and :meth:`cached_prompt_tokens` runs on the worker thread
+(the only thread allowed to call the runtime); those two read values the worker replaces
+atomically, so the HTTP and control threads may call them at any time.
 """
 
 from __future__ import annotations
@@ -23,14 +30,8 @@ from skippyd.engine.prefix_cache.entries import (
     PrefixCacheStats,
     Tier,
     host_cost,
-    state_nbytes,
 )
-from skippyd.engine.prefix_cache.eviction import (
-    budget_victims,
-    host_victims,
-    pressure_victims,
-    slot_victim,
-)
+from skippyd.engine.prefix_cache.eviction import count_victims, host_victims
 from skippyd.engine.prefix_cache.settings import (
     HOST_RESTORE_COST_DIVISOR,
     MAX_REMEMBERED_REQUESTS,
@@ -47,29 +48,23 @@ _ATTR = "skippy.prefix_cache."
 Publish = Callable[[str, Mapping[str, Any]], None]
 
 
-class SlotRuntime(Protocol):
-    """What the cache needs from a runtime (``LlamaRuntime`` with its slot methods)."""
-
-    @property
-    def cache_slot_ids(self) -> range: ...
-
-    @property
-    def kv_pool_tokens(self) -> int: ...
+class LaneRuntime(Protocol):
+    """What the cache needs from a runtime (``LlamaRuntime`` with its lane methods)."""
 
     def session_history(self, session_id: str) -> tuple[int, ...]: ...
 
-    def session_histories(self) -> list[tuple[int, ...]]: ...
+    def lane_history(self, lane: int) -> tuple[int, ...]: ...
 
-    def copy_session_to_slot(self, session_id: str, slot: int, num_tokens: int) -> None: ...
+    def lane_of(self, session_id: str) -> int | None: ...
 
-    def copy_slot_to_session(self, slot: int, session_id: str, tokens: Sequence[int]) -> None: ...
+    def idle_lanes(self) -> list[int]: ...
 
-    def clear_slot(self, slot: int) -> None: ...
+    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None: ...
 
-    def save_slot_state(self, slot: int) -> Sized:
-        """The slot's saved state; ``len()`` is its host RAM in bytes."""
+    def save_lane_state(self, lane: int) -> Sized:
+        """The lane's saved state; ``len()`` is its host RAM in bytes."""
 
-    def slot_state_bytes(self, slot: int) -> int: ...
+    def lane_state_bytes(self, lane: int) -> int: ...
 
     def load_session_state(self, session_id: str, state: Any,
                            tokens: Sequence[int]) -> bool: ...
@@ -87,24 +82,33 @@ class Lease:
     """The prompt prefix to restore."""
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a request's session starts: a lane, and how much of its KV it keeps."""
+
+    lane: int
+    keep_tokens: int = 0
+    """Leading tokens of the lane's KV that are the request's restored prefix."""
+
+
 class LivePrefixCache:
     """The prefix cache of one stage; see the module docstring.
 
     Args:
-        runtime: The runtime whose reserved sequence ids hold resident entries.
+        runtime: The runtime whose lanes hold resident entries.
         settings: Budgets and modes.
         namespace: Model and layer range the entries belong to.
         stage_index: This stage's index, for cache affinities.
         publish: Telemetry sink (the worker's hub).
     """
 
-    def __init__(self, runtime: SlotRuntime, settings: PrefixCacheSettings, *,
+    def __init__(self, runtime: LaneRuntime, settings: PrefixCacheSettings, *,
                  namespace: str, stage_index: int = 0, publish: Publish | None = None) -> None:
         self.runtime = runtime
         self.settings = settings
         self.namespace = namespace
         self.stage_index = stage_index
-        self.table = EntryTable(settings, runtime.cache_slot_ids)
+        self.table = EntryTable(settings)
         self._publish_fn = publish
         self._leases: dict[str, Lease] = {}
         self._cached_tokens: OrderedDict[str, int] = OrderedDict()
@@ -143,25 +147,40 @@ class LivePrefixCache:
     def lease(self, req_id: str, prompt: Sequence[int]) -> Lease | None:
         """Look ``prompt`` up for a request about to be queued, and pin the entry found.
 
-        Counts a hit or a miss and remembers the restored token count, which follows the
-        policy's replay rule: the last prompt token is always computed.
+        Counts a hit or a miss and remembers the restored token count, which keeps the
+        last prompt token computed (its logits give the first generated token).
         """
         self.release(req_id)
         prompt = tuple(prompt)
-        match = self.table.match(prompt)  # no entry: 0 tokens
+        match = self._fresh_match(prompt)
         restored = min(match.num_tokens, max(0, len(prompt) - 1))
         self._remember(req_id, restored)
-        self.table.count_lookup(restored)
+        self.table.count_lookup(restored, len(prompt))
         if match.entry is None or restored == 0:
             self._refresh("lookup", tokens=0)
             return None
         self.table.touch(match.entry)
         match.entry.hits += 1
         match.entry.pins.add(req_id)
-        lease = Lease(req_id, match.entry.id, prompt[:match.num_tokens])
+        lease = Lease(req_id, match.entry.id, prompt[:restored])
         self._leases[req_id] = lease
         self._refresh("lookup", tokens=restored, tier=match.entry.tier.value)
         return lease
+
+    def _fresh_match(self, prompt: tuple[int, ...]) -> CacheMatch:
+        """The best match whose entry is not stale (stale ones are dropped on the way)."""
+        while True:
+            match = self.table.match(prompt)
+            if match.entry is None or self._is_current(match.entry):
+                return match
+            self._drop(match.entry, evicted=True)
+
+    def _is_current(self, entry: CacheEntry) -> bool:
+        """Whether a resident entry's lane still starts with its tokens."""
+        if entry.tier is not Tier.RESIDENT or entry.lane is None:
+            return entry.tier is Tier.HOST
+        held = self.runtime.lane_history(entry.lane)
+        return len(held) >= entry.num_tokens and held[:entry.num_tokens] == entry.tokens
 
     def lease_of(self, req_id: str) -> Lease | None:
         return self._leases.get(req_id)
@@ -182,131 +201,141 @@ class LivePrefixCache:
             while len(self._cached_tokens) > MAX_REMEMBERED_REQUESTS:
                 self._cached_tokens.popitem(last=False)
 
-    # -- restore --------------------------------------------------------------------------
+    # -- placing and restoring ----------------------------------------------------------
+
+    def place(self, req_id: str) -> Placement:
+        """Choose the idle lane a request's session starts in.
+
+        Always the lowest idle lane: busy lanes then stay contiguous, and llama.cpp runs
+        a batch of consecutive lanes as one micro-batch (a gap costs a second graph run
+        every step). When that lane holds the request's leased prefix, the prefix is
+        restored in place (after what the lane holds beyond it was saved); otherwise the
+        lane's entries are first saved to host RAM, and the session starts empty (its
+        prefix is then copied or loaded by :meth:`restore`).
+
+        Raises:
+            RuntimeError: No lane is idle (the caller places only when one is).
+        """
+        idle = self.runtime.idle_lanes()
+        if not idle:
+            raise RuntimeError("place() needs an idle lane")
+        lowest = idle[0]
+        lease = self._leases.get(req_id)
+        entry = None if lease is None else self.table.entries.get(lease.entry_id)
+        if entry is not None and entry.lane == lowest and self._is_current(entry):
+            self.table.touch(entry)
+            lane = entry.lane
+            # The lane may hold more than the lease (a conversation that went on past a
+            # shared system prompt): what the trim cuts off goes to host RAM first.
+            self._vacate(lane, keep_tokens=len(lease.tokens))
+            return Placement(lane, len(lease.tokens))
+        self._vacate(lowest)
+        return Placement(lowest)
 
     def restore(self, req_id: str, session_id: str) -> bool:
-        """Put the request's leased prefix into ``session_id``'s KV.
+        """Put the request's leased prefix into ``session_id``'s KV, unless it is there.
 
         Returns:
             True when the session now holds exactly the lease's tokens; False when the
-            entry is gone or did not fit (the caller recomputes the prefix).
+            entry is gone or could not be loaded (the caller recomputes the prefix).
         """
         lease = self._leases.get(req_id)
         if lease is None:
             return False
+        held = self.runtime.session_history(session_id)
+        if held == lease.tokens:  # placed in the entry's own lane
+            self._refresh("restore", tokens=len(lease.tokens), tier=Tier.RESIDENT.value)
+            return True
         entry = self.table.entries.get(lease.entry_id)
-        if entry is None or entry.tier is not Tier.RESIDENT:
-            fallback = self.table.covers(lease.tokens)
-            entry = fallback if fallback is not None else entry
-        if entry is None:
+        if entry is None or not self._is_current(entry):
             return False
         if entry.tier is Tier.RESIDENT:
-            self.runtime.copy_slot_to_session(_slot(entry), session_id, lease.tokens)
-        elif not self._restore_from_host(entry, session_id, lease.tokens):
+            assert entry.lane is not None
+            self.runtime.copy_lane_prefix(entry.lane, session_id, len(lease.tokens))
+        elif not self._load(entry, session_id, len(lease.tokens)):
             return False
         self.table.touch(entry)
         self._refresh("restore", tokens=len(lease.tokens), tier=entry.tier.value)
         return True
 
-    def _restore_from_host(self, entry: CacheEntry, session_id: str,
-                           tokens: tuple[int, ...]) -> bool:
-        """Load a host entry into the session, promote it back to a slot, trim to ``tokens``."""
-        state = entry.state
-        if state is None:
+    def _load(self, entry: CacheEntry, session_id: str, num_tokens: int) -> bool:
+        """Load a host entry into the session and trim it to ``num_tokens``."""
+        if entry.state is None:
             raise RuntimeError(f"host entry without a saved state: {entry.anon_repr()}")
-        loaded = self.runtime.load_session_state(session_id, state, entry.tokens)
-        if not loaded and self.relieve_kv_pressure(entry.num_tokens):
-            loaded = self.runtime.load_session_state(session_id, state, entry.tokens)
-        if not loaded:
-            logger.info("host entry %s did not fit the KV pool", entry.id)
+        if not self.runtime.load_session_state(session_id, entry.state, entry.tokens):
+            logger.info("host entry %s could not be loaded", entry.id)
             return False
-        if self._make_slot_room(entry.num_tokens):
-            slot = self.table.move_to_resident(entry)
-            self.runtime.copy_session_to_slot(session_id, slot, entry.num_tokens)
-        if len(tokens) < entry.num_tokens:
-            self.runtime.trim_session(session_id, len(tokens))
+        if num_tokens < entry.num_tokens:
+            self.runtime.trim_session(session_id, num_tokens)
         return True
 
     # -- recording ------------------------------------------------------------------------
 
     def record(self, session_id: str, num_tokens: int) -> CacheEntry | None:
-        """Record the session's first ``num_tokens`` cells as an entry (cells shared).
+        """Record the first ``num_tokens`` tokens of the session's lane as an entry.
 
         Returns:
-            The entry holding that prefix (maybe an existing one), or None when it is too
-            short or no slot or budget could be found.
+            The entry holding that prefix (maybe an existing one of the lane), or None
+            when recording is off, the prefix is too short or the session unknown.
         """
-        if not self.settings.record or num_tokens < self.settings.min_tokens:
+        lane = self.runtime.lane_of(session_id)
+        if not self.settings.record or num_tokens < self.settings.min_tokens or lane is None:
             return None
         tokens = self.runtime.session_history(session_id)[:num_tokens]
         if len(tokens) < num_tokens:
             return None
-        existing = self.table.covers(tokens)
+        existing = self.table.covers(tokens, lane)
         if existing is not None:
             self.table.touch(existing)
             return existing
-        if not self._make_slot_room(num_tokens):
-            return None
-        entry = self.table.add_resident(tokens)
-        self.runtime.copy_session_to_slot(session_id, _slot(entry), num_tokens)
-        if self.table.kv_bytes_per_token == 0:
-            self.table.kv_bytes_per_token = self.runtime.slot_state_bytes(_slot(entry)) // num_tokens
+        entry = self.table.add_resident(tokens, lane)
+        if self.table.kv_bytes_per_token == 0:  # measured once, for the byte counters
+            held = len(self.runtime.lane_history(lane))
+            self.table.kv_bytes_per_token = self.runtime.lane_state_bytes(lane) // max(1, held)
         for shorter in self.table.superseded(entry):
             self._drop(shorter, evicted=False)
+        for victim in count_victims(self.table, self.settings.max_entries, keep=entry):
+            self._drop(victim, evicted=True)
         self._refresh("record", tokens=num_tokens, tier=Tier.RESIDENT.value)
         return entry
 
-    def _make_slot_room(self, num_tokens: int) -> bool:
-        """Evict (by the capacity plan) until a ``num_tokens`` entry gets a slot and budget."""
-        victims = budget_victims(self.table, num_tokens)
+    # -- giving lanes up ------------------------------------------------------------------
+
+    def _vacate(self, lane: int, keep_tokens: int = 0) -> None:
+        """Before an idle lane is reused from ``keep_tokens`` on: keep its longest current
+        entry that reaches past that point in host RAM (when the tier is on and the entry
+        is worth a state), drop the others that do; shorter entries stay valid."""
+        entries = [e for e in self.table.in_lane(lane) if e.num_tokens > keep_tokens]
+        current = [entry for entry in entries if self._is_current(entry)]
+        keep = current[0] if current and self._worth_saving(current[0]) else None
+        for entry in entries:
+            if entry is keep:
+                self._demote(entry)
+            else:
+                self._drop(entry, evicted=True)
+
+    def _worth_saving(self, entry: CacheEntry) -> bool:
+        return self.settings.host_tier and entry.num_tokens >= self.settings.min_tokens
+
+    def _demote(self, entry: CacheEntry) -> None:
+        """Save the entry's lane to host RAM and move the entry there (or drop it)."""
+        assert entry.lane is not None
+        bytes_needed = host_cost(self.runtime.lane_state_bytes(entry.lane), entry.num_tokens)
+        victims = host_victims(self.table, bytes_needed)
         if victims is None:
-            return False
+            self._drop(entry, evicted=True)
+            return
+        state = self.runtime.save_lane_state(entry.lane)
         for victim in victims:
-            self._evict(victim)
-        while not self.table.has_free_slot():
-            victim = slot_victim(self.table, self.runtime.session_histories())
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    # -- eviction -------------------------------------------------------------------------
-
-    def relieve_kv_pressure(self, needed_tokens: int) -> bool:
-        """Evict resident entries so ``needed_tokens`` more cells may fit.
-
-        Returns:
-            True if an entry holding cells of its own was evicted (worth a retry).
-        """
-        victims = pressure_victims(self.table, needed_tokens, self.runtime.kv_pool_tokens,
-                                   self.runtime.session_histories())
-        for victim in victims:
-            self._evict(victim)
-        if victims:
-            logger.info("KV pressure: evicted %d prefix-cache entr%s", len(victims),
-                        "y" if len(victims) == 1 else "ies")
-        return bool(victims)
-
-    def _evict(self, entry: CacheEntry) -> None:
-        """Move a resident entry out of the pool: to host RAM if it fits, else drop it."""
-        slot = _slot(entry)
-        if self.settings.host_tier:
-            state = self.runtime.save_slot_state(slot)
-            victims = host_victims(self.table,
-                                   host_cost(state_nbytes(state), entry.num_tokens))
-            if victims is not None:
-                for victim in victims:
-                    self.table.remove(victim)
-                self.runtime.clear_slot(slot)
-                self.table.move_to_host(entry, state)
-                self._refresh("demote", tokens=entry.num_tokens, tier=Tier.HOST.value)
-                return
-        self._drop(entry, evicted=True)
+            self._drop(victim, evicted=True)
+        self.table.move_to_host(entry, state)
+        self._refresh("demote", tokens=entry.num_tokens, tier=Tier.HOST.value)
 
     def _drop(self, entry: CacheEntry, *, evicted: bool) -> None:
-        if entry.slot is not None:
-            self.runtime.clear_slot(entry.slot)
+        release = getattr(entry.state, "release", None)
         self.table.remove(entry, evicted=evicted)
+        if release is not None:
+            release()
         self._refresh("drop", tokens=entry.num_tokens)
 
     def clear(self) -> None:
@@ -325,10 +354,3 @@ class LivePrefixCache:
                                       _ATTR + "tier": tier, _ATTR + "epoch": self.table.epoch}
         attributes.update({_ATTR + key: value for key, value in stats.telemetry().items()})
         self._publish_fn(PREFIX_CACHE_EVENT, attributes)
-
-
-def _slot(entry: CacheEntry) -> int:
-    """The slot of a resident entry."""
-    if entry.slot is None:
-        raise RuntimeError(f"resident entry without a slot: {entry.anon_repr()}")
-    return entry.slot

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from skippyd.engine.runtime.protocol import LLAMA_MAX_SEQ
-
 logger = logging.getLogger(__name__)
 
 #: Modelled cost of computing one prompt token, in the lab's units (µs).
@@ -28,9 +26,7 @@ class PrefixCacheSettings:
     host_tier: bool = True
     """Keep evicted entries as saved sequence states in host RAM."""
     max_entries: int = 64
-    """Most resident entries; also the number of reserved sequence ids."""
-    max_bytes: int = 0
-    """Budget of resident entries in KV bytes; 0 means only the pool bounds them."""
+    """Most entries kept, in idle lanes and in host RAM together."""
     host_ram_bytes: int = 256 << 20
     """Budget of the host-RAM tier."""
     min_tokens: int = 64
@@ -40,9 +36,6 @@ class PrefixCacheSettings:
     shared_prefix_record_limit: int = 2
     """Most shared-prefix records taken from one in-flight request."""
 
-    def slot_count(self, lane_count: int) -> int:
-        """Sequence ids to reserve beyond ``lane_count`` lanes (llama.cpp caps ids at 256)."""
-        return max(0, min(self.max_entries, LLAMA_MAX_SEQ - lane_count))
 
 
 def settings_from_config(kv_cache, *, supported: bool, reason: str = "") -> PrefixCacheSettings | None:
@@ -65,7 +58,6 @@ def settings_from_config(kv_cache, *, supported: bool, reason: str = "") -> Pref
         record=True,
         host_tier=payload in ("auto", "full-state") and kv_cache.host_ram_bytes > 0,
         max_entries=kv_cache.max_entries,
-        max_bytes=kv_cache.max_bytes,
         host_ram_bytes=kv_cache.host_ram_bytes,
         min_tokens=kv_cache.min_tokens,
         shared_prefix_stride_tokens=kv_cache.shared_prefix_stride_tokens,

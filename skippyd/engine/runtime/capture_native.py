@@ -160,7 +160,8 @@ class NativeLayerCapture:
         self._state.overflow = 0
 
     def take(self) -> np.ndarray:
-        """All rows captured since :meth:`begin`, in batch order (a copy).
+        """All rows captured since :meth:`begin`, in the order llama.cpp computed them
+        (micro-batch by micro-batch), as a copy.
 
         Raises:
             RuntimeError: The decode produced more rows than ``max_tokens``.

@@ -1,10 +1,22 @@
 """RuntimeState over one llama.cpp context: lanes, sessions and batched iterations.
 
-One model and one context with ``n_seq_max = lane_count`` (plus sequence ids reserved for
-the prefix cache), a unified KV cell pool of ``ctx_size`` cells, and one reusable
-``llama_batch``. Sessions map to lanes (sequence ids); every call to
-:meth:`LlamaRuntime.iteration_batch_sampled` is exactly one ``llama_decode`` holding the
-rows of many sessions.
+One model and one context with ``n_seq_max = lane_count`` and one KV stream per lane
+(``kv_unified = False``, as llama-server runs its slots): ``ctx_size`` cells split evenly
+between the lanes. A lane is a sequence id; a session is bound to one lane while it is
+active, and every call to :meth:`LlamaRuntime.iteration_batch_sampled` is exactly one
+``llama_decode`` holding the rows of many sessions.
+
+Why per-lane streams: with one unified pool every token's attention spans every used
+cell of every sequence (llama.cpp pads the span to the highest used cell), so 8 lanes of
+~120 tokens each cost an 8-sequence decode step 14 % more than with a stream per lane,
+and cells a cache keeps around cost every step. In return a lane holds at most
+``ctx_size / lane_count`` tokens, and a lane keeps its KV after its session ends: the
+prefix cache reuses it in place (see :mod:`skippyd.engine.runtime.lane_cache`).
+
+llama.cpp keeps the rows of a batch in one micro-batch only for consecutive sequence ids
+taking equal token counts, so rows are written in lane order and new sessions take the
+lowest idle lane: eight decode rows in lanes 0-7 are one graph evaluation, in lanes
+0-2 and 4-8 they would be two.
 
 No policy lives here: the worker decides what runs; this module only executes it. Only the
 worker thread may call a runtime.
@@ -16,15 +28,20 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
-from skippyd.engine.runtime.cache_slots import CacheSlotsMixin
-from skippyd.engine.runtime.llama_ext import ensure_backend, make_layer_capture
+from skippyd.engine.runtime.lane_cache import LaneCacheMixin
+from skippyd.engine.runtime.llama_ext import (
+    ensure_backend,
+    make_layer_capture,
+    stream_split_order,
+)
+from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
     DecodeFailedError,
@@ -68,15 +85,13 @@ class RuntimeOptions:
     flash_attn: str = "auto"
     first_stage: bool = True
     final_stage: bool = True
-    reserved_seq_ids: int = 0
-    """Sequence ids beyond the lanes, kept for the prefix cache."""
+    load_progress: Callable[[float], None] | None = field(default=None, compare=False)
+    """Called with the share of the model's tensors loaded (0..1) while llama.cpp loads."""
 
     def validate(self) -> None:
-        if not 1 <= self.lane_count <= LLAMA_MAX_SEQ - self.reserved_seq_ids:
+        if not 1 <= self.lane_count <= LLAMA_MAX_SEQ:
             raise ValueError(
-                f"lane_count: must be within 1..{LLAMA_MAX_SEQ - self.reserved_seq_ids}"
-                f" (got {self.lane_count})"
-            )
+                f"lane_count: must be within 1..{LLAMA_MAX_SEQ} (got {self.lane_count})")
         if self.ctx_size < 1 or self.n_batch < 1 or not 1 <= self.n_ubatch <= self.n_batch:
             raise ValueError("ctx_size, n_batch must be >= 1 and 1 <= n_ubatch <= n_batch")
         for name in ("cache_type_k", "cache_type_v"):
@@ -87,19 +102,24 @@ class RuntimeOptions:
 
 
 @dataclass(slots=True)
-class _Session:
+class _Lane:
+    """One sequence id and its KV stream; holds its KV after its session ends."""
+
     seq_id: int
+    session_id: str | None = None
+    """The active session bound to the lane, or None while it is idle."""
     token_count: int = 0
     history: list[int] = field(default_factory=list)
     """Token ids in KV order (first stage, or a token sideband on later stages)."""
     sampler: SamplerChain | None = None
 
 
-class LlamaRuntime(CacheSlotsMixin):
+class LlamaRuntime(LaneCacheMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
-    Prefix-cache slots (the sequence ids reserved beyond the lanes) are moved by the
-    methods of :class:`~skippyd.engine.runtime.cache_slots.CacheSlotsMixin`.
+    The prefix cache's lane operations (what an idle lane holds, copies between lanes,
+    host-RAM states) are the methods of
+    :class:`~skippyd.engine.runtime.lane_cache.LaneCacheMixin`.
     Use as a context manager, or call :meth:`close`.
     """
 
@@ -109,30 +129,47 @@ class LlamaRuntime(CacheSlotsMixin):
         self.options = options
         self.info = inspect_model(options.model_path)
         self.n_embd = self.info.n_embd
-        self._model = self._load_model(options.model_path)
+        self._model = self._load_model(options.model_path, options.load_progress)
         self._capture = (
             None if options.final_stage
             else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
+        # Counts computed graph nodes, so a long call that progresses is not "hung".
+        self.compute_progress = make_compute_progress()
+        if self.compute_progress is not None:
+            self.compute_progress.install(self._ctx)
         self._mem = L.llama_get_memory(self._ctx)
-        # llama.cpp pads the cell pool (to 256); the padded size is the real capacity.
+        # llama.cpp pads each lane's stream (to 256 cells); the padded sizes are real.
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        self.lane_capacity_tokens = int(L.llama_n_ctx_seq(self._ctx))
+        """Most tokens one session can hold: its lane's stream."""
         vocab = L.llama_model_get_vocab(self._model)
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self._eog_tokens = tuple(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(vocab, t))
         self._batch = L.llama_batch_init(
             options.n_batch, 0 if options.first_stage else self.n_embd, 1
         )
-        self._free_lanes = list(range(options.lane_count - 1, -1, -1))
-        self._sessions: dict[str, _Session] = {}
+        self._lanes = [_Lane(seq_id) for seq_id in range(options.lane_count)]
+        self._sessions: dict[str, _Lane] = {}
         self.decode_calls = 0
 
     # -- lifecycle -------------------------------------------------------------------
     @staticmethod
-    def _load_model(path: str):
+    def _load_model(path: str, progress: Callable[[float], None] | None = None):
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0
+        if progress is not None:
+            @L.llama_progress_callback
+            def on_progress(fraction: float, _user_data) -> bool:
+                try:
+                    progress(float(fraction))
+                except Exception:  # a reporting bug must not abort the load
+                    logger.exception("load progress callback failed")
+                return True
+
+            # Referenced by this frame until the load returns: llama.cpp calls it only then.
+            params.progress_callback = on_progress
         model = L.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
@@ -143,8 +180,8 @@ class LlamaRuntime(CacheSlotsMixin):
         params.n_ctx = options.ctx_size
         params.n_batch = options.n_batch
         params.n_ubatch = options.n_ubatch
-        params.n_seq_max = options.lane_count + options.reserved_seq_ids
-        params.kv_unified = True
+        params.n_seq_max = options.lane_count
+        params.kv_unified = False
         threads = options.threads or os.cpu_count() or 1
         params.n_threads = threads
         params.n_threads_batch = options.threads_batch or threads
@@ -167,9 +204,8 @@ class LlamaRuntime(CacheSlotsMixin):
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        for session in self._sessions.values():
-            if session.sampler is not None:
-                session.sampler.close()
+        for lane in self._lanes:
+            self._reset_sampler(lane)
         self._sessions.clear()
         L.llama_batch_free(self._batch)
         L.llama_free(self._ctx)
@@ -190,6 +226,10 @@ class LlamaRuntime(CacheSlotsMixin):
     @property
     def kv_pool_tokens(self) -> int:
         return self.n_ctx
+
+    @property
+    def max_session_tokens(self) -> int:
+        return self.lane_capacity_tokens
 
     @property
     def max_batch_tokens(self) -> int:
@@ -222,28 +262,61 @@ class LlamaRuntime(CacheSlotsMixin):
         return None if session is None else session.seq_id
 
     def kv_cells_used(self) -> int:
-        """Cells held by the lanes' sessions (upper bound: shared cells count per session)."""
+        """Cells held by active sessions (idle lanes' kept KV is the prefix cache's)."""
         return sum(s.token_count for s in self._sessions.values())
 
     # -- sessions --------------------------------------------------------------------
-    def ensure_session_active(self, session_id: str) -> None:
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        """Bind a new session to an idle lane; an active one is left as it is.
+
+        Args:
+            session_id: The session.
+            lane: The idle lane to take; default: the lowest idle lane holding nothing,
+                else the lowest idle lane.
+            keep_tokens: Leading tokens of the lane's kept KV the session starts with
+                (the prefix cache restoring in place); the rest is cleared.
+
+        Raises:
+            LanesBusyError: No lane is idle.
+            InvalidIterationError: ``lane`` is not an idle lane, or it holds fewer than
+                ``keep_tokens`` tokens.
+        """
         if session_id in self._sessions:
             return
-        if not self._free_lanes:
+        chosen = self._lanes[self._pick_lane()] if lane is None else self._idle_lane(lane)
+        if not 0 <= keep_tokens <= chosen.token_count:
+            raise InvalidIterationError(
+                f"lane {chosen.seq_id} holds {chosen.token_count} tokens, cannot keep {keep_tokens}")
+        L.llama_memory_seq_rm(self._mem, chosen.seq_id, keep_tokens, -1)
+        chosen.token_count = keep_tokens
+        del chosen.history[keep_tokens:]
+        self._reset_sampler(chosen)
+        chosen.session_id = session_id
+        self._sessions[session_id] = chosen
+
+    def _pick_lane(self) -> int:
+        idle = [lane for lane in self._lanes if lane.session_id is None]
+        if not idle:
             raise LanesBusyError("all execution lanes are busy")
-        seq_id = self._free_lanes.pop()
-        L.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
-        self._sessions[session_id] = _Session(seq_id=seq_id)
+        empty = [lane for lane in idle if lane.token_count == 0]
+        return (empty or idle)[0].seq_id
+
+    def _idle_lane(self, seq_id: int) -> _Lane:
+        if not 0 <= seq_id < len(self._lanes) or self._lanes[seq_id].session_id is not None:
+            raise InvalidIterationError(f"lane {seq_id} is not an idle lane")
+        return self._lanes[seq_id]
 
     def drop_session(self, session_id: str) -> None:
-        """Clear the session's KV and return its lane. Unknown ids are ignored."""
-        session = self._sessions.pop(session_id, None)
-        if session is None:
+        """End the session and free its lane; the lane keeps its KV until it is reused.
+
+        Unknown ids are ignored.
+        """
+        lane = self._sessions.pop(session_id, None)
+        if lane is None:
             return
-        L.llama_memory_seq_rm(self._mem, session.seq_id, -1, -1)
-        if session.sampler is not None:
-            session.sampler.close()
-        self._free_lanes.append(session.seq_id)
+        lane.session_id = None
+        self._reset_sampler(lane)
 
     def trim_session(self, session_id: str, token_count: int) -> None:
         """Drop the session's KV from position ``token_count`` on."""
@@ -266,14 +339,14 @@ class LlamaRuntime(CacheSlotsMixin):
         self.trim_session(session_id, target)
         return SessionAlignment(before_token_count=before, after_token_count=target)
 
-    def _require(self, session_id: str) -> _Session:
+    def _require(self, session_id: str) -> _Lane:
         session = self._sessions.get(session_id)
         if session is None:
             raise InvalidIterationError(f"unknown session {session_id}")
         return session
 
     @staticmethod
-    def _reset_sampler(session: _Session) -> None:
+    def _reset_sampler(session: _Lane) -> None:
         if session.sampler is not None:
             session.sampler.close()
             session.sampler = None
@@ -292,7 +365,7 @@ class LlamaRuntime(CacheSlotsMixin):
             return IterationOutput()
         starts = self._validate(requests)
         new_ids = [r.session_id for r in requests if r.session_id not in self._sessions]
-        free = len(self._free_lanes)
+        free = sum(1 for lane in self._lanes if lane.session_id is None)
         if len(new_ids) > free:
             raise LanesBusyError(
                 f"iteration requires {len(new_ids)} new sessions but only {free}"
@@ -360,33 +433,38 @@ class LlamaRuntime(CacheSlotsMixin):
     def _validate_positions(self, request: IterationRequest) -> int:
         session = self._sessions.get(request.session_id)
         current = 0 if session is None else session.token_count
-        if request.positions is None:
-            return current
-        positions = list(request.positions)
         n = request.num_tokens
-        if len(positions) != n or positions != list(range(positions[0], positions[0] + n)):
+        start = current
+        if request.positions is not None:
+            positions = list(request.positions)
+            if len(positions) != n or positions != list(range(positions[0], positions[0] + n)):
+                raise InvalidIterationError(
+                    f"session {request.session_id}: positions must be {n} consecutive integers"
+                )
+            start = positions[0]
+            if not 0 <= start <= current:
+                raise InvalidIterationError(
+                    f"session {request.session_id}: first position {start} would leave a gap"
+                    f" (session holds {current} tokens)"
+                )
+        if start + n > self.lane_capacity_tokens:
             raise InvalidIterationError(
-                f"session {request.session_id}: positions must be {n} consecutive integers"
+                f"session {request.session_id}: position {start + n - 1} beyond its lane"
+                f" ({self.lane_capacity_tokens} cells)"
             )
-        if not 0 <= positions[0] <= current:
-            raise InvalidIterationError(
-                f"session {request.session_id}: first position {positions[0]} would leave a gap"
-                f" (session holds {current} tokens)"
-            )
-        if positions[-1] >= self.n_ctx:
-            raise InvalidIterationError(
-                f"session {request.session_id}: position {positions[-1]} beyond the context"
-                f" ({self.n_ctx} cells)"
-            )
-        return positions[0]
+        return start
 
     def _fill_batch(self, requests, sessions, starts) -> list[int]:
-        """Write every row into the reusable batch; returns the row to sample per request."""
+        """Write every row into the reusable batch, in lane order (see the module
+        docstring); returns the row to sample per request and records where each
+        request's rows start (``_row_starts``, in request order)."""
         batch = self._batch
         all_outputs = self._capture is not None  # trap (a): llama.cpp drops non-output rows
         row = 0
-        sample_rows = []
-        for request, session, start in zip(requests, sessions, starts, strict=True):
+        sample_rows = [0] * len(requests)
+        self._row_starts = [0] * len(requests)
+        for index in sorted(range(len(requests)), key=lambda i: sessions[i].seq_id):
+            request, session, start = requests[index], sessions[index], starts[index]
             n = request.num_tokens
             if self.options.first_stage:
                 for i, token in enumerate(request.token_ids):
@@ -397,14 +475,16 @@ class LlamaRuntime(CacheSlotsMixin):
                     ctypes.addressof(batch.embd.contents) + row * self.n_embd * 4,
                     rows.ctypes.data, rows.nbytes,
                 )
+            seq_id = session.seq_id
             for i in range(n):
                 batch.pos[row + i] = start + i
                 batch.n_seq_id[row + i] = 1
-                batch.seq_id[row + i][0] = session.seq_id
+                batch.seq_id[row + i][0] = seq_id
                 batch.logits[row + i] = all_outputs
             if request.sample_last:
                 batch.logits[row + n - 1] = True
-            sample_rows.append(row + n - 1)
+            sample_rows[index] = row + n - 1
+            self._row_starts[index] = row
             row += n
         batch.n_tokens = row
         return sample_rows
@@ -412,6 +492,8 @@ class LlamaRuntime(CacheSlotsMixin):
     def _decode(self, requests, sessions, starts, new_ids) -> None:
         if self._capture is not None:
             self._capture.begin()
+        if self.compute_progress is not None:
+            self.compute_progress.reset()
         ret = L.llama_decode(self._ctx, self._batch)
         self.decode_calls += 1
         # A non-final stage stops the graph from its eval callback: llama.cpp reports that
@@ -424,13 +506,14 @@ class LlamaRuntime(CacheSlotsMixin):
             self.drop_session(session_id)
         if ret == 1:
             raise KvSlotUnavailableError(
-                f"no KV slot for {self._batch.n_tokens} tokens ({self.n_ctx} cells in the pool)"
+                f"no KV slot for {self._batch.n_tokens} tokens"
+                f" ({self.lane_capacity_tokens} cells per lane)"
             )
         raise DecodeFailedError(f"llama_decode failed with code {ret}")
 
     def _finish(self, requests, sessions, starts, sample_rows, compute_s) -> IterationOutput:
         output = IterationOutput(compute_s=compute_s)
-        captured = self._capture.take() if self._capture is not None else None
+        captured = self._captured_in_batch_order() if self._capture is not None else None
         row = 0
         for index, (request, session, start) in enumerate(zip(requests, sessions, starts, strict=True)):
             n = request.num_tokens
@@ -441,8 +524,8 @@ class LlamaRuntime(CacheSlotsMixin):
                 session.history.extend(tokens)
                 if session.sampler is not None:
                     session.sampler.observe(tokens)
+            row = self._row_starts[index]
             output.output_rows.append(None if captured is None else captured[row : row + n])
-            row += n
             if request.sample_last:
                 token = self._sample(session, request, sample_rows[index])
                 output.samples.append(
@@ -450,12 +533,25 @@ class LlamaRuntime(CacheSlotsMixin):
                 )
         return output
 
-    def _sample(self, session: _Session, request: IterationRequest, row: int) -> int:
+    def _captured_in_batch_order(self) -> np.ndarray:
+        """The captured rows, reordered from micro-batch order to batch row order."""
+        assert self._capture is not None
+        captured = self._capture.take()
+        if self.options.lane_count == 1:
+            return captured  # one KV stream: micro-batches take the rows in order
+        n = self._batch.n_tokens
+        seq_ids = [self._batch.seq_id[row][0] for row in range(n)]
+        order = stream_split_order(seq_ids, self.options.n_ubatch)
+        in_batch_order = np.empty_like(captured)
+        in_batch_order[order] = captured
+        return in_batch_order
+
+    def _sample(self, session: _Lane, request: IterationRequest, row: int) -> int:
         config = request.sampling or _GREEDY
         if session.sampler is None or session.sampler.config != config:
             self._reset_sampler(session)
             session.sampler = SamplerChain(
-                config, n_vocab=self.n_vocab, n_ctx=self.n_ctx,
+                config, n_vocab=self.n_vocab, n_ctx=self.lane_capacity_tokens,
                 eog_tokens=self._eog_tokens,
             )
             session.sampler.observe(session.history)

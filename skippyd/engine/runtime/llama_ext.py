@@ -95,7 +95,8 @@ class LayerOutputCapture:
         self._chunks.clear()
 
     def take(self) -> np.ndarray:
-        """All rows captured since :meth:`begin`, in batch order."""
+        """All rows captured since :meth:`begin`, in the order llama.cpp computed them
+        (micro-batch by micro-batch; see :func:`stream_split_order`)."""
         if not self._chunks:
             return np.empty((0, self._n_embd), dtype=np.float32)
         rows = self._chunks[0] if len(self._chunks) == 1 else np.concatenate(self._chunks)
@@ -111,3 +112,35 @@ def make_layer_capture(n_layer: int, n_embd: int, max_tokens: int, *,
     if library is None:
         return LayerOutputCapture(n_layer, n_embd)
     return NativeLayerCapture(library, _ggml_base(), n_layer, n_embd, max_tokens)
+
+
+def stream_split_order(row_seq_ids: list[int], n_ubatch: int) -> list[int]:
+    """Batch rows in the order llama.cpp computes them with one KV stream per sequence.
+
+    With several KV streams llama.cpp cuts a batch into micro-batches that each take the
+    same number of tokens from a run of consecutive sequence ids (``split_equal`` with
+    ``sequential``), so a non-final stage's captured rows come out micro-batch by
+    micro-batch, not in batch order. This replays that cut for a batch whose rows are
+    sorted by sequence id (each sequence's rows together, one sequence per row).
+
+    Returns:
+        For each captured row, in capture order, the batch row it belongs to.
+    """
+    rows_of: dict[int, list[int]] = {}
+    for row, seq_id in enumerate(row_seq_ids):
+        rows_of.setdefault(seq_id, []).append(row)
+    taken = dict.fromkeys(rows_of, 0)
+    order: list[int] = []
+    while len(order) < len(row_seq_ids):
+        pending = [seq for seq in rows_of if taken[seq] < len(rows_of[seq])]
+        run = [pending[0]]
+        for seq in pending[1:]:
+            if seq != run[-1] + 1 or len(run) > n_ubatch:
+                break
+            run.append(seq)
+        fewest = min(len(rows_of[seq]) - taken[seq] for seq in run)
+        count = min(fewest, max(1, n_ubatch // len(run)))
+        for seq in run:
+            order.extend(rows_of[seq][taken[seq]:taken[seq] + count])
+            taken[seq] += count
+    return order

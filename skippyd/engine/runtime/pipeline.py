@@ -111,11 +111,17 @@ class PipelineRuntime:
     def micro_batch_tokens(self) -> int:
         return self.local.micro_batch_tokens
 
+    @property
+    def max_session_tokens(self) -> int:
+        return self.local.max_session_tokens
+
     def active_session_count(self) -> int:
         return self.local.active_session_count()
 
-    def ensure_session_active(self, session_id: str) -> None:
-        self.local.ensure_session_active(session_id)
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        # Later stages bind the session to a lane of their own at its first iteration.
+        self.local.ensure_session_active(session_id, lane, keep_tokens)
 
     def kv_cells_used(self) -> int:
         """Stage 0's own KV cells (every later stage holds the same sessions)."""

@@ -86,8 +86,11 @@ class SamplingConfig:
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def validate(self, n_vocab: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+    def validate(self, n_vocab: int | None = None, n_ctx: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad field.
+
+        ``n_ctx`` caps ``penalty_last_n`` (its history buffer is sized by it).
+        """
         if self.temperature < 0 or self.temperature != self.temperature:
             raise ValueError(f"temperature: must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
@@ -100,6 +103,11 @@ class SamplingConfig:
             raise ValueError(f"repeat_penalty: must be > 0 (got {self.repeat_penalty})")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n: must be >= -1 (got {self.penalty_last_n})")
+        if n_ctx is not None and self.penalty_last_n > n_ctx:
+            raise ValueError(f"penalty_last_n: must be at most the context size {n_ctx} "
+                             f"(got {self.penalty_last_n})")
+        if not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k: must be within [0, 2^31) (got {self.top_k})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(
                 f"logit_bias: at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})"
@@ -197,6 +205,10 @@ class Runtime(Protocol):
         most this many tokens runs the graph once, and a stage that sends activations on
         ships them per micro-batch."""
 
+    @property
+    def max_session_tokens(self) -> int:
+        """Most tokens one session can hold (prompt plus generated): its lane's KV."""
+
     def active_session_count(self) -> int:
         """Sessions that hold a lane now."""
 
@@ -210,11 +222,20 @@ class Runtime(Protocol):
     def session_seq_id(self, session_id: str) -> int | None:
         """The lane (llama.cpp sequence id) the session holds, or None."""
 
-    def ensure_session_active(self, session_id: str) -> None:
-        """Give the session a lane with empty KV unless it already has one.
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        """Give the session a lane unless it already has one.
+
+        Args:
+            session_id: The session.
+            lane: The idle lane to take (the prefix cache's choice); by default the
+                runtime picks one.
+            keep_tokens: Leading tokens of what that lane holds the session starts with
+                (a prefix restored in place); the rest of the lane is cleared.
 
         Raises:
             LanesBusyError: Every lane is taken.
+            InvalidIterationError: ``lane`` is not idle or holds fewer tokens.
         """
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
@@ -290,6 +311,10 @@ class RuntimeWrapper:
     def micro_batch_tokens(self) -> int:
         return self.inner.micro_batch_tokens
 
+    @property
+    def max_session_tokens(self) -> int:
+        return self.inner.max_session_tokens
+
     def active_session_count(self) -> int:
         return self.inner.active_session_count()
 
@@ -302,8 +327,9 @@ class RuntimeWrapper:
     def session_seq_id(self, session_id: str) -> int | None:
         return self.inner.session_seq_id(session_id)
 
-    def ensure_session_active(self, session_id: str) -> None:
-        self.inner.ensure_session_active(session_id)
+    def ensure_session_active(self, session_id: str, lane: int | None = None,
+                              keep_tokens: int = 0) -> None:
+        self.inner.ensure_session_active(session_id, lane, keep_tokens)
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         return self.inner.iteration_batch_sampled(requests)

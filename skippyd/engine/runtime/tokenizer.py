@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+import secrets
 import threading
 from datetime import datetime
 
@@ -22,6 +23,10 @@ from skippyd.engine.runtime.llama_ext import ensure_backend
 
 class TokenizerError(ValueError):
     """Text could not be tokenized or a chat could not be rendered."""
+
+
+class TemplateRewritesContent(TokenizerError):
+    """The chat template does not copy message content through unchanged and once."""
 
 
 class Tokenizer:
@@ -43,6 +48,7 @@ class Tokenizer:
         self._lock = threading.Lock()
         self.chat_template = self._metadata("tokenizer.chat_template")
         self._template = _compile_template(self.chat_template) if self.chat_template else None
+        self._control_texts: frozenset[str] | None = None
 
     def close(self) -> None:
         if self._model:
@@ -111,6 +117,68 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
+
+
+    def render_chat_pieces(self, messages: list[dict], *,
+                           add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The rendered chat as ``(text, is_markup)`` pieces: the template's own text
+        apart from each message's content, so content can be tokenized as plain text.
+
+        Each content is swapped for a unique marker before rendering and put back
+        between the pieces of markup around its marker.
+
+        Raises:
+            TokenizerError: The template has none, failed, or did not pass every marker
+                through unchanged exactly once (it rewrites or repeats message text).
+        """
+        nonce = secrets.token_hex(8)
+        marked, contents = [], []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) and content:
+                marked.append({**message, "content": f"\ue000{nonce}.{len(contents)}\ue001"})
+                contents.append(content)
+            else:
+                marked.append(message)
+        text = self.render_chat(marked, add_generation_prompt=add_generation_prompt)
+        pieces: list[tuple[str, bool]] = []
+        cursor = 0
+        for index, content in enumerate(contents):
+            marker = f"\ue000{nonce}.{index}\ue001"
+            at = text.find(marker, cursor)
+            if at < 0 or text.count(marker) != 1:
+                raise TemplateRewritesContent("the chat template rewrites or repeats "
+                                              "message content")
+            pieces += [(text[cursor:at], True), (content, False)]
+            cursor = at + len(marker)
+        pieces.append((text[cursor:], True))
+        return [piece for piece in pieces if piece[0]]
+
+    def tokenize_pieces(self, pieces: list[tuple[str, bool]], *, add_special: bool) -> list[int]:
+        """Tokenize rendered pieces: markup with special tokens parsed, content without."""
+        tokens: list[int] = []
+        for index, (text, is_markup) in enumerate(pieces):
+            tokens += self.tokenize(text, add_special=add_special and index == 0,
+                                    parse_special=is_markup)
+        return tokens
+
+    def control_token_texts(self) -> frozenset[str]:
+        """The text of every control or user-defined token (what parse_special matches)."""
+        if self._control_texts is None:
+            special = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+            texts = set()
+            for token in range(self.n_vocab):
+                if int(L.llama_vocab_get_attr(self._vocab, token)) & special:
+                    text = self._special_text(token)
+                    if text:
+                        texts.add(text)
+            self._control_texts = frozenset(texts)
+        return self._control_texts
+
+    def _special_text(self, token: int) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
 
 
 def _raise_exception(message: str) -> None:

@@ -2,7 +2,10 @@
 
 The worker thread cannot report on itself while it is stuck inside ``llama_decode``, so
 the wrapper records when the current call started; ``/health`` and the systemd watchdog
-read :meth:`WatchedRuntime.busy_for` from other threads.
+read :meth:`WatchedRuntime.stalled_for` from other threads. With a progress source (the
+count of graph nodes llama.cpp computed, :mod:`skippyd.engine.runtime.progress`) a call
+is judged by the time since it last made progress, not by its length: a prefill that
+runs for minutes on a CPU is busy, not hung.
 
 Fault injection for tests: ``SKIPPYD_FAULT=hang-iteration`` makes every batched
 iteration block forever (the only way to produce a hung native call on demand).
@@ -14,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
@@ -35,11 +38,17 @@ class WatchedRuntime(RuntimeWrapper):
         inner: The runtime the worker drives.
         fault: ``hang-iteration`` blocks every iteration forever (tests only); None
             reads ``SKIPPYD_FAULT``.
+        progress: Returns a count that grows while llama.cpp computes (graph nodes);
+            None judges a call by its length.
     """
 
-    def __init__(self, inner: Runtime, *, fault: str | None = None) -> None:
+    def __init__(self, inner: Runtime, *, fault: str | None = None,
+                 progress: Callable[[], int] | None = None) -> None:
         super().__init__(inner)
         self._started: float | None = None
+        self._progress = progress
+        self._seen = (-1, 0.0)  # (progress count, when it was first seen)
+        self._seen_lock = threading.Lock()
         self._fault = fault if fault is not None else os.environ.get(FAULT_ENV)
         if self._fault:
             logger.warning("fault injection active: %s", self._fault)
@@ -48,6 +57,25 @@ class WatchedRuntime(RuntimeWrapper):
         """Seconds the current runtime call has been running (0 when idle)."""
         started = self._started
         return 0.0 if started is None else time.monotonic() - started
+
+    def stalled_for(self) -> float:
+        """Seconds the current call has gone without progress (0 when idle).
+
+        Without a progress source, the length of the call. The count is sampled by the
+        callers (the watchdog every quarter period), so progress is seen within one of
+        their intervals.
+        """
+        started = self._started
+        if started is None:
+            return 0.0
+        now = time.monotonic()
+        if self._progress is None:
+            return now - started
+        count = self._progress()
+        with self._seen_lock:
+            if count != self._seen[0]:
+                self._seen = (count, now)
+            return now - max(self._seen[1], started)
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         self._started = time.monotonic()

@@ -160,19 +160,36 @@ class TokenControl(enum.Enum):
 
     CONTINUE = "continue"
     STOP = "stop"
+    DISCONNECTED = "disconnected"
+    """Never sent: the channel records it when the consumer dropped the event unanswered."""
+
+
+class AckSlot:
+    """The worker's end of a :class:`TokenAck`: where the answer lands.
+
+    The worker keeps only this, never the :class:`TokenAck` itself, so the ack lives
+    exactly as long as the consumer holds the event.
+    """
+
+    __slots__ = ("control",)
+
+    def __init__(self) -> None:
+        self.control: TokenControl | None = None
 
 
 class TokenAck:
     """One-slot acknowledgement channel for a token event.
 
-    The consumer calls :meth:`send` once from any thread; the worker polls it without
-    blocking.
+    The consumer calls :meth:`send` once from any thread; the worker polls the
+    :attr:`slot` without blocking. A consumer that vanishes (drops the event, or dies
+    holding it) without answering leaves :attr:`TokenControl.DISCONNECTED` behind, which
+    the worker treats as a stop: nobody reads the rest.
     """
 
-    __slots__ = ("_control", "_lock")
+    __slots__ = ("slot", "_lock")
 
     def __init__(self) -> None:
-        self._control: TokenControl | None = None
+        self.slot = AckSlot()
         self._lock = threading.Lock()
 
     def send(self, control: TokenControl) -> bool:
@@ -184,14 +201,19 @@ class TokenAck:
         if not isinstance(control, TokenControl):
             raise TypeError(f"control: expected TokenControl, got {type(control).__name__}")
         with self._lock:
-            if self._control is not None:
+            if self.slot.control is not None:
                 return False
-            self._control = control
+            self.slot.control = control
             return True
 
     def poll(self) -> TokenControl | None:
         """The answer, or None while the consumer has not answered."""
-        return self._control
+        return self.slot.control
+
+    def __del__(self) -> None:
+        # The last reference is gone, so no send() can race this.
+        if self.slot.control is None:
+            self.slot.control = TokenControl.DISCONNECTED
 
 
 @dataclass(frozen=True, slots=True)

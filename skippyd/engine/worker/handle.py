@@ -68,6 +68,9 @@ class WorkerHandle:
         hub = telemetry if telemetry is not None else TelemetryHub()
         publish_worker_start(hub, settings)
         commands: queue.Queue[Command] = queue.Queue(maxsize=settings.command_queue_capacity)
+        self.max_session_tokens = min(kv_capacity_tokens(settings.policy),
+                                      runtime.max_session_tokens)
+        """Most tokens (prompt plus generated) one generation can hold."""
         worker = WorkerLoop(runtime, settings, commands, hub, prefix_cache)
         self._shared = WorkerThread(worker, commands)
         self._shared.thread.start()
@@ -149,7 +152,7 @@ class WorkerHandle:
             QueueFullError: The command queue is full; retry after ``retry_after_s``.
             WorkerStoppedError: The worker is stopped.
         """
-        validate_generation_request(request, kv_capacity_tokens(self.config))
+        validate_generation_request(request, self.max_session_tokens)
         # A caller that retains the runtime already owns an active session (resume).
         self._enqueue(SubmitCommand(request, on_event, runtime_configured=request.retain_runtime))
 

@@ -57,6 +57,7 @@ def build_scheduler_config(
     n_ubatch: int,
     queue_capacity: int,
     exports: bool = False,
+    target_step_ms: float = 0.0,
 ) -> SchedulerConfig:
     """Build the normalized policy configuration of a stage.
 
@@ -69,6 +70,7 @@ def build_scheduler_config(
             a stage that sends activations on.
         queue_capacity: Waiting-queue capacity.
         exports: The stage sends activations to a downstream stage.
+        target_step_ms: Step time that sizes prompt chunks beside decode rows (0: off).
     """
     max_tokens = min(max(n_batch, 1), MAX_NATIVE_ITERATION_TOKENS)
     max_tokens = iteration_token_budget(exports, max_tokens, max(n_ubatch, 1))
@@ -92,6 +94,7 @@ def build_scheduler_config(
         max_consecutive_prefill_iterations=1,
         # A mixed probe permanently slowed recurrent decode by 9-20 %.
         mixed_prefill_decode=not recurrent,
+        target_step_us=round(target_step_ms * 1000),
         cache_aging_cost_per_iteration=CACHE_AGING_COST_PER_ITERATION,
         group_waiting_prefixes=True,
         iteration_interval_s=0.0,
@@ -153,12 +156,14 @@ class WorkerSettings:
                           continuous_batching=rt.continuous_batching,
                           recurrent_bytes_per_seq=recurrent_bytes_per_seq,
                           exports=not config.is_final,
-                          decode_groups=config.planned_decode_groups or 1)
+                          decode_groups=config.planned_decode_groups or 1,
+                          target_step_ms=rt.target_step_ms)
 
     @classmethod
     def derive(cls, runtime: Runtime, *, queue_capacity: int, safe_mode: bool = False,
                continuous_batching: bool = True, recurrent_bytes_per_seq: int = 0,
-               exports: bool = False, decode_groups: int = 1) -> WorkerSettings:
+               exports: bool = False, decode_groups: int = 1,
+               target_step_ms: float = 0.0) -> WorkerSettings:
         """The settings from explicit stage facts (:meth:`for_stage` reads them from a config).
 
         Raises:
@@ -169,7 +174,7 @@ class WorkerSettings:
         lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
         policy = build_scheduler_config(
             lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq, runtime.max_batch_tokens,
-            runtime.micro_batch_tokens, queue_capacity, exports)
+            runtime.micro_batch_tokens, queue_capacity, exports, target_step_ms)
         capacity = max(queue_capacity + lanes, MIN_COMMAND_QUEUE_CAPACITY)
         max_batch = max(lanes, 1)
         return cls(

@@ -6,8 +6,9 @@
   policy ``Sequence`` gets ``with_prefix_restore`` (the policy's replay rule
   keeps the last prompt token computed) and a ``CacheAffinity`` from the same lookup, so
   the policy's cache-aware ordering sees its value. When the request gets
-  a lane the entry is copied into it (``llama_memory_seq_cp``: cells shared) or, from the
-  host-RAM tier, loaded; only the rest of the prompt is prefilled.
+  a lane it is the entry's own lane if that is idle (nothing to copy), else the entry is
+  copied or, from the host-RAM tier, loaded into it; only the rest of the prompt is
+  prefilled.
 * **in flight**: a request already in the scheduler (the *leader*) shares a longer
   prefix than the cache holds. If the leader's KV already holds it, it is recorded from
   the leader's lane at once; otherwise the new request is *parked* until the leader's
@@ -15,8 +16,8 @@
   most ``shared_prefix_record_limit`` per leader, each extending what is cached by at
   least ``shared_prefix_stride_tokens``) and the parked request restores it. So a burst
   sharing a long system prompt prefills it once, not once per request.
-* finished requests record their whole KV history (prompt plus generated tokens) before
-  their lane is freed: the next turn of a chat matches it.
+* finished requests record their whole KV history (prompt plus generated tokens) as
+  their lane is freed (the lane keeps its KV): the next turn of a chat matches it.
 
 Parked requests are outside the policy until released; the worker counts them as waiting.
 """
@@ -31,12 +32,7 @@ from dataclasses import dataclass
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore, Scheduler
 from skippyd.engine.prefix_cache import LivePrefixCache, common_prefix_length
-from skippyd.engine.runtime.protocol import (
-    IterationRequest,
-    KvSlotUnavailableError,
-    Runtime,
-    RuntimeFailure,
-)
+from skippyd.engine.runtime.protocol import IterationRequest, Runtime, RuntimeFailure
 from skippyd.engine.worker.commands import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -168,12 +164,20 @@ class PrefixCacheFlow:
 
     # -- lanes -----------------------------------------------------------------------------
 
-    def restore(self, req_id: str, chunk_tokens: int) -> None:
-        """Fill a fresh lane with the request's leased prefix, recomputing it if it is gone.
+    def bind(self, req_id: str, chunk_tokens: int) -> None:
+        """Give a fresh request its lane and its leased prefix, recomputing it if it is gone.
+
+        The lane is the cache's choice (:meth:`LivePrefixCache.place`): the leased
+        entry's own lane restores in place; any other lane gets the prefix copied or
+        loaded into it.
 
         Raises:
-            RuntimeFailure: The prefix could be neither restored nor recomputed.
+            RuntimeFailure: The session could not be bound, or the prefix neither
+                restored nor recomputed.
         """
+        placement = self.cache.place(req_id)
+        self._runtime.ensure_session_active(req_id, lane=placement.lane,
+                                            keep_tokens=placement.keep_tokens)
         lease = self.cache.lease_of(req_id)
         if lease is None or self.cache.restore(req_id, req_id):
             return
@@ -182,17 +186,13 @@ class PrefixCacheFlow:
         self._recompute(req_id, lease.tokens, chunk_tokens)
 
     def _recompute(self, session_id: str, tokens: tuple[int, ...], chunk_tokens: int) -> None:
+        self._runtime.trim_session(session_id, 0)
         start = 0
         while start < len(tokens):
             chunk = tokens[start:start + chunk_tokens]
             request = IterationRequest(session_id, chunk,
                                        positions=range(start, start + len(chunk)))
-            try:
-                self._runtime.iteration_batch_sampled([request])
-            except KvSlotUnavailableError:
-                if not self.cache.relieve_kv_pressure(len(chunk)):
-                    raise
-                continue
+            self._runtime.iteration_batch_sampled([request])
             start += len(chunk)
 
     def record_finished(self, req_id: str) -> None:

@@ -3,10 +3,9 @@
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
-  cached prefixes give their cells back first (the prefix cache's ``relieve_kv``); only
-  when none is left does a victim chosen by the policy's preemption rule (lowest
-  priority, latest admitted) give its KV back, and the rest of the plan
-  is retried.
+  a victim chosen by the policy's preemption rule (lowest priority, latest admitted) gives its KV back, and the rest of the plan is retried. (With a KV
+  stream per lane a session can only run out of its own lane, which the HTTP layer's
+  context check prevents; the path stays for runtimes that share one pool.)
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
   only the bad one fails.
@@ -63,6 +62,8 @@ class PlanResult:
     """Samples by work index; a row sampled twice is left out (treated as missing)."""
     execution_s: float
     """Wall time of the runtime call(s)."""
+    isolated: bool = False
+    """The works ran one by one (after an invalid batch): not one batch's duration."""
 
     def predictions(self) -> list[IterationPrediction]:
         """Policy predictions; end of generation is a negative token."""
@@ -87,26 +88,39 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
     )
 
 
+_PREFIX = "skippy.scheduler."
+#: (attribute key, IterationTelemetry field) of the counters every step reports.
+_STEP_FIELDS = tuple((_PREFIX + name, name) for name in (
+    "iteration", "admitted", "preempted", "prefill_tokens", "recompute_tokens",
+    "decode_tokens", "prefix_hits", "prefix_misses"))
+_COMPONENT_KEYS: dict[str, tuple[str, str, str]] = {}
+
+
+def _component_keys(name: str) -> tuple[str, str, str]:
+    keys = _COMPONENT_KEYS.get(name)
+    if keys is None:
+        component = f"{_PREFIX}component.{name}."
+        keys = _COMPONENT_KEYS[name] = (component + "used_bytes",
+                                        component + "available_bytes",
+                                        component + "free_bytes")
+    return keys
+
+
 def step_attributes(step: IterationTelemetry, step_ms: float,
                     execution_ms: float) -> dict[str, Any]:
     """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
-    prefix = "skippy.scheduler."
-    attributes: dict[str, Any] = {
-        prefix + name: getattr(step, name)
-        for name in ("iteration", "admitted", "preempted", "prefill_tokens",
-                     "recompute_tokens", "decode_tokens", "prefix_hits", "prefix_misses")
-    }
-    attributes[prefix + "running"] = step.active_sequences
-    attributes[prefix + "waiting"] = step.waiting_sequences
-    attributes[prefix + "step_ms"] = step_ms
-    attributes[prefix + "execution_ms"] = execution_ms
-    attributes[prefix + "overhead_ms"] = max(0.0, step_ms - execution_ms)
+    attributes: dict[str, Any] = {key: getattr(step, name) for key, name in _STEP_FIELDS}
+    attributes[_PREFIX + "running"] = step.active_sequences
+    attributes[_PREFIX + "waiting"] = step.waiting_sequences
+    attributes[_PREFIX + "step_ms"] = step_ms
+    attributes[_PREFIX + "execution_ms"] = execution_ms
+    attributes[_PREFIX + "overhead_ms"] = max(0.0, step_ms - execution_ms)
     available = dict(step.component_available_bytes)
     for name, used in step.component_used_bytes:
-        component = f"{prefix}component.{name}."
-        attributes[component + "used_bytes"] = used
-        attributes[component + "available_bytes"] = available.get(name, 0)
-        attributes[component + "free_bytes"] = max(0, available.get(name, 0) - used)
+        used_key, available_key, free_key = _component_keys(name)
+        attributes[used_key] = used
+        attributes[available_key] = available.get(name, 0)
+        attributes[free_key] = max(0, available.get(name, 0) - used)
     return attributes
 
 
@@ -134,8 +148,6 @@ class PlanExecutor:
         scheduler: The policy scheduler (for preemption under KV pressure).
         on_preempted: Frees the runtime state of a preempted request.
         fail_request: Fails one request with a typed error.
-        relieve_kv: Evicts cached prefixes so a batch of the given token count may fit;
-            True if it freed anything (then the same plan is retried).
     """
 
     def __init__(
@@ -144,10 +156,8 @@ class PlanExecutor:
         scheduler: Scheduler,
         on_preempted: Callable[[str], None],
         fail_request: Callable[[str, WorkerError], None],
-        relieve_kv: Callable[[int], bool] | None = None,
     ) -> None:
         self._runtime = runtime
-        self._relieve_kv = relieve_kv
         self._scheduler = scheduler
         self._on_preempted = on_preempted
         self._fail_request = fail_request
@@ -162,8 +172,6 @@ class PlanExecutor:
             try:
                 return self._run(plan)
             except KvSlotUnavailableError as exc:
-                if self._relieve_kv is not None and self._relieve_kv(plan.token_count):
-                    continue  # cache entries gave way: active requests keep their KV
                 plan = self._relieve_kv_pressure(plan, exc)
             except InvalidIterationError as exc:
                 if len(plan.work) > 1:
@@ -223,4 +231,4 @@ class PlanExecutor:
             execution_s += result.execution_s
             if 0 in result.samples:
                 samples[index] = result.samples[0]
-        return PlanResult(plan, samples, execution_s)
+        return PlanResult(plan, samples, execution_s, isolated=True)

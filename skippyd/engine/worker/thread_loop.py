@@ -51,6 +51,10 @@ from skippyd.engine.worker.thread_planned import PlannedGenerations
 
 logger = logging.getLogger(__name__)
 
+#: Most seconds the stats snapshot lags behind a busy worker (readers: ``skippyd top``,
+#: ``/metrics``, the status line); an idle worker publishes at once.
+STATS_INTERVAL_S = 0.05
+
 
 Command = SubmitCommand | CancelCommand | DirectIteration | RuntimeOperation | ShutdownCommand
 
@@ -90,6 +94,7 @@ class WorkerLoop:
         self.num_direct_iterations = 0
         self.num_runtime_operations = 0
         self.stats = WorkerStats(max_direct_batch_size=settings.max_direct_batch_size)
+        self._stats_published_at = 0.0
 
     # -- thread entry and the loop ------------------------------------------------------
 
@@ -119,7 +124,8 @@ class WorkerLoop:
             if self.direct:
                 self._coalesce_direct_iterations()
             self.run_work_turn()
-            self.publish_stats()
+            if time.monotonic() - self._stats_published_at >= STATS_INTERVAL_S:
+                self.publish_stats()
             if self.settings.iteration_interval_s > 0:
                 self._wait_for_command(self.settings.iteration_interval_s)
 
@@ -286,7 +292,12 @@ class WorkerLoop:
         self._close(WorkerBackendError(WORKER_PANIC_MESSAGE))
 
     def publish_stats(self) -> None:
-        """Replace the stats snapshot (one reference assignment: atomic for readers)."""
+        """Replace the stats snapshot (one reference assignment: atomic for readers).
+
+        Called when the worker goes idle and at most every :data:`STATS_INTERVAL_S`
+        while it is busy: building the snapshot every step cost about 1 % of a step.
+        """
+        self._stats_published_at = time.monotonic()
         metrics = self.planned.scheduler.metrics()
         self.stats = WorkerStats(
             num_waiting=metrics.waiting_sequences + self.planned.num_parked,

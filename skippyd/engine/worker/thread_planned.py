@@ -28,6 +28,7 @@ from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import Runtime, RuntimeFailure
 from skippyd.engine.worker.commands import (
+    AckSlot,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
@@ -59,7 +60,7 @@ class RequestState:
     on_event: Callable[[GenerationEvent], None]
     runtime_configured: bool
     num_generated: int
-    pending_controls: deque[TokenAck] = field(default_factory=deque)
+    pending_controls: deque[AckSlot] = field(default_factory=deque)
     saw_eog: bool = False
 
     def emit(self, event: GenerationEvent) -> bool:
@@ -102,7 +103,9 @@ class PlannedGenerations:
         self.runtime = runtime
         self.scheduler = Scheduler(config)
         self.requests: dict[str, RequestState] = {}
-        self._kv_capacity = kv_capacity_tokens(self.scheduler.config)
+        # One session never holds more than its lane's KV, whatever the pool holds.
+        self._kv_capacity = min(kv_capacity_tokens(self.scheduler.config),
+                                runtime.max_session_tokens)
         self._publish = publish
         self._fail_everything = fail_everything
         self._on_sessions_dropped = on_sessions_dropped
@@ -110,8 +113,7 @@ class PlannedGenerations:
             prefix_cache, runtime, self.scheduler,
             lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
         self._executor = PlanExecutor(
-            runtime, self.scheduler, self._release_preempted, self.fail_request,
-            None if prefix_cache is None else prefix_cache.relieve_kv_pressure)
+            runtime, self.scheduler, self._release_preempted, self.fail_request)
         self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
@@ -298,7 +300,10 @@ class PlannedGenerations:
             return True
         if result is None:
             return True
-        self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
+        if not result.isolated:
+            # NOTE: works re-run one by one take the sum of their times: fed to the
+            # calibration, one bad token id would switch mixed batches off for good.
+            self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
         step = self.scheduler.complete_iteration(result.plan, result.predictions())
         self._finish_iteration(result)
         if self.prefix_flow is not None:
@@ -317,10 +322,11 @@ class PlannedGenerations:
             if state.runtime_configured:
                 continue
             try:
-                self.runtime.ensure_session_active(work.sequence_id)
                 if self.prefix_flow is not None:
-                    self.prefix_flow.restore(work.sequence_id,
-                                             self.scheduler.config.prefill_chunk_tokens)
+                    self.prefix_flow.bind(work.sequence_id,
+                                          self.scheduler.config.prefill_chunk_tokens)
+                else:
+                    self.runtime.ensure_session_active(work.sequence_id)
             except RuntimeFailure as exc:
                 error = worker_error_from_runtime(
                     f"prepare scheduler session {work.sequence_id}", exc
@@ -349,7 +355,7 @@ class PlannedGenerations:
             else:
                 state.num_generated += 1
                 ack = TokenAck()
-                state.pending_controls.append(ack)
+                state.pending_controls.append(ack.slot)  # never the ack: see TokenAck
                 if not state.emit(TokenEvent(sample.token, ack)):
                     stopped.append(work.sequence_id)
         for req_id in missing:
@@ -381,11 +387,18 @@ class PlannedGenerations:
 
 
 def _consumer_stopped(state: RequestState) -> bool:
-    """Pop answered Continue acks; True once the oldest answered ack says Stop."""
+    """Pop answered Continue acks; True once the oldest answered ack says Stop.
+
+    A consumer that vanished without answering counts as Stop: nobody reads on.
+    """
     while state.pending_controls:
-        control = state.pending_controls[0].poll()
+        control = state.pending_controls[0].control
         if control is None:
             return False  # not answered yet: never block the iteration on it
+        if control is TokenControl.DISCONNECTED:
+            logger.info("the consumer of %s went away without answering; stopping it",
+                        state.request.request_id)
+            return True
         if control is TokenControl.STOP:
             return True
         state.pending_controls.popleft()

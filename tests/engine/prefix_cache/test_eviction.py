@@ -1,26 +1,18 @@
-"""Which entries give way (pure bookkeeping, no runtime)."""
+"""Which entries give way to the budgets (pure bookkeeping, no runtime)."""
 
 from __future__ import annotations
 
-import pytest
-
-from skippyd.engine.prefix_cache import EntryTable, PrefixCacheSettings, Tier
+from skippyd.engine.prefix_cache import EntryTable, PrefixCacheSettings
 from skippyd.engine.prefix_cache.entries import INDEX_BYTES_PER_TOKEN, host_cost
-from skippyd.engine.prefix_cache.eviction import (
-    budget_victims,
-    host_victims,
-    pressure_victims,
-    recompute_cost,
-    slot_victim,
-)
+from skippyd.engine.prefix_cache.eviction import count_victims, host_victims
 
 SETTINGS = PrefixCacheSettings(max_entries=4, min_tokens=4, host_ram_bytes=1000)
 
 
 def table_with(*token_lists: list[int], settings: PrefixCacheSettings = SETTINGS) -> EntryTable:
-    table = EntryTable(settings, range(10, 14))
-    for tokens in token_lists:
-        table.add_resident(tokens)
+    table = EntryTable(settings)
+    for lane, tokens in enumerate(token_lists):
+        table.add_resident(tokens, lane)
     return table
 
 
@@ -35,71 +27,52 @@ def test_match_skips_short_prefixes_and_prefers_resident_then_warm_entries():
     assert table.match(list(range(8)) + [99]).entry is hot  # touched last
     assert table.match([0, 1, 2, 77]).entry is None  # 3 tokens < min_tokens
     table.move_to_host(hot, b"x" * 10)
+    assert hot.lane is None
     assert table.match(list(range(8))).entry is table.entries["p1"]
     assert table.stats().evictions == 1
     assert table.stats().bytes_host == 10 + 10 * INDEX_BYTES_PER_TOKEN  # state + token index
 
 
-def test_pressure_evicts_cheap_then_cold_entries_and_never_only_shared_cells():
-    table = table_with([1] * 4 + [2] * 60, [3] * 64, [4] * 64)
-    deep = table.add_resident([5] * 400)
-    table.touch(table.entries["p2"])  # p1 is now the coldest 64-token entry
-    lane = [[4] * 64]  # a lane holds p3's cells: evicting p3 frees nothing
-    # 64 lane cells + 592 exclusive entry cells + 64 needed: 20 over a 700-cell pool.
-    victims = pressure_victims(table, needed_tokens=64, pool_tokens=700, lane_histories=lane)
-    assert ids(victims) == ["p1"]
-    victims = pressure_victims(table, needed_tokens=200, pool_tokens=700, lane_histories=lane)
-    assert ids(victims) == ["p1", "p2", deep.id]
-    # Deeper tokens attend to more context: the same cells cost more to rebuild.
-    assert recompute_cost(64, 400) > recompute_cost(64, 64)
+def test_entries_are_found_by_lane_longest_first():
+    table = table_with([1] * 8)
+    longer = table.add_resident([1] * 20, 0)
+    table.add_resident([2] * 8, 3)
+    assert ids(table.in_lane(0)) == [longer.id, "p1"]
+    assert table.covers([1] * 12, 0) is longer
+    assert table.covers([1] * 12, 3) is None  # lane 3 holds other tokens
+    assert table.covers([1] * 21, 0) is None
 
 
-def test_pinned_entries_go_last_and_only_when_nothing_else_frees_cells():
-    table = table_with([1] * 32, [2] * 32)
-    table.entries["p1"].pins.add("waiting-request")
-    assert ids(pressure_victims(table, 10, 100, [])) == ["p2"]
-    table.remove(table.entries["p2"])
-    assert ids(pressure_victims(table, 10, 100, [])) == ["p1"]
-    assert pressure_victims(table, 10, 100, [[1] * 32]) == []  # its cells are shared
+def test_a_longer_record_supersedes_prefixes_of_its_lane_and_host_copies_only():
+    table = table_with([1] * 8, [1] * 8)  # the same tokens in lanes 0 and 1
+    hosted = table.add_resident([1] * 6, 2)
+    table.move_to_host(hosted, b"s")
+    longer = table.add_resident([1] * 30, 0)
+    assert ids(table.superseded(longer)) == ["p1", hosted.id]  # lane 1's copy stays
+    table.entries["p1"].pins.add("r")
+    assert ids(table.superseded(longer)) == [hosted.id]  # pinned entries stay
 
 
-def test_a_new_record_takes_the_slot_of_an_entry_whose_cells_are_all_shared():
-    table = table_with([1] * 32, [2] * 32, [3] * 32, [4] * 32)
-    assert not table.has_free_slot()
+def test_the_entry_count_bound_drops_the_coldest_unpinned_entries():
+    table = table_with([1] * 8, [2] * 8, [3] * 8, [4] * 8, [5] * 8)
+    newest = table.entries["p5"]
     table.touch(table.entries["p1"])
-    assert slot_victim(table, [[2] * 32]).id == "p2"  # free to drop although warmer
-    assert slot_victim(table, []).id == "p2"  # otherwise the coldest
-    for entry in table.resident():
-        entry.pins.add("r")
-    assert slot_victim(table, []) is None
+    table.entries["p2"].pins.add("r")
+    assert ids(count_victims(table, 3, keep=newest)) == ["p3", "p4"]
+    assert count_victims(table, 5) == []
 
 
-def test_resident_byte_budget_and_host_budget():
-    # The host budget holds both states and their token index, exactly.
-    settings = PrefixCacheSettings(max_entries=4, min_tokens=4, max_bytes=100 * 10,
+def test_the_host_budget_counts_states_and_their_token_index_exactly():
+    settings = PrefixCacheSettings(max_entries=4, min_tokens=4,
                                    host_ram_bytes=host_cost(60, 60) + host_cost(30, 30))
     table = table_with([1] * 60, [2] * 30, settings=settings)
-    table.kv_bytes_per_token = 10
-    # 90 + 40 > 100 tokens: the shallower entry is cheaper per cell to rebuild.
-    assert ids(budget_victims(table, 40)) == ["p2"]
-    assert budget_victims(table, 10) == []
-    table.entries["p1"].pins.add("r")
-    table.entries["p2"].pins.add("r")
-    assert budget_victims(table, 40) is None
     first, second = table.entries["p1"], table.entries["p2"]
     table.move_to_host(first, b"a" * 60)
     table.move_to_host(second, b"b" * 30)
-    first.pins.clear()
-    second.pins.clear()
     table.touch(first)
     assert host_victims(table, 0) == []
     assert ids(host_victims(table, 20)) == ["p2"]  # the colder one
     assert ids(host_victims(table, host_cost(30, 30) + 1)) == ["p2", "p1"]
     assert host_victims(table, settings.host_ram_bytes + 1) is None
-
-
-def test_add_resident_without_a_slot_is_an_error():
-    table = table_with([1] * 8, [2] * 8, [3] * 8, [4] * 8)
-    with pytest.raises(RuntimeError, match="no free prefix-cache slot"):
-        table.add_resident([5] * 8)
-    assert table.entries["p1"].tier is Tier.RESIDENT
+    first.pins.add("r")
+    assert host_victims(table, host_cost(30, 30) + 1) is None  # the pinned one stays

@@ -1,4 +1,5 @@
-"""The live prefix cache on the real runtime (tiny model): record, lease, restore, tiers."""
+"""The live prefix cache on the real runtime (tiny model): record, lease, place, restore,
+demote to host RAM."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def make_cache(runtime, **overrides) -> tuple[LivePrefixCache, TelemetryHub]:
 
 
 def record_from_lane(runtime, cache: LivePrefixCache, session: str, prompt: list[int]):
+    """Prefill ``prompt`` in a fresh session, record it, end the session (the lane keeps it)."""
     runtime.ensure_session_active(session)
     prefill(runtime, session, prompt)
     entry = cache.record(session, len(prompt))
@@ -29,23 +31,31 @@ def record_from_lane(runtime, cache: LivePrefixCache, session: str, prompt: list
     return entry
 
 
+def start(runtime, cache: LivePrefixCache, req: str):
+    """Bind a leased request the way the worker does: placed by the cache, then restored."""
+    placement = cache.place(req)
+    runtime.ensure_session_active(req, lane=placement.lane, keep_tokens=placement.keep_tokens)
+    return placement, cache.restore(req, req)
+
+
 @pytest.fixture(scope="module")
 def expected(tiny_model_path) -> list[int]:
-    with open_runtime(tiny_model_path, slots=0) as fresh:
+    with open_runtime(tiny_model_path) as fresh:
         prefill(fresh, "ref", PREFIX)
         return greedy_continue(fresh, "ref", SUFFIX, 8)
 
 
-def test_a_hit_restores_the_prefix_and_reports_it(runtime, expected):
+def test_a_hit_starts_in_the_entry_lane_without_a_copy(runtime, expected):
     cache, hub = make_cache(runtime)
     with hub.subscribe() as events:
         entry = record_from_lane(runtime, cache, "source", PREFIX)
-        assert entry is not None and entry.tier is Tier.RESIDENT
+        assert entry is not None and entry.tier is Tier.RESIDENT and entry.lane == 0
         lease = cache.lease("req", PREFIX + SUFFIX)
         assert lease is not None and lease.tokens == tuple(PREFIX)
         assert entry.pins == {"req"}
-        runtime.ensure_session_active("req")
-        assert cache.restore("req", "req")
+        placement, restored = start(runtime, cache, "req")
+        assert placement.lane == entry.lane and placement.keep_tokens == len(PREFIX)
+        assert restored
         assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
         cache.release("req")
         assert entry.pins == set()
@@ -54,57 +64,113 @@ def test_a_hit_restores_the_prefix_and_reports_it(runtime, expected):
     assert cache.cached_prompt_tokens("unknown") == 0
     stats = cache.stats().as_dict()
     assert stats["hits"] == 1 and stats["misses"] == 0 and stats["matched_tokens"] == 96
-    assert stats["bytes_resident"] > 0 and stats["hit_rate"] == 1.0
+    assert stats["hit_rate"] == 1.0
     assert set(names) == {PREFIX_CACHE_EVENT}
+
+
+def test_a_hit_on_a_busy_lane_copies_it_into_another(runtime, expected):
+    cache, _ = make_cache(runtime)
+    runtime.ensure_session_active("leader")
+    prefill(runtime, "leader", PREFIX + tokens(9, 20))  # still running, past the prefix
+    cache.record("leader", len(PREFIX))
+    assert cache.lease("req", PREFIX + SUFFIX) is not None
+    placement, restored = start(runtime, cache, "req")
+    assert placement.lane != runtime.lane_of("leader") and placement.keep_tokens == 0
+    assert restored and runtime.session_history("req") == tuple(PREFIX)
+    assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token(runtime):
     cache, _ = make_cache(runtime)
     record_from_lane(runtime, cache, "source", PREFIX)
-    assert cache.lease("again", PREFIX) is not None
-    assert cache.cached_prompt_tokens("again") == len(PREFIX) - 1  # the last token is computed
+    lease = cache.lease("again", PREFIX)
+    assert lease is not None and len(lease.tokens) == len(PREFIX) - 1
+    assert cache.cached_prompt_tokens("again") == len(PREFIX) - 1
     assert cache.lease("short", PREFIX[:8] + SUFFIX) is None  # below min_tokens: a miss
     assert cache.stats().misses == 1
 
 
-def test_an_entry_evicted_to_host_ram_restores_from_there(runtime, expected):
-    cache, _ = make_cache(runtime, max_entries=1)
-    first = record_from_lane(runtime, cache, "a", PREFIX)
-    second = record_from_lane(runtime, cache, "b", OTHER)  # takes the only slot
-    assert first.tier is Tier.HOST and second.tier is Tier.RESIDENT
-    assert cache.stats().bytes_host > 0 and cache.stats().evictions == 1
-    assert cache.lease("req", PREFIX + SUFFIX) is not None
-    runtime.ensure_session_active("req")
-    assert cache.restore("req", "req")
-    assert first.tier is Tier.RESIDENT and second.tier is Tier.HOST  # promoted back
-    assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
+def test_a_reused_lane_saves_its_entry_to_host_ram_and_it_restores_from_there(
+        tiny_model_path, expected):
+    with open_runtime(tiny_model_path, lanes=1, ctx_size=512) as runtime:
+        cache, _ = make_cache(runtime)
+        first = record_from_lane(runtime, cache, "a", PREFIX)
+        assert cache.lease("other", OTHER) is None
+        start(runtime, cache, "other")  # the only lane goes to an unrelated request
+        assert first.tier is Tier.HOST and first.lane is None
+        assert cache.stats().bytes_host > 0 and cache.stats().evictions == 1
+        prefill(runtime, "other", OTHER)
+        cache.record("other", len(OTHER))
+        runtime.drop_session("other")
+        assert cache.lease("req", PREFIX + SUFFIX) is not None
+        placement, restored = start(runtime, cache, "req")
+        assert restored and placement.keep_tokens == 0
+        assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
+        # "other" went to host RAM in turn; the restored entry stays there too.
+        assert cache.stats().entries_host == 2
 
 
-def test_without_host_room_an_evicted_entry_is_gone(runtime):
-    cache, _ = make_cache(runtime, max_entries=1, host_ram_bytes=1024)
-    record_from_lane(runtime, cache, "a", PREFIX)
-    record_from_lane(runtime, cache, "b", OTHER)
-    assert cache.lease("req", PREFIX + SUFFIX) is None
-    assert cache.stats().bytes_host == 0 and cache.stats().evictions == 1
+def test_without_host_room_a_reused_lane_loses_its_entry(tiny_model_path):
+    with open_runtime(tiny_model_path, lanes=1, ctx_size=512) as runtime:
+        cache, _ = make_cache(runtime, host_ram_bytes=1024)
+        record_from_lane(runtime, cache, "a", PREFIX)
+        start(runtime, cache, "b")
+        runtime.drop_session("b")
+        assert cache.lease("req", PREFIX + SUFFIX) is None
+        assert cache.stats().bytes_host == 0 and cache.stats().evictions == 1
 
 
-def test_a_longer_record_supersedes_its_unpinned_prefix(runtime):
+def test_a_stale_entry_is_dropped_at_lookup(runtime):
     cache, _ = make_cache(runtime)
-    short = record_from_lane(runtime, cache, "a", PREFIX[:40])
+    entry = record_from_lane(runtime, cache, "a", PREFIX)
+    runtime.ensure_session_active("b", lane=entry.lane)  # reused behind the cache's back
+    prefill(runtime, "b", OTHER)
+    assert cache.lease("req", PREFIX + SUFFIX) is None
+    assert entry.id not in cache.table.entries
+
+
+def test_a_longer_record_supersedes_its_unpinned_prefix_in_the_same_lane(runtime):
+    cache, _ = make_cache(runtime)
     runtime.ensure_session_active("b")
-    prefill(runtime, "b", PREFIX)
+    prefill(runtime, "b", PREFIX[:40])
+    short = cache.record("b", 40)
+    prefill(runtime, "b", PREFIX[40:])
     long = cache.record("b", len(PREFIX))
     assert short.id not in cache.table.entries and long.id in cache.table.entries
     assert cache.record("b", 50) is long  # already covered: no new entry
     assert cache.stats().records == 2
 
 
-def test_kv_pressure_evicts_only_entries_holding_cells_of_their_own(runtime):
-    cache, _ = make_cache(runtime, host_tier=False)
-    runtime.ensure_session_active("live")
-    prefill(runtime, "live", PREFIX)
-    cache.record("live", len(PREFIX))  # its cells are the live lane's: nothing to free
-    assert not cache.relieve_kv_pressure(64)
-    record_from_lane(runtime, cache, "gone", OTHER)
-    assert cache.relieve_kv_pressure(64)
-    assert cache.stats().entries_resident == 1 and cache.stats().evictions == 1
+def test_a_new_request_takes_the_lowest_idle_lane_and_its_entry_moves_to_host(runtime):
+    # Busy lanes stay contiguous (one micro-batch): lane 0 is taken although lane 1 is
+    # empty, and what lane 0 held survives in host RAM.
+    cache, _ = make_cache(runtime)
+    entry = record_from_lane(runtime, cache, "a", PREFIX)
+    placement, restored = start(runtime, cache, "miss")
+    assert placement.lane == 0 and not restored
+    assert entry.tier is Tier.HOST
+    assert cache.lease("again", PREFIX + SUFFIX) is not None
+
+
+def test_a_hit_whose_lane_is_not_the_lowest_idle_one_is_copied_down(runtime, expected):
+    cache, _ = make_cache(runtime)
+    runtime.ensure_session_active("blocker")  # lane 0
+    entry = record_from_lane(runtime, cache, "a", PREFIX)  # lane 1
+    runtime.drop_session("blocker")  # lane 0 is idle again, and lower
+    assert cache.lease("req", PREFIX + SUFFIX) is not None
+    placement, restored = start(runtime, cache, "req")
+    assert placement.lane == 0 and restored and entry.lane == 1
+    assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
+
+
+def test_an_in_place_hit_on_part_of_a_lane_saves_the_rest_first(runtime, expected):
+    cache, _ = make_cache(runtime)
+    longer = record_from_lane(runtime, cache, "chat", PREFIX + OTHER)  # a conversation
+    assert cache.lease("req", PREFIX + SUFFIX) is not None  # shares only PREFIX with it
+    placement, restored = start(runtime, cache, "req")
+    assert placement.lane == 0 and placement.keep_tokens == len(PREFIX) and restored
+    assert longer.tier is Tier.HOST  # the conversation survives the trim, in host RAM
+    assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
+    assert cache.lease("chat-again", PREFIX + OTHER + SUFFIX) is not None
+    _, restored = start(runtime, cache, "chat-again")
+    assert restored and runtime.session_history("chat-again") == tuple(PREFIX + OTHER)

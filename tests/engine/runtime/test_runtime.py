@@ -13,11 +13,11 @@ from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationPhase,
     IterationRequest,
-    KvSlotUnavailableError,
     LanesBusyError,
     SamplingConfig,
     SessionAlignment,
 )
+from skippyd.engine.runtime.sampling import SamplerChain
 from skippyd.engine.runtime.tokenizer import Tokenizer
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -119,20 +119,19 @@ def test_malformed_requests_are_rejected_without_side_effects(runtime, request_k
     assert runtime.decode_calls == 0
 
 
-def test_kv_exhaustion_is_recoverable(tiny_model_path, tokenizer):
-    options = RuntimeOptions(str(tiny_model_path), lane_count=3, ctx_size=256, n_batch=256,
+def test_a_full_lane_refuses_more_and_the_other_lanes_go_on(tiny_model_path, tokenizer):
+    options = RuntimeOptions(str(tiny_model_path), lane_count=3, ctx_size=768, n_batch=256,
                              n_ubatch=32, threads=2)
     with LlamaRuntime(options) as rt:
-        assert rt.kv_pool_tokens == 256
-        rt.iteration_batch_sampled([IterationRequest("a", [5] * 150)])
-        with pytest.raises(KvSlotUnavailableError):
-            rt.iteration_batch_sampled([IterationRequest("b", [6] * 150, sample_last=True)])
-        # The failed batch left nothing behind: "b" holds no lane, "a" is intact.
-        assert rt.session_token_count("b") is None
-        assert rt.session_token_count("a") == 150
-        rt.drop_session("a")
-        out = rt.iteration_batch_sampled([IterationRequest("b", [6] * 150, sample_last=True)])
-        assert len(out.samples) == 1
+        assert rt.kv_pool_tokens == 768 and rt.max_session_tokens == 256
+        rt.iteration_batch_sampled([IterationRequest("a", [5] * 200)])
+        # Lanes do not share cells: a second long session fits beside the first.
+        rt.iteration_batch_sampled([IterationRequest("b", [6] * 200)])
+        with pytest.raises(InvalidIterationError, match="beyond its lane"):
+            rt.iteration_batch_sampled([IterationRequest("a", [7] * 60, sample_last=True)])
+        assert rt.session_token_count("a") == 200  # nothing changed
+        out = rt.iteration_batch_sampled([IterationRequest("a", [7] * 56, sample_last=True)])
+        assert len(out.samples) == 1 and rt.session_token_count("a") == 256
 
 
 def test_trim_and_align(runtime, tokenizer):
@@ -175,9 +174,10 @@ def test_no_cross_talk_between_sessions(runtime, tokenizer):
     def run_x_with(other: list[int], other_first: bool) -> np.ndarray:
         for s in ("x", "o"):
             runtime.drop_session(s)
+        # Rows go into the batch in lane order: the lanes decide who comes first.
+        runtime.ensure_session_active("x", lane=1 if other_first else 0)
+        runtime.ensure_session_active("o", lane=0 if other_first else 1)
         reqs = [IterationRequest("x", x, sample_last=True), IterationRequest("o", other, sample_last=True)]
-        if other_first:
-            reqs.reverse()
         runtime.iteration_batch_sampled(reqs)
         row = len(other) + len(x) - 1 if other_first else len(x) - 1
         return logits_row(runtime, row)
@@ -237,3 +237,36 @@ def test_non_final_stage_cannot_sample(tiny_model_path, tokenizer):
         out = rt.iteration_batch_sampled([IterationRequest("a", [5, 6, 7])])
         assert out.output_rows[0].shape == (3, 64)
         assert out.output_rows[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+@pytest.mark.parametrize("best", ["plain", "end-of-generation", "tie"])
+def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokenizer,
+                                                               ignore_eos, best):
+    toks = prompt(tokenizer, "the cat sat on the mat")
+    runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=GREEDY,
+                                                      sample_last=True)])
+    row = len(toks) - 1
+    # Shape the row's logits in place (the sampler reads the context's own buffer).
+    logits = np.ctypeslib.as_array(
+        ctypes.cast(L.llama_get_logits_ith(runtime.context, row), ctypes.POINTER(ctypes.c_float)),
+        shape=(runtime.n_vocab,))
+    eog = sorted(runtime.eog_tokens)
+    if best == "end-of-generation":
+        logits[eog[0]] = logits.max() + 5.0
+    elif best == "tie":
+        logits[[7, 9]] = logits.max() + 1.0  # the first highest wins, both ways
+    config = SamplingConfig(temperature=0.0, ignore_eos=ignore_eos)
+    fast = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
+    chain = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
+    chain._argmax = False  # force the llama.cpp chain the argmax stands in for
+    try:
+        picked = fast.sample(runtime.context, row)
+        assert picked == chain.sample(runtime.context, row)
+        if best == "end-of-generation":
+            assert (picked in eog) is not ignore_eos
+        if best == "tie":
+            assert picked == 7
+    finally:
+        fast.close()
+        chain.close()

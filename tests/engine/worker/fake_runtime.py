@@ -90,6 +90,10 @@ class FakeRuntime:
     def micro_batch_tokens(self) -> int:
         return self._n_ubatch
 
+    @property
+    def max_session_tokens(self) -> int:
+        return self._kv_pool_tokens
+
     def active_session_count(self) -> int:
         return len(self.sessions)
 

@@ -23,7 +23,7 @@ SHARED = tokens(1, 150)
 @pytest.fixture
 def worker(tiny_model_path):
     """A worker core without its thread, one lane, over a runtime with cache slots."""
-    runtime = open_runtime(tiny_model_path, lanes=1, slots=SETTINGS.slot_count(1))
+    runtime = open_runtime(tiny_model_path, lanes=1, ctx_size=512)
     settings = WorkerSettings.derive(runtime, queue_capacity=8)
     cache = LivePrefixCache(runtime, SETTINGS, namespace="tiny")
     core = WorkerLoop(runtime, settings, queue.Queue(), TelemetryHub(), cache)

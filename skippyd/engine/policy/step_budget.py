@@ -1,0 +1,113 @@
+"""A step-time budget for prompt work: chunked prefill that keeps decoding streams moving.
+
+With live decoders, a plan that prefills a long prompt in one go freezes every running
+stream for the whole prompt (a 500-word prompt is seconds on a small CPU). With a target
+step time, each iteration carries every decode row plus only as many prompt tokens as fit
+in what the target leaves (Sarathi-Serve's and vLLM's token budget, sized in time rather
+than tokens): running streams get a token every step, and the prompt finishes a few
+steps later. Without live decoders nothing is waiting, so prompts take the whole token
+budget.
+
+:class:`StepCostModel` learns the cost it needs from executed plans: a step's duration as
+a fixed part plus a part per token (decode rows and prompt tokens alike), fitted by least
+squares with exponential forgetting, so it follows the machine as load and context
+lengths change. A line fits because one llama.cpp call costs a fixed graph set-up and
+weight pass plus compute that grows with the tokens. Pure: no clock, no threads; the
+driver feeds it durations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from skippyd.engine.policy.plan import IterationPlan
+
+logger = logging.getLogger(__name__)
+
+#: Share of its weight a past observation keeps at each new one: the fit forgets a step
+#: after some tens of steps.
+COST_MEMORY = 0.95
+#: Prompt tokens per iteration before any cost was observed: small enough that a first
+#: chunk on a slow machine stays near a typical target, large enough to make progress.
+INITIAL_PREFILL_TOKENS = 32
+#: Prompt tokens an iteration with live decoders always carries, whatever the estimate,
+#: so a prompt always progresses (a budget below one token would starve it).
+MIN_PREFILL_TOKENS = 16
+
+
+class StepCostModel:
+    """Step duration as ``fixed + per_token * tokens`` (µs), learned from executed plans."""
+
+    def __init__(self) -> None:
+        self._weight = 0.0
+        self._sum_x = 0.0
+        self._sum_y = 0.0
+        self._sum_xx = 0.0
+        self._sum_xy = 0.0
+
+    def observe(self, plan: IterationPlan, elapsed_s: float) -> None:
+        """Learn from how long ``plan`` took; non-finite or non-positive times are ignored."""
+        if isinstance(elapsed_s, bool) or not isinstance(elapsed_s, int | float):
+            return
+        elapsed_us = float(elapsed_s) * 1e6
+        tokens = plan.token_count
+        if not math.isfinite(elapsed_us) or elapsed_us <= 0 or tokens <= 0:
+            return
+        keep = COST_MEMORY
+        self._weight = keep * self._weight + 1.0
+        self._sum_x = keep * self._sum_x + tokens
+        self._sum_y = keep * self._sum_y + elapsed_us
+        self._sum_xx = keep * self._sum_xx + tokens * tokens
+        self._sum_xy = keep * self._sum_xy + tokens * elapsed_us
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(fixed_us, per_token_us)`` of the fitted line, or None before any sample.
+
+        With every sample at (nearly) one token count the slope cannot be told from the
+        intercept: the whole duration is then charged per token, which overestimates the
+        per-token cost and so errs towards smaller chunks.
+        """
+        if self._weight <= 0:
+            return None
+        mean_x = self._sum_x / self._weight
+        mean_y = self._sum_y / self._weight
+        variance = self._sum_xx / self._weight - mean_x * mean_x
+        if variance > 1e-6 * mean_x * mean_x and variance > 0.25:
+            slope = (self._sum_xy / self._weight - mean_x * mean_y) / variance
+            fixed = mean_y - slope * mean_x
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, mean_y / mean_x
+
+    def estimate_us(self, tokens: int) -> float | None:
+        """Estimated duration of an iteration of ``tokens`` tokens, once learned."""
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return None
+        fixed, per_token = coefficients
+        return fixed + per_token * tokens
+
+    def prefill_budget(self, decode_rows: int, target_step_us: int, most: int) -> int:
+        """Prompt tokens an iteration with ``decode_rows`` decode rows may carry.
+
+        Args:
+            decode_rows: Live decoders in the iteration.
+            target_step_us: The step time to stay near (µs).
+            most: The most prompt tokens the plan can hold anyway.
+
+        Returns:
+            ``most`` without decoders; otherwise what fits in the target beside the decode
+            rows, at least :data:`MIN_PREFILL_TOKENS` (and at most ``most``).
+        """
+        if decode_rows == 0:
+            return most
+        coefficients = self.coefficients()
+        if coefficients is None:
+            return max(1, min(INITIAL_PREFILL_TOKENS, most))
+        fixed, per_token = coefficients
+        fits = int((target_step_us - fixed - per_token * decode_rows) / max(per_token, 1e-3)
+                   + 1e-6)  # a fit that lands on a whole number is not rounded down
+        return max(1, min(max(fits, MIN_PREFILL_TOKENS), most))
+
+
