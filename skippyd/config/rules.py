@@ -6,6 +6,7 @@ mistake gives one message.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from skippyd.config.schema import (
     MAX_SOCKET_PATH_BYTES,
     UNQUANTIZED_CACHE_TYPES,
     PeerConfig,
+    RuntimeSection,
     StageConfig,
     parse_host_port,
 )
@@ -34,7 +36,7 @@ def check_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         issues: Receives the problems; keys already in ``issues.bad`` are skipped.
     """
     for rule in (_layer_rules, _runtime_rules, _http_rules, _peer_rules, _link_rules,
-                 _control_rules):
+                 _control_rules, _metrics_rules):
         rule(config, present, issues)
 
 
@@ -85,6 +87,10 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and http.default_max_tokens > http.max_tokens_limit):
         issues.add("http.default_max_tokens", f"must be at most max_tokens_limit "
                    f"(got {http.default_max_tokens} > {http.max_tokens_limit})")
+    if (http.protocol == "httptools" and issues.clean("http.protocol")
+            and importlib.util.find_spec("httptools") is None):
+        issues.add("http.protocol", '"httptools" is not installed (pip install httptools), '
+                   'or use "h11"')
 
 
 def _peer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
@@ -144,6 +150,20 @@ def _control_rules(config: StageConfig, present: set[str], issues: IssueCollecto
                    f"Unix socket (got {size}); set a shorter path")
 
 
+def _metrics_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
+    listen = config.telemetry.metrics_listen
+    if listen is None or not issues.clean("telemetry.metrics_listen"):
+        return
+    port = parse_host_port(listen)[1]
+    others = {"http.listen": config.http.listen if config.http is not None else None,
+              "link.listen": config.link.listen}
+    for key, other in others.items():
+        if port != 0 and other is not None and issues.clean(key) \
+                and parse_host_port(other)[1] == port:
+            issues.add("telemetry.metrics_listen",
+                       f"must use another port than {key} (both use {port})")
+
+
 def check_pipeline(configs: Sequence[StageConfig]) -> None:
     """Check that stage configs, listed in pipeline order, chain into one pipeline.
 
@@ -154,8 +174,9 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
 
     Raises:
         ConfigError: Indexes, layer ranges, peers, endpoints, secrets or model ids do
-            not line up, or a later stage has fewer lanes, a smaller context or a
-            smaller ``n_batch`` than stage 0 (stage 0 would refuse that chain).
+            not line up, or a later stage has fewer lanes, a smaller context, less room
+            per session (``ctx_size / lane_count``) or a smaller ``n_batch`` than stage 0
+            (stage 0 would refuse that chain).
         ValueError: ``configs`` is empty.
     """
     if not configs:
@@ -179,8 +200,20 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
                 # chain whole: stage 0 refuses a chain that cannot carry its own load.
                 issues.add(f"stages[{position}].runtime.{name}",
                            f"must be at least stages[0].runtime.{name} = {need} (got {have})")
+        _check_session_room(position, head, config.runtime, issues)
     if issues:
         raise ConfigError(issues.items, "<pipeline>")
+
+
+def _check_session_room(position: int, head: RuntimeSection, runtime: RuntimeSection,
+                        issues: IssueCollector) -> None:
+    """Each session has a lane of its own (``ctx_size / lane_count`` tokens) on every
+    stage: more lanes in the same context leave a later stage less room per session."""
+    have, need = runtime.ctx_size // runtime.lane_count, head.ctx_size // head.lane_count
+    key = f"stages[{position}].runtime.ctx_size"
+    if have < need and issues.clean(key):
+        issues.add(key, f"ctx_size / lane_count ({runtime.ctx_size} / {runtime.lane_count} "
+                        f"= {have} tokens per session) must be at least stage 0's {need}")
 
 
 def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCollector) -> None:

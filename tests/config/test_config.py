@@ -567,6 +567,12 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
         check_pipeline([configs[0], small])
     assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
     assert "must be at least stages[0].runtime.lane_count = 8 (got 2)" in str(info.value)
+    crowded = dataclasses.replace(configs[1], runtime=dataclasses.replace(
+        configs[1].runtime, lane_count=16))
+    with pytest.raises(ConfigError) as info:
+        check_pipeline([configs[0], crowded])
+    assert info.value.keys == ["stages[1].runtime.ctx_size"]
+    assert "tokens per session) must be at least stage 0's" in str(info.value)
 
 
 def test_link_advertise_and_activation_dtype() -> None:
