@@ -424,21 +424,36 @@ def soak(args, url: str, stages: list[Stage],
     attacks = make_attacks(args, url, links or [])
     started = time.monotonic()
     victim = None if args.restart_stage is None else stages[args.restart_stage]
-    restarted = threading.Event()
+    restarted, over = threading.Event(), threading.Event()
 
     def at_half() -> None:
         try:
             restart(victim, url, started)
         finally:
             restarted.set()
+        # The kernel's parent-death signal (see _die_with_parent) follows the thread that
+        # started a child, not the process: this thread lives until the soak is over.
+        over.wait()
 
+    try:
+        return _soak_run(args, url, stages, attacks, concurrency, tally, started, victim,
+                         restarted, baseline_host, None if victim is None else at_half)
+    finally:
+        over.set()
+
+
+def _soak_run(args, url: str, stages: list[Stage], attacks: dict, concurrency: int,
+              tally: Tally, started: float, victim: Stage | None, restarted: threading.Event,
+              baseline_host: list[int], at_half: Callable[[], None] | None) -> int:
+    """The measured run and the leak checks after it (see :func:`soak`)."""
     with running(*attacks.values()):
         asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                          max(args.requests // 10, 1), None if victim is None else at_half))
+                          max(args.requests // 10, 1), at_half))
+        # The restarted stage's process is the one to measure: wait until it is up.
+        if victim is not None and not restarted.wait(120):
+            raise SystemExit(f"{victim.name} did not come back within 120 s")
         peaks = [proc_stats(stage.pid) for stage in stages]
     elapsed = time.monotonic() - started
-    if victim is not None and not restarted.wait(120):
-        raise SystemExit(f"{victim.name} did not come back within 120 s")
     attack_figures = attack_report(attacks, peaks, [stage.baseline for stage in stages])
     if attack_figures.get("probe_failures"):
         tally.add("error", f"/health probes failed: {attacks['probe'].answers}")
