@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = [cached_slice(model, 0, SPLIT_AT, tmp), cached_slice(model, SPLIT_AT, 30, tmp)]
         stages = [LlamaRuntime(RuntimeOptions(str(path), lane_count=1, ctx_size=512,
-                                              n_batch=256, threads=1, first_stage=i == 0,
+                                              n_batch=256, n_ubatch=256, threads=1,
+                                              first_stage=i == 0,
                                               final_stage=i == 1))
                   for i, path in enumerate(paths)]
         n_embd = stages[0].n_embd
