@@ -29,8 +29,10 @@ itself is killed outright.
     python bench/soak.py --config examples/configs/single.toml --attack   # under attack
 
 With ``--restart-stage INDEX`` that later stage is killed (SIGKILL) halfway through and
-started again: requests it breaks may fail with a 503 (counted as ``unavailable``), and
-every stage, the restarted one from its restart on, must still pass the leak checks.
+started again: requests in flight may fail with a 503 (counted as ``unavailable``), no
+new request starts until the chain is healthy again, so the second half runs through
+the restarted stage, and every stage, the restarted one from its restart on, must
+still pass the leak checks.
 """
 
 from __future__ import annotations
@@ -186,26 +188,43 @@ async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
 
 async def drive(url: str, total: int, concurrency: int, seed: int, max_output: int,
                 tally: Tally, progress_every: int,
-                at_half: Callable[[], None] | None = None) -> None:
+                at_half: Callable[[], None] | None = None,
+                resumed: threading.Event | None = None) -> None:
+    """Run ``total`` requests; at half way start ``at_half`` on a thread and, when
+    ``resumed`` is given, start no new request until it is set (requests in flight go
+    on), so the second half runs against the restarted stage."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
     started = time.monotonic()
+    gate = asyncio.Event()
+    gate.set()
+
+    async def reopen() -> None:
+        assert resumed is not None
+        await asyncio.to_thread(resumed.wait, 120)
+        gate.set()
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         async def one(i: int) -> None:
             async with semaphore:
+                await gate.wait()
                 try:
                     await run_one(client, random.Random(rng.random()), tally, max_output)
                 except (httpx.HTTPError, ValueError) as exc:
                     tally.add("error", f"{type(exc).__name__}: {exc}")
             if at_half is not None and i + 1 == total // 2:
                 threading.Thread(target=at_half, daemon=True).start()
+                if resumed is not None:
+                    gate.clear()
+                    reopening.append(asyncio.create_task(reopen()))
             if progress_every and (i + 1) % progress_every == 0:
                 print(f"  {i + 1}/{total} in {time.monotonic() - started:.0f}s "
                       f"{dict(tally.outcomes)}", file=sys.stderr, flush=True)
 
+        reopening: list[asyncio.Task] = []
         await asyncio.gather(*(one(i) for i in range(total)))
+        await asyncio.gather(*reopening)
 
 
 def settle(control: ControlClient, timeout: float) -> dict:
@@ -448,7 +467,7 @@ def _soak_run(args, url: str, stages: list[Stage], attacks: dict, concurrency: i
     """The measured run and the leak checks after it (see :func:`soak`)."""
     with running(*attacks.values()):
         asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                          max(args.requests // 10, 1), at_half))
+                          max(args.requests // 10, 1), at_half, restarted))
         # The restarted stage's process is the one to measure: wait until it is up.
         if victim is not None and not restarted.wait(120):
             raise SystemExit(f"{victim.name} did not come back within 120 s")

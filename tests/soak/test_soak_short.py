@@ -156,3 +156,6 @@ socket = "{tmp_path / f'stage{index}.sock'}"
     assert "stage1:" in result.stdout  # one summary line per stage
     # A killed stage is started again, and counted from its restart; nothing leaks.
     assert (figures["stages"][1]["restarted_at_s"] is not None) == restart
+    # Only requests in flight at the kill may fail: the second half runs through the
+    # restarted stage (a 20 % disconnect and 5 % invalid share leaves ~75 % ok).
+    assert figures["outcomes"].get("ok", 0) > 120 // 2
