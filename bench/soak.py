@@ -25,7 +25,14 @@ itself is killed outright.
                          --config examples/configs/split-2/stage1.toml    # a 2-stage split
     python bench/soak.py --url http://127.0.0.1:8080 --socket S --pid P \
                          [--socket S1 --pid P1 ...]                        # running stages
+    python bench/soak.py --config s0.toml --config s1.toml --restart-stage 1   # a stage dies
     python bench/soak.py --config examples/configs/single.toml --attack   # under attack
+
+With ``--restart-stage INDEX`` that later stage is killed (SIGKILL) halfway through and
+started again: requests in flight may fail with a 503 (counted as ``unavailable``), no
+new request starts until the chain is healthy again, so the second half runs through
+the restarted stage, and every stage, the restarted one from its restart on, must
+still pass the leak checks.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +125,8 @@ async def run_one(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
         response = await client.post(path, **kwargs)
         if 400 <= response.status_code < 500 and response.json().get("error", {}).get("message"):
             tally.add("invalid->4xx")
+        elif response.status_code == 503:  # a degraded stage 0 refuses before validating
+            tally.add("unavailable", f"invalid request got 503: {response.text[:120]}")
         else:
             tally.add("error", f"invalid request got {response.status_code}: {response.text[:120]}")
         return
@@ -131,6 +141,8 @@ async def run_one(client: httpx.AsyncClient, rng: random.Random, tally: Tally,
         tally.add("ok")
     elif response.status_code == 429:
         tally.add("429")
+    elif response.status_code == 503:
+        tally.add("unavailable", f"503: {response.text[:120]}")
     else:
         tally.add("error", f"{response.status_code}: {response.text[:120]}")
 
@@ -140,6 +152,9 @@ async def read_stream(client, path, body, tally: Tally) -> None:
         if response.status_code == 429:
             tally.add("429")
             return
+        if response.status_code == 503:
+            tally.add("unavailable", "stream 503")
+            return
         if response.status_code != 200:
             tally.add("error", f"stream {response.status_code}")
             return
@@ -148,7 +163,9 @@ async def read_stream(client, path, body, tally: Tally) -> None:
             if line.strip() == "data: [DONE]":
                 done = True
             elif line.startswith("data: {") and '"error"' in line[:20]:
-                tally.add("error", f"stream error {line[:120]}")
+                # A stage lost mid-stream fails the stream with a retryable error.
+                kind = "unavailable" if "unavailable" in line else "error"
+                tally.add(kind, f"stream error {line[:120]}")
                 return
         tally.add("ok" if done else "error", None if done else "stream ended without [DONE]")
 
@@ -157,8 +174,8 @@ async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
     chunks_before_drop = rng.randint(0, 6)
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
-            tally.add("429" if response.status_code == 429 else "error",
-                      None if response.status_code == 429 else f"{response.status_code}")
+            kind = {429: "429", 503: "unavailable"}.get(response.status_code, "error")
+            tally.add(kind, None if kind == "429" else f"{response.status_code}")
             return
         seen = 0
         async for line in response.aiter_lines():
@@ -170,24 +187,44 @@ async def disconnect_midway(client, rng, path, body, tally: Tally) -> None:
 
 
 async def drive(url: str, total: int, concurrency: int, seed: int, max_output: int,
-                tally: Tally, progress_every: int) -> None:
+                tally: Tally, progress_every: int,
+                at_half: Callable[[], None] | None = None,
+                resumed: threading.Event | None = None) -> None:
+    """Run ``total`` requests; at half way start ``at_half`` on a thread and, when
+    ``resumed`` is given, start no new request until it is set (requests in flight go
+    on), so the second half runs against the restarted stage."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     semaphore = asyncio.Semaphore(concurrency)
     started = time.monotonic()
+    gate = asyncio.Event()
+    gate.set()
+
+    async def reopen() -> None:
+        assert resumed is not None
+        await asyncio.to_thread(resumed.wait, 120)
+        gate.set()
 
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         async def one(i: int) -> None:
             async with semaphore:
+                await gate.wait()
                 try:
                     await run_one(client, random.Random(rng.random()), tally, max_output)
                 except (httpx.HTTPError, ValueError) as exc:
                     tally.add("error", f"{type(exc).__name__}: {exc}")
+            if at_half is not None and i + 1 == total // 2:
+                threading.Thread(target=at_half, daemon=True).start()
+                if resumed is not None:
+                    gate.clear()
+                    reopening.append(asyncio.create_task(reopen()))
             if progress_every and (i + 1) % progress_every == 0:
                 print(f"  {i + 1}/{total} in {time.monotonic() - started:.0f}s "
                       f"{dict(tally.outcomes)}", file=sys.stderr, flush=True)
 
+        reopening: list[asyncio.Task] = []
         await asyncio.gather(*(one(i) for i in range(total)))
+        await asyncio.gather(*reopening)
 
 
 def settle(control: ControlClient, timeout: float) -> dict:
@@ -220,6 +257,33 @@ class Stage:
     name: str
     pid: int
     control: ControlClient
+    config: Path | None = None
+    proc: subprocess.Popen | None = None
+    restarted_at: float | None = None
+    """Seconds into the run when it was killed and started again (``--restart-stage``)."""
+    baseline: dict[str, int] | None = None
+    """Threads, fds and RSS after (re)start and warm-up: what the end is compared with."""
+
+
+def restart(stage: Stage, url: str, started: float) -> None:
+    """SIGKILL a stage in the middle of the run and start it again from its config.
+
+    Requests in flight fail with a 503 while it is away; stage 0 reconnects, and the
+    new process's leak checks start from its state once the chain is healthy again.
+    """
+    assert stage.proc is not None and stage.config is not None
+    print(f"  killing {stage.name} (pid {stage.pid})", file=sys.stderr, flush=True)
+    stage.proc.kill()
+    stage.proc.wait()
+    stage.restarted_at = time.monotonic() - started
+    stage.proc, _, socket_path = start_daemon(stage.config)
+    stage.pid = stage.proc.pid
+    stage.control = ControlClient.connect(socket_path)
+    wait_healthy(url, 60)
+    stage.baseline = proc_stats(stage.pid)
+    print(f"  {stage.name} is back (pid {stage.pid}) after "
+          f"{time.monotonic() - started - stage.restarted_at:.1f} s", file=sys.stderr,
+          flush=True)
 
 
 def start_daemon(config: Path) -> tuple[subprocess.Popen, str | None, Path]:
@@ -298,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-output", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-bound-mib", type=float, default=64.0)
+    parser.add_argument("--restart-stage", type=int, default=None, metavar="INDEX",
+                        help="SIGKILL this later stage (its index, with --config per stage) "
+                             "halfway through and start it again; requests it breaks may "
+                             "fail with a 503, nothing may leak")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     parser.add_argument("--attack", action="store_true",
                         help="run the connection attacks beside the load")
@@ -308,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     _exit_on_signals()
 
     procs: list[subprocess.Popen] = []
+    soaked: list[Stage] = []
     try:
         links: list[tuple[str, int] | None] = []
         if args.config is not None:
@@ -317,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc, stage_url, socket_path = start_daemon(config)
                 procs.append(proc)
                 url = stage_url or url
-                stages.append((config.stem, proc.pid, socket_path))
+                stages.append((config.stem, proc.pid, socket_path, config, proc))
                 links.append(_link_address(config))
             if url is None:
                 parser.error("no --config serves HTTP (a pipeline needs its stage 0)")
@@ -326,17 +395,19 @@ def main(argv: list[str] | None = None) -> int:
             if not args.socket or not args.pid or len(args.socket) != len(args.pid):
                 parser.error("--url needs one --pid per --socket")
             url = args.url
-            stages = [(f"stage {i}", pid, path)
+            stages = [(f"stage {i}", pid, path, None, None)
                       for i, (path, pid) in enumerate(zip(args.socket, args.pid, strict=True))]
+        if args.restart_stage is not None and not 0 < args.restart_stage < len(stages):
+            parser.error("--restart-stage: the index of a later stage started with --config")
         wait_healthy(url, 60)
-        return soak(args, url, [Stage(name, pid, ControlClient.connect(path))
-                                for name, pid, path in stages],
-                    [link for link in links if link is not None])
+        soaked += [Stage(name, pid, ControlClient.connect(path), config, proc)
+                   for name, pid, path, config, proc in stages]
+        return soak(args, url, soaked, [link for link in links if link is not None])
     finally:
-        for proc in procs:  # stage 0 first, then the stages behind it
+        # Stage 0 first, then the stages behind it, then a restarted stage's new process.
+        for proc in procs + [s.proc for s in soaked if s.proc is not None and s.proc not in procs]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -366,26 +437,56 @@ def soak(args, url: str, stages: list[Stage],
     warm = Tally()
     asyncio.run(drive(url, args.warmup, concurrency, args.seed + 1, args.max_output, warm, 0))
     baseline_host = [settle(stage.control, 60)["prefix_cache"]["bytes_host"] for stage in stages]
-    baseline = [proc_stats(stage.pid) for stage in stages]
+    for stage in stages:
+        stage.baseline = proc_stats(stage.pid)
     tally = Tally()
     attacks = make_attacks(args, url, links or [])
     started = time.monotonic()
+    victim = None if args.restart_stage is None else stages[args.restart_stage]
+    restarted, over = threading.Event(), threading.Event()
+
+    def at_half() -> None:
+        try:
+            restart(victim, url, started)
+        finally:
+            restarted.set()
+        # The kernel's parent-death signal (see _die_with_parent) follows the thread that
+        # started a child, not the process: this thread lives until the soak is over.
+        over.wait()
+
+    try:
+        return _soak_run(args, url, stages, attacks, concurrency, tally, started, victim,
+                         restarted, baseline_host, None if victim is None else at_half)
+    finally:
+        over.set()
+
+
+def _soak_run(args, url: str, stages: list[Stage], attacks: dict, concurrency: int,
+              tally: Tally, started: float, victim: Stage | None, restarted: threading.Event,
+              baseline_host: list[int], at_half: Callable[[], None] | None) -> int:
+    """The measured run and the leak checks after it (see :func:`soak`)."""
     with running(*attacks.values()):
         asyncio.run(drive(url, args.requests, concurrency, args.seed, args.max_output, tally,
-                          max(args.requests // 10, 1)))
+                          max(args.requests // 10, 1), at_half, restarted))
+        # The restarted stage's process is the one to measure: wait until it is up.
+        if victim is not None and not restarted.wait(120):
+            raise SystemExit(f"{victim.name} did not come back within 120 s")
         peaks = [proc_stats(stage.pid) for stage in stages]
     elapsed = time.monotonic() - started
-    attack_figures = attack_report(attacks, peaks, baseline)
+    attack_figures = attack_report(attacks, peaks, [stage.baseline for stage in stages])
     if attack_figures.get("probe_failures"):
         tally.add("error", f"/health probes failed: {attacks['probe'].answers}")
     figures = []
-    for stage, base, host in zip(stages, baseline, baseline_host, strict=True):
+    for stage, host in zip(stages, baseline_host, strict=True):
         snapshot = settle(stage.control, 60)
+        base = stage.baseline
+        assert base is not None
         after = wait_back_to(stage.pid, base, 30)
         # The prefix cache's host-RAM tier holds saved KV on purpose, within its own
         # configured budget (kv_cache.host_ram_bytes): that is not a leak.
         cache_growth_kib = (snapshot["prefix_cache"]["bytes_host"] - host) // 1024
         figures.append(stage_checks(args, stage.name, snapshot, base, after, cache_growth_kib))
+        figures[-1]["restarted_at_s"] = stage.restarted_at
     return report(args, tally, figures, elapsed, attack_figures)
 
 
@@ -444,13 +545,18 @@ def stage_checks(args, name: str, snapshot, baseline, after, cache_growth_kib: i
 def report(args, tally: Tally, stages: list[dict], elapsed: float,
            attacks: dict | None = None) -> int:
     accounted = sum(tally.outcomes.values()) == args.requests
-    answered = accounted and tally.outcomes["error"] == 0
+    # Only a stage killed on purpose may fail requests, and only as "unavailable".
+    allowed = args.restart_stage is not None or tally.outcomes["unavailable"] == 0
+    answered = accounted and tally.outcomes["error"] == 0 and allowed
     passed = answered and all(all(stage["checks"].values()) for stage in stages)
     outcomes = " ".join(f"{k} {v}" for k, v in sorted(tally.outcomes.items()))
     print(f"soak: {args.requests} requests in {elapsed:.0f}s ({outcomes}): "
           f"{'PASS' if passed else 'FAIL'}")
     for stage in stages:
         base, after = stage["baseline"], stage["after"]
+        if stage["restarted_at_s"] is not None:
+            print(f"  {stage['stage']}: killed and restarted {stage['restarted_at_s']:.0f} s "
+                  "into the run; its figures count from the restart")
         print(f"  {stage['stage']}: active {stage['active']} sessions "
               f"{stage['active_sessions']}; kv cells {stage['kv_cells']}; threads "
               f"{base['threads']}->{after['threads']}; fds {base['fds']}->{after['fds']}; rss "

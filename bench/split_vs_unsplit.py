@@ -1,7 +1,8 @@
 """Split serving against unsplit serving: same model, same total threads, same run.
 
-Starts the embedded SmolLM2-135M as one process (``--threads`` llama.cpp threads) and as
-a 2-stage chain (layers 0-15 and 15-30, ``--threads / 2`` threads each) on loopback,
+Starts the embedded SmolLM2-135M as one process (``--threads`` llama.cpp threads), once
+more on one stage's threads (the 1-stream anchor), and as a 2-stage chain (layers 0-17
+and 17-30, ``--threads / 2`` threads each) on loopback,
 then runs the ``skippyd bench`` workload (streaming completions, unique prompts, exact
 output lengths) at each concurrency level, alternating the targets for ``--rounds``
 rounds. For the chain it also reads every stage's STATUS over the stage link before and
@@ -44,7 +45,7 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
-from skippyd.bench.process import SKIPPYD_READY, ServerProcess, free_port
+from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
 from skippyd.link.dialer import query_status
@@ -52,9 +53,11 @@ from skippyd.link.dialer import query_status
 logger = logging.getLogger(__name__)
 
 SECRET = "split-bench-secret-0123456789abcdef"
-STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
-#: Target of the split issue: the chain at 8 streams reaches 0.85x the unsplit tok/s.
-TARGET = (8, 0.85)
+#: Targets: the chain at 8 streams reaches 0.9x the unsplit tok/s (same total threads),
+#: and at 1 stream 0.9x an unsplit server on one stage's threads.
+TARGETS = ((8, "unsplit", 0.9), (1, "unsplit-1t", 0.9))
+#: The unsplit server on one stage's threads; measured at 1 stream only.
+ONE_THREAD = "unsplit-1t"
 console = Console(width=None if Console().is_terminal else 120)
 
 
@@ -77,10 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
                              "cost of splitting on equal CPU when the machine is shared")
     parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--split-at", type=int, default=15,
+    parser.add_argument("--split-at", type=int, default=17,
                         help="first layer of stage 1 (SmolLM2 has 30 layers; the final stage "
-                             "also computes the output head)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating repetitions")
+                             "also computes the output head, about 3 layers' worth, so 17 "
+                             "balances the two)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
+    parser.add_argument("--only-split", action="store_true",
+                        help="measure only the chain (its busy fractions and timeline)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -96,8 +102,12 @@ def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str)
 
 
 def start_servers(workdir: Path, args: argparse.Namespace,
-                  stack: contextlib.ExitStack) -> tuple[ServerProcess, ServerProcess, list[int]]:
-    """The unsplit server and the 2-stage chain; returns (unsplit, chain head, link ports)."""
+                  stack: contextlib.ExitStack) -> tuple[dict[str, str], list[int]]:
+    """The 2-stage chain and the unsplit servers; returns (target urls, link ports).
+
+    Besides the unsplit server on ``--threads``, one on a stage's threads is the anchor
+    at 1 stream: one stream cannot pipeline, so it shows the link's cost alone.
+    """
     ports = [free_port(), free_port()]
     half = args.stage_threads or max(1, args.threads // 2)
     link = f'[link]\nsecret = "{SECRET}"\n'
@@ -110,18 +120,23 @@ def start_servers(workdir: Path, args: argparse.Namespace,
                           f'{link}listen = "127.0.0.1:{ports[0]}"\n'
                           f'[downstream]\nstage_id = "stage-1"\n'
                           f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n')
-    single = stage_config(workdir, "unsplit", args.unsplit_threads or args.threads, args.lanes,
-                          '[http]\nlisten = "127.0.0.1:0"\n')
     env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else None
     stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin, env))
     head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin, env))
-    unsplit = stack.enter_context(serve(single, SKIPPYD_READY, "unsplit", args.pin, env))
+    urls = {"split": head.url}
+    if not args.only_split:
+        for name, threads in (("unsplit", args.unsplit_threads or args.threads),
+                              (ONE_THREAD, half)):
+            single = stage_config(workdir, name, threads, args.lanes,
+                                  '[http]\nlisten = "127.0.0.1:0"\n')
+            urls[name] = stack.enter_context(
+                serve(single, SKIPPYD_READY, name, args.pin, env)).url
     deadline = time.monotonic() + 60
     while httpx.get(head.url.removesuffix("/v1") + "/health").json()["status"] != "ok":
         if time.monotonic() > deadline:
             raise RuntimeError("the chain did not connect:\n" + head.log_tail())
         time.sleep(0.1)  # stage 0 dials stage 1 with backoff; poll its health
-    return unsplit, head, ports
+    return urls, ports
 
 
 def serve(config: Path, ready: str, name: str, cpus: str | None,
@@ -147,7 +162,24 @@ def chain_figures(before: list[dict], after: list[dict], tokens: int) -> dict[st
     steps = after[0]["lookahead_steps"] - before[0]["lookahead_steps"]
     return {"busy": busy, "bytes_per_token": sum(link) / max(tokens, 1),
             "bytes_down_per_token": link[0] / max(tokens, 1),
-            "lookahead_steps": steps, "lookahead_hits": hits}
+            "lookahead_steps": steps, "lookahead_hits": hits,
+            "timeline_ms": [batch_timeline(old, new) for old, new in
+                            zip(before, after, strict=True)]}
+
+
+def batch_timeline(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """One stage's average milliseconds per batch in each phase over a level, and the
+    batches per second it finished (``idle`` is what the phases leave of the wall time)."""
+    old, new = before.get("timeline", {}), after.get("timeline", {})
+    batches = new.get("batches", 0) - old.get("batches", 0)
+    wall = after["uptime_s"] - before["uptime_s"]
+    if batches <= 0 or wall <= 0:
+        return {}
+    phases = {key.removesuffix("_s"): (new[key] - old[key]) * 1000.0 / batches
+              for key in new if key.endswith("_s")}
+    phases["batches_per_s"] = batches / wall
+    phases["wall"] = wall * 1000.0 / batches
+    return phases
 
 
 async def measure(args: argparse.Namespace, urls: dict[str, str],
@@ -164,8 +196,8 @@ async def measure(args: argparse.Namespace, urls: dict[str, str],
             for round_ in range(args.rounds):
                 # Fresh prompts every round, the same for both targets within a round.
                 requests = build_level(spec, index + round_ * len(levels))
-                order = list(targets) if round_ % 2 == 0 else list(reversed(targets))
-                for name in order:
+                order = [name for name in targets if name != ONE_THREAD or concurrency == 1]
+                for name in (order if round_ % 2 == 0 else reversed(order)):
                     before = chain_status(ports) if name == "split" else None
                     level = await run_level(client, targets[name], requests, concurrency,
                                             temperature=0.0, timeout_s=300.0,
@@ -183,23 +215,56 @@ async def measure(args: argparse.Namespace, urls: dict[str, str],
     return rows
 
 
+def _median_tok_s(rows: list[dict[str, Any]], streams: int, target: str) -> float | None:
+    values = [r["output_tok_s"] for r in rows
+              if r["concurrency"] == streams and r["target"] == target]
+    return median(values) if values else None
+
+
+def _ratio(rows: list[dict[str, Any]], streams: int, anchor: str) -> float | None:
+    split, base = _median_tok_s(rows, streams, "split"), _median_tok_s(rows, streams, anchor)
+    return split / base if split is not None and base else None
+
+
 def summary(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="2-stage chain vs unsplit (median over rounds)")
-    for column in ("streams", "unsplit tok/s", "split tok/s", "ratio", "busy stage 0",
-                   "busy stage 1", "link B/token", "look-ahead hits"):
+    for column in ("streams", "unsplit tok/s", "1-thread tok/s", "split tok/s", "ratio",
+                   "vs 1 thread", "busy stage 0", "busy stage 1", "link B/token",
+                   "look-ahead hits"):
         table.add_column(column, justify="right")
     for concurrency in sorted({r["concurrency"] for r in rows}):
-        one = [r for r in rows if r["concurrency"] == concurrency]
-        unsplit = median(r["output_tok_s"] for r in one if r["target"] == "unsplit")
-        split_rows = [r for r in one if r["target"] == "split"]
-        split = median(r["output_tok_s"] for r in split_rows)
+        split_rows = [r for r in rows if r["concurrency"] == concurrency
+                      and r["target"] == "split"]
         busy = [median(r["busy"][i] for r in split_rows) for i in range(2)]
         bpt = median(r["bytes_per_token"] for r in split_rows)
         hits = sum(r["lookahead_hits"] for r in split_rows)
         steps = sum(r["lookahead_steps"] for r in split_rows)
-        table.add_row(str(concurrency), f"{unsplit:.1f}", f"{split:.1f}",
-                      f"{split / unsplit:.2f}x" if unsplit else "-", f"{busy[0]:.0%}",
-                      f"{busy[1]:.0%}", f"{bpt:.0f}", f"{hits}/{steps}")
+        figures = [_median_tok_s(rows, concurrency, t) for t in ("unsplit", ONE_THREAD, "split")]
+        ratios = [_ratio(rows, concurrency, anchor) for anchor in ("unsplit", ONE_THREAD)]
+        table.add_row(str(concurrency), *("-" if f is None else f"{f:.1f}" for f in figures),
+                      *("-" if r is None else f"{r:.2f}x" for r in ratios),
+                      f"{busy[0]:.0%}", f"{busy[1]:.0%}", f"{bpt:.0f}", f"{hits}/{steps}")
+    return table
+
+
+def timeline_table(rows: list[dict[str, Any]]) -> Table:
+    """Per stage and level: milliseconds per batch in each phase (medians over rounds)."""
+    table = Table(title="where a batch's time goes, per stage (ms per batch, median over rounds)")
+    phases = ("wall", "compute", "runtime", "encode", "send", "wait", "reply")
+    for column in ("streams", "stage", "batches/s", *phases):
+        table.add_column(column, justify="right")
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        split_rows = [r for r in rows if r["concurrency"] == concurrency and "timeline_ms" in r]
+        if not split_rows:
+            continue
+        for stage in range(len(split_rows[0]["timeline_ms"])):
+            lines = [r["timeline_ms"][stage] for r in split_rows if r["timeline_ms"][stage]]
+            if not lines:
+                continue
+            table.add_row(str(concurrency), str(stage),
+                          f"{median(line['batches_per_s'] for line in lines):.1f}",
+                          *(f"{median(line.get(p, 0.0) for line in lines):.2f}"
+                            for p in phases))
     return table
 
 
@@ -208,19 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         console.print("starting the unsplit server and the 2-stage chain …")
-        unsplit, head, ports = start_servers(Path(tmp), args, stack)
-        rows = asyncio.run(measure(args, {"unsplit": unsplit.url, "split": head.url}, ports))
+        urls, ports = start_servers(Path(tmp), args, stack)
+        rows = asyncio.run(measure(args, urls, ports))
     console.print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on "
                   f"{os.cpu_count()} CPUs (other load makes the figures noisy)")
     console.print(summary(rows))
-    streams, target = TARGET
-    at = [r for r in rows if r["concurrency"] == streams]
-    if at:
-        ratio = (median(r["output_tok_s"] for r in at if r["target"] == "split")
-                 / median(r["output_tok_s"] for r in at if r["target"] == "unsplit"))
-        met = ratio >= target
-        console.print(f"[{'green' if met else 'red'}]{'MET' if met else 'MISSED'}[/] "
-                      f"{streams} streams: split/unsplit {ratio:.2f}x (target >= {target}x)")
+    console.print(timeline_table(rows))
+    for streams, anchor, target in TARGETS:
+        ratio = _ratio(rows, streams, anchor)
+        if ratio is not None:
+            met = ratio >= target
+            console.print(f"[{'green' if met else 'red'}]{'MET' if met else 'MISSED'}[/] "
+                          f"{streams} stream(s): split/{anchor} {ratio:.2f}x "
+                          f"(target >= {target}x)")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0

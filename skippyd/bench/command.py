@@ -33,6 +33,7 @@ from skippyd.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from skippyd.bench.loadgen import TargetRun
+    from skippyd.config import StageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ def _opt(*names: str, **kwargs) -> typer.models.OptionInfo:
     return typer.Option(*names, show_default=kwargs.pop("show_default", False), **kwargs)
 
 
-ConfigOpt = Annotated[Path | None, _opt(
-    "--config", help="Start skippyd with this stage config for the run, then stop it.")]
+ConfigOpt = Annotated[list[Path] | None, _opt(
+    "--config", help="Start skippyd with this stage config for the run, then stop it; "
+    "repeat it with every stage's config to start a whole split pipeline.")]
 UrlOpt = Annotated[str | None, _opt(
     help="An OpenAI-compatible endpoint to measure (e.g. http://127.0.0.1:8080/v1).")]
 VsOpt = Annotated[str | None, _opt(
@@ -117,8 +119,9 @@ def bench(
     if lab:
         _run_lab(scenario, lab_runs, json_path)
         return
-    if (config is None) == (url is None):
-        raise _fail("give exactly one target: --config PATH or --url URL", ExitCode.USAGE)
+    if (not config) == (url is None):
+        raise _fail("give exactly one target: --config PATH (one per stage) or --url URL",
+                    ExitCode.USAGE)
     spec = _make_spec(concurrency, requests, prompt_tokens, output_tokens, shared_prefix,
                       rate, seed, temperature)
     endpoints = [(config, url, model, api_key), (None, vs, vs_model, vs_api_key)]
@@ -139,8 +142,8 @@ def _make_spec(concurrency: str, requests: int, prompt_tokens: str, output_token
         raise _fail(str(exc), ExitCode.USAGE) from None
 
 
-Endpoint = tuple[Path | None, str | None, str | None, str | None]
-"""(config, url, model, api key) of one target."""
+Endpoint = tuple[list[Path] | None, str | None, str | None, str | None]
+"""(stage configs, url, model, api key) of one target."""
 
 
 def _measure(spec: WorkloadSpec, endpoints: list[Endpoint], timeout_s: float) -> list[TargetRun]:
@@ -159,27 +162,52 @@ def _measure(spec: WorkloadSpec, endpoints: list[Endpoint], timeout_s: float) ->
 
 def _open_endpoint(stack: contextlib.ExitStack,
                    endpoint: Endpoint) -> tuple[str, str | None, str | None]:
-    config, url, model, api_key = endpoint
-    if config is None:
+    configs, url, model, api_key = endpoint
+    if not configs:
         assert url is not None
         return url, model, api_key
-    from skippyd.config import ConfigError, load_config
+    ordered = _pipeline_order(configs)
+    head = ordered[0][1]
+    if not head.is_first:
+        raise _fail(f"no stage 0 among the configs (the first is stage index "
+                    f"{head.stage.index}): give every stage's config", ExitCode.USAGE)
+    from skippyd.bench.process import skippyd_pipeline, skippyd_process
 
-    try:
-        api_key = load_config(config).http.api_key
-    except ConfigError as exc:
-        raise _fail(f"invalid config {config}\n{exc}", ExitCode.CONFIG) from None
-    from skippyd.bench.process import skippyd_process
+    paths = [str(path) for path, _ in ordered]
+    if len(paths) == 1:
+        stderr.print(f"starting skippyd serve --config {escape(paths[0])} …")
+        server = stack.enter_context(skippyd_process(paths[0]))
+    else:
+        stderr.print(f"starting a {len(paths)}-stage pipeline: {escape(', '.join(paths))} …")
+        server = stack.enter_context(skippyd_pipeline(paths))
+    return server.url, model, head.http.api_key if head.http is not None else None
 
-    stderr.print(f"starting skippyd serve --config {escape(str(config))} …")
-    server = stack.enter_context(skippyd_process(str(config)))
-    return server.url, model, api_key
+
+def _pipeline_order(paths: list[Path]) -> list[tuple[Path, StageConfig]]:
+    """Load the configs, in stage order; several must chain into one pipeline."""
+    from skippyd.config import ConfigError, check_pipeline, load_config
+
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append((path, load_config(path)))
+        except ConfigError as exc:
+            raise _fail(f"invalid config {path}\n{exc}", ExitCode.CONFIG) from None
+    loaded.sort(key=lambda item: item[1].stage.index)
+    if len(loaded) > 1:
+        try:
+            check_pipeline([config for _, config in loaded])
+        except ConfigError as exc:
+            raise _fail(f"the configs do not form one pipeline\n{exc}",
+                        ExitCode.CONFIG) from None
+    return loaded
 
 
-def _names(urls: list[str], configs: list[Path | None]) -> list[str]:
+def _names(urls: list[str], configs: list[list[Path] | None]) -> list[str]:
     import httpx
 
-    names = ["skippyd" if config else httpx.URL(url).netloc.decode() or url
+    names = [("skippyd" if len(config) == 1 else f"skippyd ({len(config)} stages)")
+             if config else httpx.URL(url).netloc.decode() or url
              for url, config in zip(urls, configs, strict=True)]
     if len(names) == 2 and names[0] == names[1]:
         names[1] += " (vs)"

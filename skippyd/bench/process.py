@@ -178,3 +178,50 @@ def skippyd_process(config_path: str, *, extra_args: Sequence[str] = (),
     argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", config_path,
             "--listen", "127.0.0.1:0", *extra_args]
     return ServerProcess(argv, SKIPPYD_READY, name="skippyd", env=env)
+
+
+#: The line a later stage of a split pipeline prints once its link listens.
+STAGE_READY = r"skippyd stage \S+ serving layers \S+ on link \S+"
+#: How long a started pipeline may take to connect end to end.
+PIPELINE_CONNECT_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def skippyd_pipeline(config_paths: Sequence[str], *,
+                     connect_timeout_s: float = PIPELINE_CONNECT_TIMEOUT_S
+                     ) -> Iterator[ServerProcess]:
+    """Every stage of a split pipeline (configs in stage order), started for a run.
+
+    Later stages start first (last one first); stage 0 gets a free loopback HTTP port.
+    Yields stage 0 once its ``/health`` says the whole chain is connected; stops every
+    stage afterwards.
+
+    Raises:
+        BenchError: A stage does not start, or the chain does not connect in time.
+    """
+    with contextlib.ExitStack() as stack:
+        for index in range(len(config_paths) - 1, 0, -1):
+            argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config",
+                    config_paths[index]]
+            stack.enter_context(ServerProcess(argv, STAGE_READY, name=f"stage {index}"))
+        head = stack.enter_context(skippyd_process(config_paths[0]))
+        _wait_connected(head, connect_timeout_s)
+        yield head
+
+
+def _wait_connected(head: ServerProcess, timeout_s: float) -> None:
+    import httpx  # deferred: only pipelines poll health
+
+    health = head.url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + timeout_s
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            body = httpx.get(health, timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            body = {}
+        if body.get("status") == "ok":
+            return
+        time.sleep(0.1)  # stage 0 dials the chain with backoff: poll its health
+    raise BenchError(f"the pipeline did not connect in {timeout_s:.0f} s: "
+                     f"{body.get('reason', 'no answer')}\n" + head.log_tail())

@@ -18,6 +18,7 @@ from skippyd.config.schema import (
     MAX_SOCKET_PATH_BYTES,
     UNQUANTIZED_CACHE_TYPES,
     PeerConfig,
+    RuntimeSection,
     StageConfig,
     parse_host_port,
 )
@@ -152,6 +153,9 @@ def _link_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
             and issues.clean("link.listen", "stage.index", "stage.layer_start")):
         issues.add("link.listen", "required on a stage after the first "
                    "(the upstream stage connects to it)")
+    if link.advertise is not None and not config.is_final and issues.clean("link.advertise"):
+        issues.add("link.advertise", "only the final stage announces a return endpoint "
+                   "(stage 0 dials it for predictions)")
     if (config.http is not None and link.listen is not None
             and issues.clean("link.listen", "http.listen")):
         port = parse_host_port(link.listen)[1]
@@ -191,8 +195,9 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
 
     Raises:
         ConfigError: Indexes, layer ranges, peers, endpoints, secrets or model ids do
-            not line up, or a later stage has fewer lanes, a smaller context or a
-            smaller ``n_batch`` than stage 0 (stage 0 would refuse that chain).
+            not line up, or a later stage has fewer lanes, a smaller context, less room
+            per session (``ctx_size / lane_count``) or a smaller ``n_batch`` than stage 0
+            (stage 0 would refuse that chain).
         ValueError: ``configs`` is empty.
     """
     if not configs:
@@ -216,8 +221,20 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
                 # chain whole: stage 0 refuses a chain that cannot carry its own load.
                 issues.add(f"stages[{position}].runtime.{name}",
                            f"must be at least stages[0].runtime.{name} = {need} (got {have})")
+        _check_session_room(position, head, config.runtime, issues)
     if issues:
         raise ConfigError(issues.items, "<pipeline>")
+
+
+def _check_session_room(position: int, head: RuntimeSection, runtime: RuntimeSection,
+                        issues: IssueCollector) -> None:
+    """Each session has a lane of its own (``ctx_size / lane_count`` tokens) on every
+    stage: more lanes in the same context leave a later stage less room per session."""
+    have, need = runtime.ctx_size // runtime.lane_count, head.ctx_size // head.lane_count
+    key = f"stages[{position}].runtime.ctx_size"
+    if have < need and issues.clean(key):
+        issues.add(key, f"ctx_size / lane_count ({runtime.ctx_size} / {runtime.lane_count} "
+                        f"= {have} tokens per session) must be at least stage 0's {need}")
 
 
 def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCollector) -> None:

@@ -33,6 +33,7 @@ LogFormat = Literal["auto", "text", "json"]
 KvCacheMode = Literal["disabled", "auto", "record", "lookup-record"]
 KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
 ReasoningFormat = Literal["auto", "none"]
+ActivationDtype = Literal["f32", "f16"]
 HttpProtocol = Literal["h11", "httptools", "auto"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
@@ -211,9 +212,9 @@ class RuntimeSection:
     values smooth streams more and delay long prompts' first token; 0 prefills prompts
     whole, between decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
-    """Groups a split pipeline cuts each decode step into, so every stage works on one
-    while the next computes another; ``None``: one per stage. Also set by
-    ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
+    """Groups a split pipeline cuts each iteration into, so every stage works on one
+    while the next computes another; ``None``: one per stage plus one (the one
+    travelling). Also set by ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
     slice_cache_dir: str | None = _setting(None, check=_check_non_empty)
@@ -399,6 +400,12 @@ class LinkSection:
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""
+    advertise: str | None = _setting(None, check=_check_endpoint)
+    """Final stage: the ``host:port`` stage 0 dials for predictions (default: ``listen``;
+    set it when stage 0 reaches this stage through a NAT, a port forward or a proxy)."""
+    activation_dtype: ActivationDtype = "f32"
+    """Stage 0: how activation rows cross the links: ``f32`` (exact) or ``f16`` (half
+    the bytes; greedy output may differ from the unsplit model's)."""
 
     @property
     def listen_address(self) -> tuple[str, int] | None:

@@ -15,7 +15,8 @@ from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
     IterationRequest,
@@ -37,13 +38,17 @@ logger = logging.getLogger(__name__)
 class MeteredRuntime(RuntimeWrapper):
     """A runtime that adds up the time its iterations spend in llama.cpp (busy time)."""
 
-    def __init__(self, inner: Runtime) -> None:
+    def __init__(self, inner: Runtime, timeline: StageTimeline) -> None:
         super().__init__(inner)
         self.busy_s = 0.0
+        self.timeline = timeline
 
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+        started = time.perf_counter()
         output = self.inner.iteration_batch_sampled(requests)
         self.busy_s += output.compute_s
+        self.timeline.compute_s += output.compute_s
+        self.timeline.runtime_s += time.perf_counter() - started - output.compute_s
         return output
 
 
@@ -53,7 +58,7 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
         layer_end=stage.layer_end or stage.layer_start + runtime.info.n_layer,
         model_id=stage.model_id, n_embd=runtime.n_embd, lanes=runtime.lane_count,
-        kv_pool_tokens=runtime.kv_pool_tokens, max_batch_tokens=runtime.max_batch_tokens,
+        session_tokens=runtime.max_session_tokens, max_batch_tokens=runtime.max_batch_tokens,
         is_first=config.is_first,
         is_final=config.is_final, secret=(link.secret or "").encode(),
         max_frame_bytes=link.max_frame_bytes,
@@ -61,6 +66,7 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         max_chains=link.max_chains,
         downstream_id=downstream.stage_id if downstream else None,
         downstream=downstream.address if downstream else None,
+        advertise=link.advertise,
     )
 
 
@@ -81,15 +87,17 @@ class SplitStage:
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
         self.pipeline: PipelineRuntime | None = None
+        self.timeline = StageTimeline()
+        """A later stage's per-batch timeline (stage 0's lives in its pipeline runtime)."""
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
-                config, local.n_embd, local.lane_count, local.kv_pool_tokens,
+                config, local.n_embd, local.lane_count, local.max_session_tokens,
                 local.max_batch_tokens))
             self.pipeline = PipelineRuntime(
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
             self.runtime: Runtime = self.pipeline
         else:
-            self.runtime = MeteredRuntime(local)
+            self.runtime = MeteredRuntime(local, self.timeline)
 
     def start(self, worker: WorkerHandle) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
@@ -101,7 +109,7 @@ class SplitStage:
         listen = self.config.link.listen_address
         if listen is not None:
             server = StageLinkServer(self._facts, None if self.config.is_first else worker,
-                                     self.status)
+                                     self.status, self.timeline)
             server.bind(listen)
             server.start()
             self._server = server
@@ -136,13 +144,20 @@ class SplitStage:
                                   "active_sessions": sessions}
         if isinstance(self.runtime, MeteredRuntime):
             status["busy_s"] = self.runtime.busy_s
+            status["timeline"] = self.runtime.timeline.as_dict()
         if self.pipeline is not None and self.link is not None:
             counters = self.pipeline.counters
             status.update(busy_s=counters.local_compute_s, batches_sent=counters.batches_sent,
                           lookahead_steps=counters.lookahead_steps,
                           lookahead_hits=counters.lookahead_hits,
                           lookahead_retracted=counters.lookahead_retracted,
-                          chain=self.link.status())
+                          chain=self.link.status(),
+                          timeline=_stage0_timeline(counters.timeline, self.link.timeline),
+                          links=self.link.links(),
+                          inflight_batches=self.pipeline.inflight_batches,
+                          max_inflight_batches=MAX_INFLIGHT_BATCHES,
+                          reply_ms=_ms(counters.reply_last_s),
+                          reply_avg_ms=_ms(counters.reply_avg_s))
         return status
 
     def link_status(self) -> dict[str, Any]:
@@ -155,6 +170,18 @@ class SplitStage:
         if server is not None:
             return server.status()
         return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _stage0_timeline(pipeline: StageTimeline, link: StageTimeline) -> dict[str, float]:
+    """Stage 0's timeline: compute and waits from the pipeline, encode and send from
+    the link that serialises and writes the batches."""
+    timeline = pipeline.as_dict()
+    timeline.update(encode_s=link.encode_s, send_s=link.send_s)
+    return timeline
 
 
 def make_split(config: StageConfig, local: LlamaRuntime) -> SplitStage | None:

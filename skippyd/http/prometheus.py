@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from skippyd.engine.worker.commands import WorkerStats
+from skippyd.http.link_metrics import link_probe_families
 
 if TYPE_CHECKING:
     from skippyd.http.backend import HealthStatus
@@ -67,7 +68,9 @@ class StageCollector(Collector):
              "stage's batches).", stats.num_direct_iterations),
         ):
             yield CounterMetricFamily("skippyd_" + name, doc, value=value)
-        yield from link_families(m.link_status())
+        link = m.link_status()
+        yield from link_families(link)
+        yield from link_probe_families(link)
 
 
 def _build_info(labels: Mapping[str, str]) -> Iterator[Any]:

@@ -16,15 +16,22 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skippyd.config import StageConfig
 from skippyd.config.schema import parse_host_port
-from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample, ChainUnavailableError
+from skippyd.engine.runtime.pipeline_types import (
+    ChainEntry,
+    ChainSample,
+    ChainUnavailableError,
+    StageTimeline,
+)
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
+from skippyd.link.probe import LinkPinger, link_view
 from skippyd.link.wire import (
     Frame,
     FrameKind,
@@ -70,19 +77,23 @@ class ChainIdentity:
     layer_end: int
     n_embd: int
     lanes: int
-    kv_pool_tokens: int
+    session_tokens: int
+    """Most tokens one session holds (one lane's KV stream)."""
     max_batch_tokens: int
     max_frame_bytes: int
+    half_rows: bool = False
+    """Send activation rows as float16 (``link.activation_dtype = "f16"``)."""
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
-                    kv_pool_tokens: int, max_batch_tokens: int) -> ChainIdentity:
+                    session_tokens: int, max_batch_tokens: int) -> ChainIdentity:
         downstream = config.downstream
         if downstream is None or config.link.secret is None or config.stage.layer_end is None:
             raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
-                   kv_pool_tokens, max_batch_tokens, config.link.max_frame_bytes)
+                   session_tokens, max_batch_tokens, config.link.max_frame_bytes,
+                   config.link.activation_dtype == "f16")
 
 
 #: TCP keepalive: probe after this idle time, then every interval, give up after count.
@@ -169,17 +180,23 @@ class ChainLink:
         self._data: FrameSocket | None = None
         self._return: FrameSocket | None = None
         self._bytes = [0, 0]
+        self.timeline = StageTimeline()
+        """Encode and send seconds of the batches sent (the rest is the pipeline's)."""
+        self._pinger: LinkPinger | None = None
         self._thread = threading.Thread(target=self._run, name="skippyd-chain-connector",
                                         daemon=True)
 
     def start(self, listener: ChainListener) -> None:
         self._listener = listener
+        self._pinger = LinkPinger("skippyd-chain-pinger").start()
         self._thread.start()
 
     def close(self) -> None:
         """Stop reconnecting and close both connections. Idempotent."""
         self._closed.set()
         self._mark_down(self._epoch, "stage 0 is shutting down")
+        if self._pinger is not None:
+            self._pinger.close()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=DIAL_TIMEOUT_S + 1)
 
@@ -201,10 +218,16 @@ class ChainLink:
         return None if self._up else self._reason
 
     def send_batch(self, request_id: int, entries: Sequence[ChainEntry]) -> None:
+        started = time.perf_counter()
         last = len(entries) - 1
-        data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last)
+        half = self.identity.half_rows
+        data = b"".join(encode_iteration(request_id, entry, end_of_batch=i == last,
+                                         half_rows=half)
                         for i, entry in enumerate(entries))
+        encoded = time.perf_counter()
         self._write(data)
+        self.timeline.encode_s += encoded - started
+        self.timeline.send_s += time.perf_counter() - encoded
 
     def send_drop(self, session_id: int) -> None:
         self._write(encode_drop(session_id))
@@ -235,6 +258,14 @@ class ChainLink:
         return {"up": self._up, "reason": self.down_reason(), "epoch": self._epoch,
                 "num_stages": self._num_stages + 1, "bytes_out": bytes_out,
                 "bytes_in": bytes_in}
+
+    def links(self) -> list[dict[str, Any]]:
+        """Round trips and send queues of the connection to stage 1 and of the return
+        connection from the final stage (``skippyd.link.probe``)."""
+        with self._lock:
+            data, ret = self._data, self._return
+        return [link_view(data, self.identity.downstream_id, "downstream"),
+                link_view(ret, self._final_id, "return")]
 
     # -- connector thread ----------------------------------------------------------------
 
@@ -282,9 +313,10 @@ class ChainLink:
         if ack.min_lanes < ident.lanes:
             raise ChainSetupError(f"a later stage has {ack.min_lanes} lanes, fewer than "
                                   f"stage 0's {ident.lanes}")
-        if ack.min_ctx < ident.kv_pool_tokens:
-            raise ChainSetupError(f"a later stage has a {ack.min_ctx}-token KV pool, smaller "
-                                  f"than stage 0's {ident.kv_pool_tokens}")
+        if ack.min_session_tokens < ident.session_tokens:
+            raise ChainSetupError(
+                f"a later stage holds at most {ack.min_session_tokens} tokens per session "
+                f"(runtime.ctx_size / lanes), fewer than stage 0's {ident.session_tokens}")
         if ack.min_batch < ident.max_batch_tokens:
             raise ChainSetupError(
                 f"a later stage takes at most {ack.min_batch} tokens per batch "
@@ -306,6 +338,9 @@ class ChainLink:
             self._down.clear()
             self._up = True
             self._reason = None
+        if self._pinger is not None:
+            self._pinger.add(data)
+            self._pinger.add(ret)
         for target, conn, name in ((self._read_returns, ret, "return"),
                                    (self._watch_data, data, "watch")):
             threading.Thread(target=target, args=(conn, epoch), daemon=True,
@@ -324,6 +359,8 @@ class ChainLink:
             was_up, self._up = self._up, False
             self._reason = f"{reason} (reconnecting)"
         for conn in conns:
+            if self._pinger is not None:
+                self._pinger.remove(conn)
             conn.close()
         if was_up and not self._closed.is_set():
             logger.warning("pipeline lost: %s; reconnecting", reason)
@@ -339,16 +376,18 @@ class ChainLink:
                 if frame is None:
                     reason = f"{self._final_id} closed the return connection"
                     break
-                self._deliver(frame, epoch)
+                self._deliver(conn, frame, epoch)
         except LinkProtocolError as exc:
             reason = f"protocol error on the return connection: {exc}"
         except OSError as exc:
             reason = f"return connection failed: {exc}"
         self._mark_down(epoch, reason)
 
-    def _deliver(self, frame: Frame, epoch: int) -> None:
+    def _deliver(self, conn: FrameSocket, frame: Frame, epoch: int) -> None:
         listener = self._listener
         assert listener is not None
+        if conn.answer_probe(frame):
+            return
         if frame.kind is FrameKind.RESULT:
             listener.on_result(epoch, frame.header.request_id, frame.payload)  # type: ignore[arg-type]
         elif frame.kind is FrameKind.ERROR:
@@ -357,9 +396,10 @@ class ChainLink:
             raise LinkProtocolError(f"unexpected {frame.kind.name} frame")
 
     def _watch_data(self, conn: FrameSocket, epoch: int) -> None:
-        """Nothing comes back on the data connection: any read result means it ended."""
+        """Only probes come back on the data connection: anything else ends it."""
         try:
-            frame = conn.read()
+            while (frame := conn.read()) is not None and conn.answer_probe(frame):
+                pass
             reason = (f"{self.identity.downstream_id} closed the connection" if frame is None
                       else f"unexpected {frame.kind.name} frame from "
                            f"{self.identity.downstream_id}")

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry
+from skippyd.link.probe import RoundTrips
 from skippyd.link.wire import (
     HANDSHAKE_LIMITS,
     HEADER_BYTES,
     MAX_BATCH_ENTRIES,
     Flag,
     Frame,
+    FrameKind,
     LinkLimits,
     LinkProtocolError,
     decode_body,
     decode_header,
+    encode_ping,
+    encode_pong,
 )
 
 logger = logging.getLogger(__name__)
@@ -47,9 +52,12 @@ class FrameSocket:
         self.limits = limits
         self.bytes_in = 0
         self.bytes_out = 0
+        self.round_trips = RoundTrips()
+        """What this end's PINGs measured (``skippyd.link.probe``)."""
         self.deadline: float | None = None
         self.body_timeout_s: float | None = None
         self._header = bytearray(HEADER_BYTES)
+        self._write_lock = threading.Lock()
 
     def read(self) -> Frame | None:
         """The next frame, or None on a clean end of stream between frames.
@@ -110,8 +118,25 @@ class FrameSocket:
         return done
 
     def write(self, data: bytes) -> None:
-        self.sock.sendall(data)
-        self.bytes_out += len(data)
+        """Send whole frames; frames of concurrent writers never interleave."""
+        with self._write_lock:
+            self.sock.sendall(data)
+            self.bytes_out += len(data)
+
+    def send_ping(self, now_ns: int) -> None:
+        self.write(encode_ping(now_ns))
+
+    def answer_probe(self, frame: Frame) -> bool:
+        """Handle a PING (answer it) or a PONG (record the round trip); True if it was
+        one of them, so the caller's reader skips it."""
+        if frame.kind is FrameKind.PING:
+            self.write(encode_pong(frame.header.request_id))
+            return True
+        if frame.kind is FrameKind.PONG:
+            sent_ns = frame.header.request_id
+            self.round_trips.add(max(0, time.monotonic_ns() - sent_ns) / 1e9)
+            return True
+        return False
 
     def close(self) -> None:
         """Shut the connection down (unblocking a reader) and close it. Idempotent."""
@@ -133,13 +158,15 @@ class BatchAssembler:
         self._request_id: int | None = None
         self._entries: list[ChainEntry] = []
         self._sessions: set[int] = set()
+        self._half_rows = False
 
     @property
     def open(self) -> bool:
         return self._request_id is not None
 
-    def add(self, frame: Frame) -> tuple[int, list[ChainEntry]] | None:
-        """Add an ITERATION frame; returns (request id, entries) when the batch ends."""
+    def add(self, frame: Frame) -> tuple[int, list[ChainEntry], bool] | None:
+        """Add an ITERATION frame; when the batch ends, returns its request id, its
+        entries, and whether its rows came as float16 (to be forwarded the same way)."""
         header = frame.header
         if self._request_id is not None and header.request_id != self._request_id:
             raise LinkProtocolError(f"ITERATION frame of batch {header.request_id} inside "
@@ -151,11 +178,13 @@ class BatchAssembler:
             raise LinkProtocolError(f"batch {header.request_id} exceeds {MAX_BATCH_ENTRIES} "
                                     "entries")
         self._request_id = header.request_id
+        self._half_rows = self._half_rows or bool(header.flags & Flag.ROWS_F16)
         self._sessions.add(header.session_id)
         assert isinstance(frame.payload, ChainEntry)
         self._entries.append(frame.payload)
         if not header.flags & Flag.END_OF_BATCH:
             return None
-        done = (header.request_id, self._entries)
+        done = (header.request_id, self._entries, self._half_rows)
         self._request_id, self._entries, self._sessions = None, [], set()
+        self._half_rows = False
         return done

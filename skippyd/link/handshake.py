@@ -79,8 +79,9 @@ class HelloAck:
     """Stages from the listener to the end of the pipeline, itself included."""
     min_lanes: int = 0
     """Fewest lanes of those stages."""
-    min_ctx: int = 0
-    """Smallest KV pool of those stages, in tokens."""
+    min_session_tokens: int = 0
+    """Smallest per-session KV capacity of those stages, in tokens (one lane's stream:
+    ``runtime.ctx_size / lanes``)."""
     min_batch: int = 0
     """Fewest tokens one iteration may hold on those stages (their ``runtime.n_batch``)."""
     return_endpoint: str = ""
@@ -182,8 +183,8 @@ def send_ack(conn: FrameSocket, secret: bytes, nonces: tuple[bytes, bytes],
     server_nonce, client_nonce = nonces
     endpoint = _name(ack.return_endpoint, "return endpoint")
     stage_id = _name(ack.final_stage_id, "stage id")
-    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_ctx, ack.min_batch,
-                       len(endpoint), len(stage_id))[32:] + endpoint + stage_id
+    fields = _ACK.pack(b"\0" * 32, ack.num_stages, ack.min_lanes, ack.min_session_tokens,
+                       ack.min_batch, len(endpoint), len(stage_id))[32:] + endpoint + stage_id
     mac = _mac(secret, b"ack", client_nonce, server_nonce, fields)
     conn.write(encode_frame(FrameKind.HELLO_ACK, mac + fields))
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.link.dialer import configure_socket
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import (
@@ -34,6 +35,7 @@ from skippyd.link.handshake import (
     send_ack,
     send_refuse,
 )
+from skippyd.link.probe import LinkPinger
 from skippyd.link.relay import ChainConnection
 from skippyd.link.wire import (
     FrameKind,
@@ -69,7 +71,7 @@ class StageFacts:
     model_id: str
     n_embd: int
     lanes: int
-    kv_pool_tokens: int
+    session_tokens: int
     max_batch_tokens: int
     is_first: bool
     is_final: bool
@@ -80,6 +82,8 @@ class StageFacts:
     max_chains: int = 1
     downstream_id: str | None = None
     downstream: tuple[str, int] | None = None
+    advertise: str | None = None
+    """The return endpoint a final stage announces instead of its listen address."""
 
 
 class StageLinkServer:
@@ -92,10 +96,15 @@ class StageLinkServer:
     """
 
     def __init__(self, facts: StageFacts, worker: WorkerHandle | None,
-                 status: Callable[[], dict[str, Any]]) -> None:
+                 status: Callable[[], dict[str, Any]],
+                 timeline: StageTimeline | None = None) -> None:
         self.facts = facts
         self.worker = worker
+        self.timeline = timeline or StageTimeline()
+        """Where this stage's batches spend their time (its chain connections add to it)."""
         self._status = status
+        self.pinger = LinkPinger(f"skippyd-link-pinger-{facts.stage_id}")
+        """PINGs every chain connection of this stage (started with the listener)."""
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None
         self._handshakes = PendingHandshakes(MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_PEER)
@@ -136,6 +145,7 @@ class StageLinkServer:
     def start(self) -> None:
         if self._sock is None:
             raise RuntimeError("bind() the link listener before start()")
+        self.pinger.start()
         self._thread.start()
 
     def close(self) -> None:
@@ -151,6 +161,7 @@ class StageLinkServer:
             chains = list(self._chains.values())
         for chain in chains:
             chain.close("the stage is shutting down")
+        self.pinger.close()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
@@ -180,7 +191,10 @@ class StageLinkServer:
         for chain in chains:
             for key, value in chain.counters().items():
                 totals[key] += value
-        return status_body(self.facts, len(chains), totals, self._status())
+        links = [view for chain in chains for view in chain.links()]
+        queued = sum(chain.queued_batches for chain in chains)
+        return status_body(self.facts, len(chains), totals,
+                           {"links": links, "queued_batches": queued, **self._status()})
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -281,9 +295,10 @@ class StageLinkServer:
             self.reject(peer, "the chain already has a return connection")
             return
         conn.sock.settimeout(None)
-        # Stage 0 sends nothing on this connection: any read result means it ended.
+        # Stage 0 sends only probes on this connection: anything else ends it.
         try:
-            frame = conn.read()
+            while (frame := conn.read()) is not None and conn.answer_probe(frame):
+                pass
             reason = ("stage 0 closed the return connection" if frame is None
                       else f"unexpected {frame.kind.name} frame on the return connection")
         except (LinkProtocolError, OSError) as exc:
@@ -291,8 +306,11 @@ class StageLinkServer:
         chain.close(reason)
 
     def return_endpoint(self, conn: FrameSocket) -> str:
-        """Where stage 0 reaches this (final) stage: the listen address, or, for a
-        wildcard listen host, the local address the upstream connection arrived on."""
+        """Where stage 0 reaches this (final) stage: ``link.advertise`` when set, else
+        the listen address, or, for a wildcard listen host, the local address the
+        upstream connection arrived on."""
+        if self.facts.advertise is not None:
+            return self.facts.advertise
         assert self._address is not None
         host, port = self._address
         if host in _WILDCARD_HOSTS:

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import QueueFullError, WorkerError
-from skippyd.engine.worker.direct_batch import DirectIteration
+from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, send_ack
+from skippyd.link.probe import link_view
 from skippyd.link.wire import (
     Frame,
     FrameKind,
@@ -68,6 +69,10 @@ class _Pending:
     request_id: int
     entries: list[ChainEntry]
     futures: list[Future]
+    half_rows: bool
+    """The rows came as float16: a middle stage forwards its own rows the same way."""
+    submitted_at: float
+    """``time.monotonic()`` when the batch's entries were queued on the worker."""
 
 
 @dataclass(slots=True)
@@ -128,11 +133,14 @@ class ChainConnection:
         send_ack(self._upstream, self._facts.secret, self._nonces, ack)
         limits = LinkLimits(max_frame_bytes=self._facts.max_frame_bytes,
                             row_width=self._facts.n_embd,
-                            max_context_tokens=self._facts.kv_pool_tokens)
+                            max_context_tokens=self._facts.session_tokens)
         self._upstream.limits = limits
         self._upstream.sock.settimeout(None)
         # Idle between frames is fine; stalling inside one is not.
         self._upstream.body_timeout_s = FRAME_BODY_TIMEOUT_S
+        for conn in (self._upstream, self._downstream):
+            if conn is not None:
+                self._server.pinger.add(conn)
         logger.info("chain connection from %s accepted (%d stage(s) from here to the end)",
                     self._peer, ack.num_stages)
         completer = threading.Thread(target=self._complete_loop, daemon=True,
@@ -159,6 +167,7 @@ class ChainConnection:
     def _close_sockets(self) -> None:
         for conn in (self._upstream, self._downstream, self._return):
             if conn is not None:
+                self._server.pinger.remove(conn)
                 conn.close()
 
     def attach_return(self, conn: FrameSocket) -> bool:
@@ -167,8 +176,25 @@ class ChainConnection:
             if self._closing.is_set() or self._return is not None:
                 return False
             self._return = conn
+        self._server.pinger.add(conn)
         self._return_ready.set()
         return True
+
+    def links(self) -> list[dict[str, Any]]:
+        """Round trips and send queues of this chain's connections (``link.probe``)."""
+        facts = self._facts
+        views = [link_view(self._upstream, self._peer, "upstream")]
+        if not facts.is_final:
+            views.append(link_view(self._downstream, facts.downstream_id or "downstream",
+                                   "downstream"))
+        else:
+            views.append(link_view(self._return, "stage 0", "return"))
+        return views
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches read and not yet finished (their results not yet sent)."""
+        return self._queue.qsize()
 
     def counters(self) -> dict[str, int]:
         conns = [c for c in (self._upstream, self._downstream, self._return) if c is not None]
@@ -194,7 +220,7 @@ class ChainConnection:
             if not ok:
                 raise _Refusal(problem)
         if facts.is_final:
-            return HelloAck(1, facts.lanes, facts.kv_pool_tokens, facts.max_batch_tokens,
+            return HelloAck(1, facts.lanes, facts.session_tokens, facts.max_batch_tokens,
                             self._server.return_endpoint(self._upstream), facts.stage_id)
         return self._extend_chain()
 
@@ -210,15 +236,17 @@ class ChainConnection:
             raise _Refusal(f"{facts.downstream_id} at {facts.downstream[0]}:"
                            f"{facts.downstream[1]}: {exc}") from None
         return HelloAck(ack.num_stages + 1, min(facts.lanes, ack.min_lanes),
-                        min(facts.kv_pool_tokens, ack.min_ctx),
+                        min(facts.session_tokens, ack.min_session_tokens),
                         min(facts.max_batch_tokens, ack.min_batch), ack.return_endpoint,
                         ack.final_stage_id)
 
     def _watch_downstream(self) -> None:
-        """Nothing comes back on the downstream connection: any read result ends it."""
-        assert self._downstream is not None
+        """Only probes come back on the downstream connection: anything else ends it."""
+        downstream = self._downstream
+        assert downstream is not None
         try:
-            frame = self._downstream.read()
+            while (frame := downstream.read()) is not None and downstream.answer_probe(frame):
+                pass
             reason = ("the downstream stage closed the connection" if frame is None
                       else f"unexpected {frame.kind.name} frame from downstream")
         except (LinkProtocolError, OSError) as exc:
@@ -244,6 +272,8 @@ class ChainConnection:
 
     def _dispatch(self, frame: Frame, assembler: BatchAssembler) -> None:
         kind = frame.kind
+        if not assembler.open and self._upstream.answer_probe(frame):
+            return
         if kind is FrameKind.ITERATION:
             done = assembler.add(frame)
             if done is not None:
@@ -258,9 +288,12 @@ class ChainConnection:
         else:
             raise LinkProtocolError(f"unexpected {kind.name} frame on a chain connection")
 
-    def _submit_batch(self, request_id: int, entries: list[ChainEntry]) -> None:
+    def _submit_batch(self, request_id: int, entries: list[ChainEntry],
+                      half_rows: bool) -> None:
         final = self._facts.is_final
         futures = []
+        # Stage 0's decode groups arrive as batches: each runs whole and alone here too.
+        group = DirectGroup((self.chain_id, request_id), len(entries))
         for entry in entries:
             name = self._session_name(entry.session_id)
             iteration = DirectIteration(
@@ -270,13 +303,13 @@ class ChainConnection:
                 phase=IterationPhase.DECODE if entry.decode else IterationPhase.PREFILL,
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
-                target_token_count=entry.first_position,
+                target_token_count=entry.first_position, group=group,
             )
             future = self._submit(iteration)
             futures.append(future)
             pending = [f for f in self._outstanding.get(name, []) if not f.done()]
             self._outstanding[name] = [*pending, future]
-        self._queue.put(_Pending(request_id, entries, futures))
+        self._queue.put(_Pending(request_id, entries, futures, half_rows, time.monotonic()))
 
     def _drop(self, wire_id: int) -> None:
         """Free a session on the worker before anything after the DROP is submitted."""
@@ -346,19 +379,42 @@ class ChainConnection:
             return
         if error is not None:
             self._send_error(pending.request_id, error)
-        elif self._facts.is_final:
+            return
+        started = time.perf_counter()
+        self._note_timeline(pending, outcomes)
+        if self._facts.is_final:
             samples = [ChainSample(i, o.predicted, o.is_eog)
                        for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True))
                        if e.sample_last]
-            self._send_return(encode_result(pending.request_id, samples))
+            data = encode_result(pending.request_id, samples)
         else:
             last = len(pending.entries) - 1
             data = b"".join(
                 encode_iteration(pending.request_id, replace(e, rows=o.output_rows),
-                                 end_of_batch=i == last)
+                                 end_of_batch=i == last, half_rows=pending.half_rows)
                 for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True)))
+        encoded = time.perf_counter()
+        if self._facts.is_final:
+            self._send_return(data)
+        else:
             assert self._downstream is not None
             self._downstream.write(data)
+        timeline = self._server.timeline
+        timeline.encode_s += encoded - started
+        timeline.send_s += time.perf_counter() - encoded
+
+    def _note_timeline(self, pending: _Pending, outcomes: list) -> None:
+        """Add a finished batch's queue wait and completer lag to the stage's timeline.
+
+        The entries of one batch usually run in one worker call; when they were split
+        over several, the last one to finish sets the lag.
+        """
+        finished = max(pending.submitted_at + (o.batch_wait_ms + o.run_ms) / 1000.0
+                       for o in outcomes)
+        timeline = self._server.timeline
+        timeline.batches += 1
+        timeline.wait_s += max(o.batch_wait_ms for o in outcomes) / 1000.0
+        timeline.reply_s += max(0.0, time.monotonic() - finished)
 
     def _send_error(self, request_id: int, message: str) -> None:
         data = encode_text(FrameKind.ERROR, message, request_id=request_id)

@@ -25,7 +25,7 @@ from skippyd.engine.worker.settings import MAX_NATIVE_ITERATION_TOKENS
 logger = logging.getLogger(__name__)
 
 #: Bumped on any incompatible change of a frame layout or of the handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"SKPL"
 #: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
 #: first_position i32, token_count u32, row_width u32.
@@ -57,6 +57,8 @@ class FrameKind(enum.IntEnum):
     ITERATION = 10
     DROP = 11
     ERROR = 12
+    PING = 13
+    PONG = 14
     RESULT = 20
     STATUS = 30
 
@@ -69,6 +71,7 @@ class Flag(enum.IntFlag):
     SAMPLE_LAST = 1 << 2
     END_OF_BATCH = 1 << 3
     DECODE = 1 << 4
+    ROWS_F16 = 1 << 5
 
 
 #: Kinds whose body has a small fixed bound, refused above it before any body is read.
@@ -77,7 +80,9 @@ _MAX_BODY_BYTES = {
     FrameKind.STATUS: MAX_STATUS_BYTES, FrameKind.RESULT: MAX_BATCH_ENTRIES * _RESULT.size,
 }
 _ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
-                 | Flag.DECODE)
+                 | Flag.DECODE | Flag.ROWS_F16)
+#: Largest magnitude float16 holds; a frame with a larger value travels as float32.
+F16_MAX = float(np.finfo(np.float16).max)
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 
@@ -163,8 +168,13 @@ def encode_sampling(config: SamplingConfig) -> bytes:
     return head + b"".join(_BIAS.pack(t, b) for t, b in config.logit_bias)
 
 
-def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool) -> bytes:
-    """One session's share of a batch as an ITERATION frame."""
+def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
+                     half_rows: bool = False) -> bytes:
+    """One session's share of a batch as an ITERATION frame.
+
+    ``half_rows`` sends the activation rows as float16 (half the bytes, not exact);
+    a frame whose rows exceed float16's range goes as float32 all the same.
+    """
     count = len(entry.token_ids)
     tokens = np.asarray(entry.token_ids, dtype="<i4")
     parts = [tokens.tobytes()]
@@ -180,6 +190,9 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool) 
     if entry.rows is not None:
         rows = np.ascontiguousarray(entry.rows, dtype="<f4")
         width = int(rows.shape[1])
+        if half_rows and rows.size and float(np.abs(rows).max()) <= F16_MAX:
+            flags |= Flag.ROWS_F16
+            rows = rows.astype("<f2")
         parts.append(rows.tobytes())
     flags |= (Flag.SAMPLE_LAST if entry.sample_last else 0) | (
         Flag.DECODE if entry.decode else 0)
@@ -204,6 +217,15 @@ def encode_text(kind: FrameKind, text: str, *, request_id: int = 0) -> bytes:
 
 def encode_drop(session_id: int) -> bytes:
     return encode_frame(FrameKind.DROP, session_id=session_id)
+
+
+def encode_ping(nonce: int) -> bytes:
+    """A PING; ``nonce`` (the sender's clock) comes back in the PONG."""
+    return encode_frame(FrameKind.PING, request_id=nonce)
+
+
+def encode_pong(nonce: int) -> bytes:
+    return encode_frame(FrameKind.PONG, request_id=nonce)
 
 
 # -- decoding ------------------------------------------------------------------------------
@@ -251,6 +273,8 @@ def _check_iteration_header(body_bytes: int, flags: int, first: int, count: int,
     if width not in (0, limits.row_width):
         raise LinkProtocolError(f"ITERATION frame: row_width {width}, expected "
                                 f"{limits.row_width} (agreed at the handshake)")
+    if flags & Flag.ROWS_F16 and not width:
+        raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
     # Tokens, positions and rows, plus one sampling block: nothing may claim more.
     most = 4 * count * (2 + width) + _SAMPLING.size + MAX_LOGIT_BIAS * _BIAS.size
     if body_bytes > most:
@@ -276,9 +300,9 @@ def decode_body(header: FrameHeader, body: bytes | bytearray,
         return Frame(header, _decode_iteration(header, body, max_context_tokens))
     if kind is FrameKind.RESULT:
         return Frame(header, _decode_result(header, body))
-    if kind is FrameKind.DROP:
+    if kind in (FrameKind.DROP, FrameKind.PING, FrameKind.PONG):
         if body:
-            raise LinkProtocolError("DROP frame must have no body")
+            raise LinkProtocolError(f"{kind.name} frame must have no body")
         return Frame(header, None)
     if kind in (FrameKind.ERROR, FrameKind.REFUSE):
         if len(body) > MAX_TEXT_BYTES:
@@ -294,7 +318,8 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
     count, width, flags = header.token_count, header.row_width, header.flags
     offset = 4 * count
     positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
-    rows_bytes = 4 * count * width
+    row_value_bytes = 2 if flags & Flag.ROWS_F16 else 4
+    rows_bytes = row_value_bytes * count * width
     sampling_bytes = len(body) - offset - positions_bytes - rows_bytes
     has_sampling = bool(flags & Flag.SAMPLING)
     if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
@@ -316,8 +341,11 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
         offset += sampling_bytes
     rows = None
     if width:
-        rows = np.frombuffer(body, dtype="<f4", count=count * width,
+        dtype = "<f2" if row_value_bytes == 2 else "<f4"
+        rows = np.frombuffer(body, dtype=dtype, count=count * width,
                              offset=offset).reshape(count, width)
+        if row_value_bytes == 2:
+            rows = rows.astype(np.float32)
         if not np.isfinite(rows).all():
             # NaN or Inf would flow through every later layer and come out as tokens.
             raise LinkProtocolError("ITERATION frame: activation rows must be finite "

@@ -73,12 +73,40 @@ def fmt_percent(fraction: float) -> str:
 
 
 def link_lines(link: Mapping[str, Any], busy_fraction: float | None) -> list[str]:
-    """A split stage's link in two lines that fit an 80-column panel.
+    """A split stage's link in three lines that fit an 80-column panel.
 
     Stage 0 (its link has a ``chain``) shows the chain to the later stages; a later
     stage shows what its listener carried. ``busy_fraction`` is the stage's share of
-    time in llama.cpp between two snapshots (``-`` while unknown).
+    time in llama.cpp between two snapshots (``-`` while unknown). The third line has
+    each connection's round trip and the stage's queue (see :func:`probe_line`).
     """
+    return [*_traffic_lines(link, busy_fraction), probe_line(link)]
+
+
+def probe_line(link: Mapping[str, Any]) -> str:
+    """Round trips (average/maximum) of each connection and the stage's queue.
+
+    A stage that is slow rather than dead shows here first: the round trips into it
+    grow, and batches pile up in front of it (stage 0: unanswered batches; a later
+    stage: batches read and not yet finished).
+    """
+    parts = []
+    for view in link.get("links") or ():
+        if not isinstance(view, Mapping):
+            continue
+        name = view.get("peer") if view.get("role") == "downstream" else view.get("role")
+        rtt = f"{fmt_ms(view.get('rtt_avg_ms'))}/{fmt_ms(view.get('rtt_max_ms'))} ms"
+        queued = number(view.get("send_queue_bytes"))
+        parts.append(f"{name} {rtt}" + (f" (unsent {fmt_bytes(queued)})" if queued else ""))
+    if "inflight_batches" in link:
+        queue = (f"in flight {int(number(link.get('inflight_batches')))}"
+                 f"/{int(number(link.get('max_inflight_batches')))}")
+    else:
+        queue = f"queued {int(number(link.get('queued_batches')))}"
+    return "rtt " + (" · ".join(parts) if parts else "-") + f" · {queue}"
+
+
+def _traffic_lines(link: Mapping[str, Any], busy_fraction: float | None) -> list[str]:
     fraction = "-" if busy_fraction is None else fmt_percent(busy_fraction)
     busy = f"busy {fraction} ({number(link.get('busy_s')):.2f} s)"
     chain = link.get("chain")

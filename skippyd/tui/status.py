@@ -22,7 +22,15 @@ from rich.text import Text
 from skippyd.config import ConfigError
 from skippyd.control.client import ControlClient, ControlError, resolve_socket_path
 from skippyd.exitcodes import ExitCode
-from skippyd.tui.fmt import fmt_bytes, fmt_duration, fmt_ms, fmt_percent, number, section
+from skippyd.tui.fmt import (
+    fmt_bytes,
+    fmt_duration,
+    fmt_ms,
+    fmt_percent,
+    number,
+    probe_line,
+    section,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +183,7 @@ def _link(link: Mapping[str, Any]) -> Table:
     grid = _grid()
     chain = section(link, "chain")
     rows = _chain_rows(link, chain) if chain else _listener_rows(link)
-    for label, value in rows:
+    for label, value in [*rows, ("link health", probe_line(link))]:
         grid.add_row(label, value)
     busy, uptime = number(link.get("busy_s")), number(link.get("uptime_s"))
     share = f" ({fmt_percent(busy / uptime)})" if uptime > 0 else ""

@@ -194,3 +194,58 @@ def test_sigterm_stops_the_skippyd_it_started(config_path):
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pipeline_configs(model_path, workdir: Path) -> list[Path]:
+    """Stages 0 (layers 0-2, HTTP) and 1 (layers 2-4) of the tiny model."""
+    ports = [_free_port(), _free_port()]
+    secret = "bench-pipeline-secret-0123456789"
+    paths = []
+    for index, layers in enumerate([(0, 2), (2, 4)]):
+        text = (f'[stage]\nid = "tiny-{index}"\nindex = {index}\nmodel_path = "{model_path}"\n'
+                f"layer_start = {layers[0]}\nlayer_end = {layers[1]}\n"
+                "[runtime]\nctx_size = 512\nlane_count = 2\nthreads = 1\nthreads_batch = 1\n"
+                f'slice_cache_dir = "{workdir / "slices"}"\n'
+                f'[control]\nsocket = "{workdir / f"tiny{index}.sock"}"\n'
+                f'[link]\nlisten = "127.0.0.1:{ports[index]}"\nsecret = "{secret}"\n')
+        if index == 0:
+            text += (f'[http]\nlisten = "127.0.0.1:0"\n[downstream]\nstage_id = "tiny-1"\n'
+                     f'endpoint = "127.0.0.1:{ports[1]}"\n')
+        else:
+            text += f'[upstream]\nstage_id = "tiny-0"\nendpoint = "127.0.0.1:{ports[0]}"\n'
+        path = workdir / f"stage{index}.toml"
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+def test_several_configs_start_the_whole_pipeline(tiny_model_path, tmp_path):
+    stage0, stage1 = pipeline_configs(tiny_model_path, tmp_path)
+    out = tmp_path / "pipeline.json"
+    # Any order: the stages are started by index, the last one first.
+    result = invoke("--config", str(stage1), "--config", str(stage0), "-c", "2", "-n", "3",
+                    "--prompt-tokens", "5", "--output-tokens", "3", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    (target,) = json.loads(out.read_text())["targets"]
+    assert target["name"] == "skippyd (2 stages)" and target["num_ok"] == 3
+    assert "starting a 2-stage pipeline" in result.output
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{target['url']}/models", timeout=5)
+
+
+def test_configs_that_do_not_chain_are_refused(tiny_model_path, tmp_path):
+    stage0, stage1 = pipeline_configs(tiny_model_path, tmp_path)
+    result = invoke("--config", str(stage1), "-n", "1")
+    assert result.exit_code == ExitCode.USAGE and "no stage 0 among the configs" in result.output
+    stage1.write_text(stage1.read_text().replace("layer_start = 2", "layer_start = 3"))
+    result = invoke("--config", str(stage0), "--config", str(stage1), "-n", "1")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "do not form one pipeline" in result.output and "layer_start" in result.output

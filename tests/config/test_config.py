@@ -504,8 +504,8 @@ def test_single_example() -> None:
 
 
 @pytest.mark.parametrize(("directory", "ranges"), [
-    ("split-2", [(0, 15), (15, 30)]),
-    ("split-3", [(0, 10), (10, 20), (20, 30)]),
+    ("split-2", [(0, 17), (17, 30)]),
+    ("split-3", [(0, 11), (11, 22), (22, 30)]),
 ])
 def test_split_examples_chain(directory: str, ranges: list[tuple[int, int]],
                               caplog: pytest.LogCaptureFixture) -> None:
@@ -566,7 +566,26 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
     with pytest.raises(ConfigError) as info:
         check_pipeline([configs[0], small])
     assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
-    assert "must be at least stages[0].runtime.lane_count = 4 (got 2)" in str(info.value)
+    assert "must be at least stages[0].runtime.lane_count = 8 (got 2)" in str(info.value)
+    crowded = dataclasses.replace(configs[1], runtime=dataclasses.replace(
+        configs[1].runtime, lane_count=16))
+    with pytest.raises(ConfigError) as info:
+        check_pipeline([configs[0], crowded])
+    assert info.value.keys == ["stages[1].runtime.ctx_size"]
+    assert "tokens per session) must be at least stage 0's" in str(info.value)
+
+
+def test_link_advertise_and_activation_dtype() -> None:
+    final = parse_config(later_stage(link={"advertise": "tcp://203.0.113.7:9102"}))
+    assert final.link.advertise == "203.0.113.7:9102"
+    assert final.link.activation_dtype == "f32"
+    middle = later_stage(stage={"layer_end": 20}, link={"advertise": "10.0.0.2:9102"},
+                         downstream={"stage_id": "stage-2", "endpoint": "127.0.0.1:9103"})
+    assert issues_of(middle) == [
+        "link.advertise: only the final stage announces a return endpoint (stage 0 dials "
+        "it for predictions)"]
+    assert issues_of(later_stage(link={"activation_dtype": "f8"}))[0].startswith(
+        "link.activation_dtype")
 
 
 # -- the API's defaults ------------------------------------------------------------------

@@ -31,7 +31,7 @@ WAIT_S = 10.0
 def server(monkeypatch):
     monkeypatch.setattr(listener_module, "HANDSHAKE_TIMEOUT_S", 1.0)
     facts = StageFacts(stage_id="s0", stage_index=0, layer_start=0, layer_end=2,
-                       model_id="m", n_embd=8, lanes=2, kv_pool_tokens=64,
+                       model_id="m", n_embd=8, lanes=2, session_tokens=64,
                        max_batch_tokens=64, is_first=True, is_final=False, secret=SECRET,
                        max_frame_bytes=1 << 20, status_secret=STATUS_SECRET)
     link = StageLinkServer(facts, None, status=lambda: {"probe": 1})

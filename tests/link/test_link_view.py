@@ -27,7 +27,7 @@ class FakeLocalRuntime:
 
     n_embd = 64
     lane_count = 2
-    kv_pool_tokens = 512
+    max_session_tokens = 256
     max_batch_tokens = 128
     info = SimpleNamespace(n_layer=2)
 

@@ -27,6 +27,7 @@ from skippyd.link.handshake import (
 from skippyd.link.wire import (
     HEADER,
     HEADER_BYTES,
+    Flag,
     FrameKind,
     LinkAuthError,
     LinkLimits,
@@ -84,7 +85,8 @@ def test_batch_assembler_groups_until_end_of_batch():
     frames = decode_stream(_valid_stream(), LIMITS)
     assembler = BatchAssembler()
     assert assembler.add(frames[0]) is None and assembler.open
-    request_id, entries = assembler.add(frames[1])
+    request_id, entries, half_rows = assembler.add(frames[1])
+    assert not half_rows
     assert request_id == 9 and [e.session_id for e in entries] == [1, 2]
     assert not assembler.open
 
@@ -267,6 +269,36 @@ def test_a_hello_before_authentication_is_size_limited():
             accept_handshake(FrameSocket(left), SECRET)
 
 
+def test_float16_rows_halve_the_bytes_and_round_trip_within_float16_precision():
+    entry = _entry(4)
+    full = encode_iteration(3, entry, end_of_batch=True)
+    half = encode_iteration(3, entry, end_of_batch=True, half_rows=True)
+    assert len(full) - len(half) == 4 * WIDTH * 2
+    [frame] = decode_stream(half, LIMITS)
+    assert frame.header.flags & Flag.ROWS_F16 and frame.payload.rows.dtype == np.float32
+    np.testing.assert_array_equal(frame.payload.rows,
+                                  entry.rows.astype(np.float16).astype(np.float32))
+    request_id, _, half_rows = BatchAssembler().add(frame)
+    assert (request_id, half_rows) == (3, True)  # a middle stage forwards the same way
+
+
+def test_rows_beyond_float16_range_travel_as_float32():
+    entry = _entry(2)
+    entry.rows[1, 3] = 1e6
+    [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=True),
+                            LIMITS)
+    assert not frame.header.flags & Flag.ROWS_F16
+    np.testing.assert_array_equal(frame.payload.rows, entry.rows)
+
+
+def test_a_float16_flag_without_rows_is_refused():
+    data = bytearray(encode_iteration(3, _entry(2, rows=False), end_of_batch=True))
+    flags = int.from_bytes(data[6:8], "little") | int(Flag.ROWS_F16)
+    data[6:8] = flags.to_bytes(2, "little")
+    with pytest.raises(LinkProtocolError, match="ROWS_F16 flag without rows"):
+        decode_stream(bytes(data), LIMITS)
+
+
 def test_the_status_credential_opens_status_and_nothing_else():
     status_secret = b"read-only-monitoring-credential"
     listener, dialer = _handshake(status_secret, role=Role.STATUS, status_secret=status_secret)
@@ -279,12 +311,23 @@ def test_the_status_credential_opens_status_and_nothing_else():
     assert isinstance(listener, LinkAuthError)
 
 
+@pytest.mark.parametrize("half_rows", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_activation_rows_must_be_finite(bad):
+def test_activation_rows_must_be_finite(bad, half_rows):
     entry = _entry()
     entry.rows[1, 3] = bad
+    data = encode_iteration(1, entry, end_of_batch=True, half_rows=half_rows)
     with pytest.raises(LinkProtocolError, match="activation rows must be finite"):
-        decode_stream(encode_iteration(1, entry, end_of_batch=True), LIMITS)
+        decode_stream(data, LIMITS)
+
+
+def test_float16_rows_are_checked_for_infinity_after_decoding():
+    entry = _entry(2)
+    data = bytearray(encode_iteration(3, entry, end_of_batch=True, half_rows=True))
+    inf16 = np.array([np.inf], dtype="<f2").tobytes()
+    data[-2:] = inf16  # the last row value: +Inf in float16, never sent by an honest peer
+    with pytest.raises(LinkProtocolError, match="activation rows must be finite"):
+        decode_stream(bytes(data), LIMITS)
 
 
 def test_a_claimed_body_allocates_with_the_bytes_that_arrive():

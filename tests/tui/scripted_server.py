@@ -59,6 +59,7 @@ def make_link(**overrides: Any) -> dict[str, Any]:
         "stage_id": "stage-1", "stage_index": 1, "layer_start": 2, "layer_end": 4,
         "is_final": True, "chains": 1, "connections": 1, "batches": 0, "bytes_in": 0,
         "bytes_out": 0, "rejected": 0, "uptime_s": 10.0, "active_sessions": 0, "busy_s": 0.0,
+        "links": [], "queued_batches": 0,
     }
     return {**link, **copy.deepcopy(overrides)}
 

@@ -87,7 +87,10 @@ STAGE0_LINK = make_link(
     stage_id="stage-0", stage_index=0, is_final=False, chains=0, connections=0, uptime_s=14.0,
     busy_s=3.0, batches_sent=40, lookahead_steps=1200, lookahead_hits=900,
     lookahead_retracted=3, chain={"up": True, "reason": None, "epoch": 2, "num_stages": 3,
-                                  "bytes_out": 3 * 2**20, "bytes_in": 1536})
+                                  "bytes_out": 3 * 2**20, "bytes_in": 1536},
+    links=[{"peer": "stage-1", "role": "downstream", "rtt_avg_ms": 0.4, "rtt_max_ms": 2.1,
+            "send_queue_bytes": 0}],
+    inflight_batches=3, max_inflight_batches=8)
 
 
 async def test_link_panel_follows_a_split_stage(server: ScriptedServer) -> None:
@@ -99,7 +102,8 @@ async def test_link_panel_follows_a_split_stage(server: ScriptedServer) -> None:
         assert panel.display and panel.border_title == "link"
         assert rendered(panel).splitlines() == [
             "connections 2 (1 open) · rejected 1 · active sessions 3",
-            "received 5.0 MiB · sent 2.0 KiB · busy - (1.00 s)"]
+            "received 5.0 MiB · sent 2.0 KiB · busy - (1.00 s)",
+            "rtt - · queued 0"]
         server.snapshot = make_snapshot(link={**LATER_LINK, "uptime_s": 12.0, "busy_s": 2.5})
         await wait_for(pilot, lambda: "busy 75.0% (2.50 s)" in rendered(panel),
                        "the busy fraction of two snapshots")
@@ -108,7 +112,9 @@ async def test_link_panel_follows_a_split_stage(server: ScriptedServer) -> None:
         await wait_for(pilot, lambda: rendered(panel).startswith("chain"), "stage 0's link")
         assert rendered(panel).splitlines() == [
             "chain up · 3 stages · epoch 2 · busy 25.0% (3.00 s)",
-            "sent 3.0 MiB · received 1.5 KiB · look-ahead 900/1.2k hits"]
+            "sent 3.0 MiB · received 1.5 KiB · look-ahead 900/1.2k hits",
+            "rtt stage-1 0.4/2.1 ms · in flight 3/8"]
+        assert "in flight 3/8" in screen_text(app)  # the third line fits the panel
         server.snapshot = make_snapshot(queues={"waiting": 5})
         await wait_for(pilot, lambda: queue_shows(app, 5), "a whole-model snapshot")
         assert not panel.display and app.busy_fraction is None

@@ -14,6 +14,7 @@ from skippyd.tui.fmt import (
     fmt_ms,
     link_lines,
     number,
+    probe_line,
     section,
 )
 from skippyd.tui.source import Connected, Disconnected, Dropped, EventReceived, SnapshotReceived
@@ -116,9 +117,25 @@ def test_link_lines_of_both_stage_kinds() -> None:
     later = make_link(chains=1, connections=3, rejected=2, active_sessions=4,
                       bytes_in=3 * 2**20, bytes_out=512, busy_s=1.25)
     assert link_lines(later, 0.5) == ["connections 3 (1 open) · rejected 2 · active sessions 4",
-                                      "received 3.0 MiB · sent 512 B · busy 50.0% (1.25 s)"]
+                                      "received 3.0 MiB · sent 512 B · busy 50.0% (1.25 s)",
+                                      "rtt - · queued 0"]
     stage0 = make_link(lookahead_hits=9, lookahead_steps=12, busy_s=0.5, chain={
         "up": False, "reason": "refused", "epoch": 4, "num_stages": 2, "bytes_out": 2048,
         "bytes_in": 100})
     assert link_lines(stage0, None) == ["chain down · 2 stages · epoch 4 · busy - (0.50 s)",
-                                        "sent 2.0 KiB · received 100 B · look-ahead 9/12 hits"]
+                                        "sent 2.0 KiB · received 100 B · look-ahead 9/12 hits",
+                                        "rtt - · queued 0"]
+
+
+def test_the_probe_line_shows_round_trips_and_queues() -> None:
+    slow = {"peer": "stage-1", "role": "downstream", "rtt_avg_ms": 41.5, "rtt_max_ms": 1250.0,
+            "send_queue_bytes": 3 * 2**20}
+    back = {"peer": "stage-2", "role": "return", "rtt_avg_ms": 0.4, "rtt_max_ms": 0.9,
+            "send_queue_bytes": 0}
+    stage0 = make_link(links=[slow, back], inflight_batches=8, max_inflight_batches=8)
+    assert probe_line(stage0) == ("rtt stage-1 41.5/1.25s ms (unsent 3.0 MiB) · return "
+                                  "0.4/0.9 ms · in flight 8/8")
+    up = {"peer": "127.0.0.1:5000", "role": "upstream", "rtt_avg_ms": None,
+          "rtt_max_ms": None, "send_queue_bytes": 0}
+    assert probe_line(make_link(links=[up], queued_batches=31)) == ("rtt upstream -/- ms · "
+                                                                    "queued 31")

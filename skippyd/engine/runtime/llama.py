@@ -39,8 +39,8 @@ from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.forks import SessionForkMixin
 from skippyd.engine.runtime.lane_cache import LaneCacheMixin
 from skippyd.engine.runtime.llama_ext import (
-    LayerOutputCapture,
     ensure_backend,
+    make_layer_capture,
     stream_split_order,
 )
 from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, token_logprob
@@ -139,7 +139,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         self._model = self._load_model(options.model_path, options.load_progress)
         self._capture = (
             None if options.final_stage
-            else LayerOutputCapture(self.info.n_layer, self.info.n_embd)
+            else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
         # Counts computed graph nodes, so a long call that progresses is not "hung".
@@ -199,7 +199,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         params.no_perf = True
         if self._capture is not None:
             params.cb_eval = self._capture.callback
-            params.cb_eval_user_data = None
+            params.cb_eval_user_data = self._capture.user_data
         ctx = L.llama_init_from_model(self._model, params)
         if not ctx:
             L.llama_model_free(self._model)

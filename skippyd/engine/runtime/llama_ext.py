@@ -15,6 +15,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.capture_native import NativeLayerCapture, native_library
+
 logger = logging.getLogger(__name__)
 
 _backend_lock = threading.Lock()
@@ -75,6 +77,7 @@ class LayerOutputCapture:
         self._n_embd = n_embd
         self._chunks: list[np.ndarray] = []
         self.callback = L.ggml_backend_sched_eval_callback(self._on_eval)
+        self.user_data = None
 
     def _on_eval(self, tensor, ask, _user_data) -> bool:
         name = self._ggml.ggml_get_name(tensor)
@@ -92,12 +95,23 @@ class LayerOutputCapture:
         self._chunks.clear()
 
     def take(self) -> np.ndarray:
-        """All rows captured since :meth:`begin`, in batch order."""
+        """All rows captured since :meth:`begin`, in the order llama.cpp computed them
+        (micro-batch by micro-batch; see :func:`stream_split_order`)."""
         if not self._chunks:
             return np.empty((0, self._n_embd), dtype=np.float32)
         rows = self._chunks[0] if len(self._chunks) == 1 else np.concatenate(self._chunks)
         self._chunks.clear()
         return rows
+
+
+def make_layer_capture(n_layer: int, n_embd: int, max_tokens: int, *,
+                       native: bool = True) -> LayerOutputCapture | NativeLayerCapture:
+    """The capture of a non-final stage: the compiled callback when it can be built
+    (``capture_native``: no interpreter per graph node), else the Python one."""
+    library = native_library() if native else None
+    if library is None:
+        return LayerOutputCapture(n_layer, n_embd)
+    return NativeLayerCapture(library, _ggml_base(), n_layer, n_embd, max_tokens)
 
 
 def stream_split_order(row_seq_ids: list[int], n_ubatch: int) -> list[int]:

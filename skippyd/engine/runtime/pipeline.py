@@ -10,8 +10,10 @@ The chain is kept busy three ways (see also docs/stage-protocol.md):
 
 * **Prefill chunks flow without waiting.** A call that samples nothing returns as soon
   as its rows are sent, so stage 0 computes chunk k+1 while chunk k travels on.
-* **Decode groups.** The requests of a call are split into groups (by default one per
-  stage); stage 0 computes group B while stage 1 works on group A.
+* **Decode groups.** The tokens of a call are cut into groups of nearly equal size (by
+  default one per stage); stage 0 computes group B while stage 1 works on group A. A
+  prompt chunk larger than a group's share is cut across groups, so a prefill flows
+  down the chain in parts instead of leaving the other stages idle while it runs.
 * **Decode look-ahead.** When one group's predictions arrive while the call still waits
   for another group, stage 0 immediately runs that group's next decode step (the
   predicted token at the next position) and ships it. The next call finds the step
@@ -38,8 +40,9 @@ from skippyd.engine.runtime.pipeline_types import (
     Downstream,
     InflightBatch,
     InflightStep,
+    Piece,
     PipelineCounters,
-    split_groups,
+    split_token_groups,
 )
 from skippyd.engine.runtime.protocol import (
     IterationOutput,
@@ -67,7 +70,7 @@ class PipelineRuntime:
         downstream: The link to stage 1; its reader thread calls ``on_result``,
             ``on_error`` and ``on_down`` of this object.
         decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
-            one per pipeline stage, as the handshake reports the chain's length.
+            one per pipeline stage plus one, as the handshake reports the chain's length.
         lookahead: Start the next decode step of a group as soon as its prediction
             arrives (see the module docstring).
     """
@@ -195,11 +198,13 @@ class PipelineRuntime:
         compute_s = 0.0
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
-        for group in split_groups(fresh, groups):
-            items = [(requests[i], starts[i]) for i in group]
+        lengths = [len(requests[i].token_ids) for i in fresh]
+        for group in split_token_groups(lengths, groups):
+            items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, speculative=False)
             compute_s += seconds
-            needed.update({i: s for i, s in zip(group, steps, strict=True) if s is not None})
+            needed.update({fresh[p.index]: s for p, s in zip(group, steps, strict=True)
+                           if s is not None})
         compute_s += self._await(list(needed.values()))
         return self._output(requests, needed, compute_s)
 
@@ -242,7 +247,9 @@ class PipelineRuntime:
     def _num_groups(self) -> int:
         if self._decode_groups is not None:
             return max(1, self._decode_groups)
-        return self._link.num_stages + 1
+        # One group per stage keeps every stage busy only if nothing else takes time;
+        # one more is always travelling (a link, a scheduler turn) and fills that gap.
+        return self._link.num_stages + 2
 
     def _ship(self, items: list[tuple[IterationRequest, int]],
               speculative: bool) -> tuple[list[InflightStep | None], float]:
@@ -250,7 +257,11 @@ class PipelineRuntime:
         local = [IterationRequest(r.session_id, r.token_ids,
                                   positions=range(start, start + len(r.token_ids)),
                                   sampling=r.sampling, phase=r.phase) for r, start in items]
+        started = time.perf_counter()
         output = self.local.iteration_batch_sampled(local)
+        timeline = self.counters.timeline
+        timeline.runtime_s += time.perf_counter() - started - output.compute_s
+        timeline.compute_s += output.compute_s
         self.counters.local_compute_s += output.compute_s
         entries, steps = [], []
         for (request, start), rows in zip(items, output.output_rows, strict=True):
@@ -293,6 +304,7 @@ class PipelineRuntime:
                 self._batches.pop(batch_id, None)
             raise
         self.counters.batches_sent += 1
+        self.counters.timeline.batches += 1
         for session_id in session_ids:
             # The first connection a session was shipped on is the one holding its KV.
             self._shipped_epoch.setdefault(session_id, epoch)
@@ -344,7 +356,9 @@ class PipelineRuntime:
             if remaining <= 0:
                 self._link.reset(epoch, f"no prediction for {self._reply_timeout_s:.0f} s")
                 raise ChainUnavailableError("the downstream pipeline stopped answering")
+            started = time.perf_counter()
             self._cond.wait(remaining)
+            self.counters.timeline.wait_s += time.perf_counter() - started
 
     def _start_lookahead(self, arrived: list[InflightStep]) -> float:
         """Run and ship the next decode step of sessions whose prediction just arrived."""
@@ -381,6 +395,11 @@ class PipelineRuntime:
         return IterationOutput(output_rows=[None] * len(requests), samples=samples,
                                compute_s=compute_s)
 
+    @property
+    def inflight_batches(self) -> int:
+        """Batches sent and not answered yet (at most :data:`MAX_INFLIGHT_BATCHES`)."""
+        return len(self._batches)
+
     # -- listener callbacks (the link's reader thread) -------------------------------------
 
     def on_result(self, epoch: int, request_id: int, samples: Sequence[ChainSample]) -> None:
@@ -391,6 +410,7 @@ class PipelineRuntime:
             if batch is None or batch.epoch != epoch:
                 return
             del self._batches[request_id]
+            self.counters.note_reply(time.monotonic() - batch.sent_at)
             for index, step in enumerate(batch.steps):
                 if step is None:
                     continue
@@ -425,3 +445,16 @@ class PipelineRuntime:
                         step.error = ChainUnavailableError(
                             f"the downstream pipeline was lost: {reason}")
             self._cond.notify_all()
+
+
+def _piece(request: IterationRequest, start: int,
+           piece: Piece) -> tuple[IterationRequest, int]:
+    """Tokens ``piece`` of ``request`` (which starts at ``start``) as a request of its
+    own; only the piece holding the last token samples."""
+    if piece.begin == 0 and piece.end == len(request.token_ids):
+        return request, start
+    last = piece.end == len(request.token_ids)
+    return IterationRequest(request.session_id, request.token_ids[piece.begin:piece.end],
+                            sampling=request.sampling,
+                            sample_last=request.sample_last and last,
+                            phase=request.phase), start + piece.begin

@@ -139,6 +139,36 @@ class InflightBatch:
     epoch: int
     steps: list[InflightStep | None]
     """Per entry: its sampled step, or None for an entry that samples nothing."""
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class StageTimeline:
+    """Where a stage's batches spend their time: cumulative seconds per phase.
+
+    Divided by :attr:`batches` (a benchmark takes the difference of two readings) it is
+    the per-batch timeline of a decode step: compute, the rest of the runtime call,
+    serialise, send, and wait. Written by one thread per stage (stage 0's worker, a later
+    stage's completer); readers see a slightly stale but consistent enough view.
+    """
+
+    batches: int = 0
+    """Batches this stage finished (stage 0: sent)."""
+    compute_s: float = 0.0
+    """Inside ``llama_decode``."""
+    runtime_s: float = 0.0
+    """The rest of the runtime calls: filling the batch, copying rows out, sampling."""
+    encode_s: float = 0.0
+    """Building frames (serialising rows)."""
+    send_s: float = 0.0
+    """Writing frames to the socket."""
+    wait_s: float = 0.0
+    """Stage 0: waiting for predictions. Later stages: batches queued for the worker."""
+    reply_s: float = 0.0
+    """Later stages: from the worker's finish to the completer picking the batch up."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
@@ -151,15 +181,66 @@ class PipelineCounters:
     lookahead_hits: int = 0
     lookahead_retracted: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    timeline: StageTimeline = field(default_factory=StageTimeline)
+    reply_last_s: float | None = None
+    """Send-to-answer time of the last batch the final stage answered."""
+    reply_avg_s: float | None = None
+    """Moving average of that time: the whole chain's round trip, compute included."""
+
+    def note_reply(self, seconds: float) -> None:
+        self.reply_last_s = seconds
+        self.reply_avg_s = seconds if self.reply_avg_s is None else (
+            0.8 * self.reply_avg_s + 0.2 * seconds)
 
 
-def split_groups(indices: list[int], groups: int) -> list[list[int]]:
-    """Cut ``indices`` into at most ``groups`` contiguous, nearly equal parts."""
-    groups = max(1, min(groups, len(indices)))
-    size, extra = divmod(len(indices), groups)
-    parts, start = [], 0
-    for g in range(groups):
-        end = start + size + (1 if g < extra else 0)
-        parts.append(indices[start:end])
-        start = end
-    return [part for part in parts if part]
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Tokens ``[begin, end)`` of request ``index`` of a call: one share of a group."""
+
+    index: int
+    begin: int
+    end: int
+
+
+#: A request is cut across groups only into pieces of at least this many tokens.
+MIN_PIECE_TOKENS = 8
+
+
+def split_token_groups(lengths: Sequence[int], groups: int) -> list[list[Piece]]:
+    """Cut requests of ``lengths`` tokens, in order, into at most ``groups`` consecutive
+    groups of nearly equal token counts.
+
+    A request larger than what is left of a group's share is cut across groups (its
+    first pieces sample nothing), so a prompt chunk travels down the pipeline in parts
+    and the next stage starts on the first part while this one computes the second.
+    Pieces are at least :data:`MIN_PIECE_TOKENS` long; a request too short to cut goes
+    whole to the group holding most of it. Empty groups are left out.
+    """
+    total = sum(lengths)
+    groups = max(1, min(groups, total))
+    bounds = [round(total * g / groups) for g in range(1, groups + 1)]
+    result: list[list[Piece]] = [[]]
+    done = 0  # tokens placed so far
+    for index, length in enumerate(lengths):
+        begin = 0
+        while begin < length:
+            take = _share(length - begin, bounds[len(result) - 1] - done,
+                          len(result) == groups, bool(result[-1]))
+            if take == 0:
+                result.append([])
+                continue
+            result[-1].append(Piece(index, begin, begin + take))
+            begin += take
+            done += take
+    return [group for group in result if group]
+
+
+def _share(rest: int, room: int, last_group: bool, group_used: bool) -> int:
+    """Tokens of a request's ``rest`` the current group takes; 0 closes the group."""
+    if rest <= room or last_group:
+        return rest
+    if room >= MIN_PIECE_TOKENS and rest - room >= MIN_PIECE_TOKENS:
+        return room
+    if 2 * room >= rest or not group_used:
+        return rest  # most of it fits (or the group is empty): take it whole
+    return 0

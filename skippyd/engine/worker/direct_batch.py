@@ -55,12 +55,17 @@ def should_serve_direct(has_direct: bool, has_planned: bool, last_served_direct:
     return has_direct
 
 
-def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max_batch: int) -> int:
+def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max_batch: int,
+                           head_group: DirectGroup | None = None) -> int:
     """How many direct iterations are worth waiting for.
 
     As many as there are active sessions (their next steps are coming), never more than
     one batch, and never fewer than are already queued, so a lone session is not delayed.
+    A group at the head of the queue is waited for until it is complete, no longer:
+    the next group is another micro-batch of the pipeline, not a peer of this one.
     """
+    if head_group is not None:
+        return head_group.size
     return min(max(active_runtime_sessions, queued_direct), max_batch)
 
 
@@ -105,6 +110,22 @@ def validate_direct_iteration(
         raise InvalidRequestError("scheduler iteration positions must be empty or token-major")
 
 
+@dataclass(frozen=True, slots=True)
+class DirectGroup:
+    """Direct iterations that arrived together and must run together, and alone.
+
+    A later stage of a split pipeline receives stage 0's decode groups as batches of
+    the stage link; each batch's entries carry one group. Running a group in one call
+    without waiting for more keeps the pipeline's micro-batches intact: merging two
+    would hold the first one's result back until the second is computed.
+    """
+
+    key: object
+    """Identifies the group (the link connection and batch id)."""
+    size: int
+    """How many direct iterations belong to it."""
+
+
 @dataclass(slots=True)
 class DirectIteration:
     """A queued direct iteration."""
@@ -118,6 +139,8 @@ class DirectIteration:
     phase: IterationPhase = IterationPhase.PREFILL
     target_token_count: int | None = None
     """Trim the session to this many tokens first if it is ahead."""
+    group: DirectGroup | None = None
+    """Run with exactly the other iterations of this group (see :class:`DirectGroup`)."""
     enqueued_at: float = field(default_factory=time.monotonic)
     reply: Future[IterationOutcome] = field(default_factory=Future)
 
@@ -146,6 +169,9 @@ class _Batchable(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def group(self) -> DirectGroup | None: ...
+
 
 B = TypeVar("B", bound=_Batchable)
 
@@ -153,7 +179,9 @@ B = TypeVar("B", bound=_Batchable)
 def take_direct_iteration_batch(queue: deque[B], max_batch_size: int, token_budget: int) -> list[B]:
     """Take one runtime batch off ``queue`` in place.
 
-    One front-to-back scan. A session already claimed (batched, or deferred earlier in
+    One front-to-back scan. When the head belongs to a :class:`DirectGroup`, only
+    that group's requests are taken (all of them, up to the budget); otherwise only
+    ungrouped ones. A session already claimed (batched, or deferred earlier in
     this scan) is deferred to keep per-session order; a request larger than the budget
     left claims its session and is deferred while the scan continues, so small decode
     rows behind a big prefill chunk still join the wave. The queue becomes the deferred
@@ -164,9 +192,13 @@ def take_direct_iteration_batch(queue: deque[B], max_batch_size: int, token_budg
     deferred: list[B] = []
     claimed: set[str] = set()
     budget = token_budget
+    group = queue[0].group if queue else None
+    if group is not None:
+        # A group runs whole and alone, however wide (it never exceeds the lanes).
+        max_batch_size = max(max_batch_size, group.size)
     while queue and len(batch) < max_batch_size and budget > 0:
         request = queue.popleft()
-        if request.session_id in claimed:
+        if request.session_id in claimed or request.group != group:
             deferred.append(request)
             continue
         claimed.add(request.session_id)

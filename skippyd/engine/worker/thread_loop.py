@@ -165,7 +165,7 @@ class WorkerLoop:
         planned_sessions = sum(1 for s in self.planned.requests.values() if s.runtime_configured)
         target = direct_coalesce_target(
             max(0, self.active_runtime_sessions - planned_sessions), len(self.direct),
-            self.settings.direct_group_batch_size,
+            self.settings.direct_group_batch_size, self.direct[0].group,
         )
         deadline = time.monotonic() + DIRECT_ITERATION_COALESCE_WINDOW_S
         while len(self.direct) < target:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from skippyd.engine.runtime import capture_native, llama_ext
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
@@ -51,6 +52,19 @@ def _chain(smollm2_path, slice_dir, bounds):
     paths = [cached_slice(smollm2_path, a, b, slice_dir) for a, b in zip(bounds, bounds[1:], strict=False)]
     last = len(paths) - 1
     return [LlamaRuntime(_options(p, first=i == 0, final=i == last)) for i, p in enumerate(paths)]
+
+
+@pytest.fixture(params=["native", "python"])
+def capture(request, monkeypatch) -> str:
+    """Which capture callback the non-final stages use: both must reorder their rows
+    from llama.cpp's per-stream micro-batch order back to batch order."""
+    native = request.param == "native"
+    if native and capture_native.native_library() is None:
+        pytest.skip("no C compiler on this machine")
+    real = llama_ext.make_layer_capture
+    monkeypatch.setattr("skippyd.engine.runtime.llama.make_layer_capture",
+                        lambda *a, **k: real(*a, native=native))
+    return "NativeLayerCapture" if native else "LayerOutputCapture"
 
 
 def _step(stages, requests: list[IterationRequest]):
@@ -97,11 +111,13 @@ def unsplit(smollm2_path):
 
 
 @pytest.mark.parametrize("bounds", [(0, 15, 30), (0, 10, 20, 30)], ids=["2-stage", "3-stage"])
-def test_split_chain_matches_unsplit_model(smollm2_path, slice_dir, tokenizer, unsplit, bounds):
+def test_split_chain_matches_unsplit_model(smollm2_path, slice_dir, tokenizer, unsplit, bounds,
+                                           capture):
     prompts = {f"s{i}": tokenizer.tokenize(p) for i, p in enumerate(PROMPTS)}
     assert max(len(t) for t in prompts.values()) > N_UBATCH
     stages = _chain(smollm2_path, slice_dir, bounds)
     try:
+        assert {type(stage._capture).__name__ for stage in stages[:-1]} == {capture}
         # Several sessions per batch.
         assert _generate(stages, prompts) == _generate(unsplit, prompts)
         # One at a time, including the prompt longer than n_ubatch.

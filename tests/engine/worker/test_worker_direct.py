@@ -15,6 +15,7 @@ from skippyd.engine.runtime.protocol import (
 )
 from skippyd.engine.worker.commands import InvalidRequestError, WorkerBackendError
 from skippyd.engine.worker.direct_batch import (
+    DirectGroup,
     DirectIteration,
     direct_coalesce_target,
     should_serve_direct,
@@ -31,6 +32,7 @@ class Item:
     name: str
     session_id: str
     num_tokens: int
+    group: DirectGroup | None = None
 
 
 def names(items) -> list[str]:
@@ -201,3 +203,19 @@ def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_handl
         error = reply.exception(timeout=WAIT_S)
         assert isinstance(error, WorkerBackendError)
         assert message in error.message
+
+
+def test_a_link_group_runs_whole_and_alone():
+    a, b = DirectGroup("a", 3), DirectGroup("b", 2)
+    queue = deque([Item("a0", "s0", 1, a), Item("a1", "s1", 1, a), Item("loose", "s9", 1),
+                   Item("a2", "s2", 1, a), Item("b0", "s3", 1, b), Item("b1", "s4", 1, b)])
+    # Wider than the group batch size of 2: a group is never cut, nor joined.
+    assert names(take_direct_iteration_batch(queue, 2, 512)) == ["a0", "a1", "a2"]
+    assert names(queue) == ["loose", "b0", "b1"]
+    assert names(take_direct_iteration_batch(queue, 8, 512)) == ["loose"]
+    assert names(take_direct_iteration_batch(queue, 8, 512)) == ["b0", "b1"]
+
+
+def test_coalescing_waits_for_a_group_to_be_complete_and_no_longer():
+    assert direct_coalesce_target(8, 1, 4, DirectGroup("g", 3)) == 3
+    assert direct_coalesce_target(8, 5, 4, DirectGroup("g", 2)) == 2

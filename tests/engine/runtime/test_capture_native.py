@@ -1,0 +1,60 @@
+"""The compiled activation capture equals the Python one, bit for bit, and falls back.
+
+A non-final stage's rows come from a ``cb_eval`` callback; the compiled one must
+capture exactly what the Python one does (same rows, several micro-batches appended),
+and a machine without a C compiler must still serve with the Python callback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from skippyd.engine.runtime import capture_native, llama_ext
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationRequest
+from skippyd.gguf.slice import cached_slice
+
+
+def _rows(model_path, monkeypatch, *, native: bool,
+          expect: str | None = None) -> list[np.ndarray]:
+    real = llama_ext.make_layer_capture
+    monkeypatch.setattr("skippyd.engine.runtime.llama.make_layer_capture",
+                        lambda *a, **k: real(*a, native=native))
+    options = RuntimeOptions(str(model_path), lane_count=2, ctx_size=256, n_batch=64,
+                             n_ubatch=16, threads=1, final_stage=False)
+    with LlamaRuntime(options) as runtime:
+        kind = type(runtime._capture).__name__
+        assert kind == expect or (expect is None and kind == (
+            "NativeLayerCapture" if native else "LayerOutputCapture"))
+        # 40 tokens: three micro-batches of 16, appended in order.
+        first = runtime.iteration_batch_sampled([IterationRequest("a", list(range(1, 41)))])
+        second = runtime.iteration_batch_sampled([IterationRequest("a", [7]),
+                                                  IterationRequest("b", [3, 4, 5])])
+    return [first.output_rows[0], *second.output_rows]
+
+
+@pytest.fixture
+def stage_slice(tiny_model_path, tmp_path):
+    return cached_slice(tiny_model_path, 0, 2, tmp_path)
+
+
+def test_native_capture_equals_python_capture(stage_slice, monkeypatch):
+    if capture_native.native_library() is None:
+        pytest.skip("no C compiler on this machine")
+    native = _rows(stage_slice, monkeypatch, native=True)
+    python = _rows(stage_slice, monkeypatch, native=False)
+    assert [r.shape for r in native] == [(40, 64), (1, 64), (3, 64)]
+    for a, b in zip(native, python, strict=True):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+
+
+def test_without_a_compiler_the_python_callback_serves(stage_slice, monkeypatch):
+    monkeypatch.setattr(capture_native, "_library", None)
+    monkeypatch.setattr(capture_native, "_unavailable", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert capture_native.native_library() is None
+    assert "cc" in (capture_native._unavailable or "")
+    rows = _rows(stage_slice, monkeypatch, native=True, expect="LayerOutputCapture")
+    assert rows[0].shape == (40, 64)
