@@ -35,7 +35,7 @@ from skippyd.engine.policy.planning import (
     plan_phase_homogeneous,
 )
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
-from skippyd.engine.policy.step_budget import StepCostModel, short_prompts_go_whole
+from skippyd.engine.policy.step_budget import StepCostModel
 from skippyd.engine.policy.telemetry import (
     IterationTelemetry,
     SchedulerMetrics,
@@ -188,10 +188,8 @@ class Scheduler:
         sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
         rows = live_decode_rows(sequences, self._config)
         if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
-            most = self._config.max_tokens_per_iteration - rows
-            budget = self._costs.prefill_budget(rows, self._config.target_step_us, most)
-            if short_prompts_go_whole(sequences, rows, budget):
-                budget = most
+            budget = self._costs.prefill_budget(rows, self._config.target_step_us,
+                                                self._config.max_tokens_per_iteration - rows)
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
             work, self._mixed_decode_cursor = plan_budgeted(
                 sequences, by_admission, self._config, budget, self._mixed_decode_cursor)

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence as SequenceOf
 
 from skippyd.engine.policy.plan import IterationPlan
-from skippyd.engine.policy.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -113,25 +111,3 @@ class StepCostModel:
         return max(1, min(max(fits, MIN_PREFILL_TOKENS), most))
 
 
-
-
-def short_prompts_go_whole(sequences: SequenceOf[Sequence], decode_rows: int,
-                           prefill_budget: int) -> bool:
-    """Whether this step's prompts skip the budget and go in whole, together.
-
-    True when at least as many prompts wait as streams decode and each of them fits in
-    one budgeted step anyway: clients that start together (a batch job restarting all
-    its streams at once) then keep decoding in step, one short whole-batch prefill
-    instead of the streams falling out of step, every later step carrying a little
-    prompt work and lanes idling while their prompt waits its turn. A long prompt
-    is always chunked, and so are the prompts of a few newcomers beside many streams.
-
-    Args:
-        sequences: The admitted sequences.
-        decode_rows: Live decoders in the iteration.
-        prefill_budget: The prompt tokens the target step time allows beside them.
-    """
-    waiting = [s.recompute_token_count() - s.prefill_cursor
-               for s in sequences if s.needs_replay()]
-    return (decode_rows > 0 and len(waiting) >= decode_rows
-            and all(tokens <= prefill_budget for tokens in waiting))

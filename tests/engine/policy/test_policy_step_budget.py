@@ -90,42 +90,13 @@ def test_decoders_get_a_row_every_step_while_a_long_prompt_is_chunked():
 def test_prompt_work_goes_to_the_oldest_admission_first():
     scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=200_000,
                                max_tokens_per_iteration=512, prefill_chunk_tokens=512)
-    for name in ("x-decoder", "y-decoder", "z-decoder"):
-        scheduler.submit(make_sequence(name, 2, max_tokens=50))
+    scheduler.submit(make_sequence("z-decoder", 2, max_tokens=50))
     run_step(scheduler)
     scheduler.submit(make_sequence("b-first", 64))
     scheduler.submit(make_sequence("a-second", 64))
     plan = scheduler.plan_iteration()
     prompt = [w.sequence_id for w in plan.work if w.phase is IterationPhase.PREFILL]
     assert prompt == ["b-first"]  # not sorted-id order: b was admitted first
-
-
-def test_short_prompts_that_outnumber_the_decoders_go_in_whole():
-    # Clients that restart together: their short prompts go in one step, so the
-    # streams decode in step again instead of each step carrying a little prompt work.
-    scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=200_000,
-                               max_tokens_per_iteration=512, prefill_chunk_tokens=512)
-    scheduler.submit(make_sequence("decoder", 2, max_tokens=50))
-    run_step(scheduler)
-    for name in ("p1", "p2", "p3"):
-        scheduler.submit(make_sequence(name, 30))  # each within the 32-token first budget
-    plan = scheduler.plan_iteration()
-    prompt = {w.sequence_id: w.token_count for w in plan.work
-              if w.phase is IterationPhase.PREFILL}
-    assert prompt == {"p1": 30, "p2": 30, "p3": 30}
-    assert [w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE] == ["decoder"]
-
-
-def test_a_long_prompt_is_chunked_even_among_short_ones():
-    scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=200_000,
-                               max_tokens_per_iteration=512, prefill_chunk_tokens=512)
-    scheduler.submit(make_sequence("decoder", 2, max_tokens=50))
-    run_step(scheduler)
-    scheduler.submit(make_sequence("long", 300))
-    scheduler.submit(make_sequence("short", 10))
-    plan = scheduler.plan_iteration()
-    assert sum(w.token_count for w in plan.work
-               if w.phase is IterationPhase.PREFILL) == INITIAL_PREFILL_TOKENS
 
 
 def test_without_a_target_the_calibrated_mixing_stays():
