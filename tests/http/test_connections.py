@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from http_support import wait_until
 
 from skippyd.http.connections import (
     ConnectionGuard,
@@ -80,14 +81,6 @@ def _read_until_closed(sock: socket.socket, timeout: float = WAIT_S) -> bytes:
     except ConnectionResetError:
         pass
     return data
-
-
-async def _until(predicate: Any, timeout_s: float = WAIT_S) -> None:
-    """Let the server's loop run until ``predicate()`` holds (fails on timeout)."""
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 def _drip(sock: socket.socket, data: bytes, every_s: float) -> int:
@@ -182,7 +175,7 @@ async def test_a_client_that_stops_reading_is_dropped(protocol, fake):
                 # Never read: the server's buffers fill, then the send deadline fires. The
                 # generation does not wait for the socket (its tokens queue in the stream,
                 # bounded by max_tokens), so it may well have finished by then.
-                await _until(lambda: guard.counters["send_timeouts"] == 1)
+                await wait_until(lambda: guard.counters["send_timeouts"] == 1)
                 assert await asyncio.to_thread(generation.done.wait, WAIT_S)
             assert guard.open == set()
         assert generation.outcome in ("cancelled", "stopped", "eog")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Callable
 
 import pytest
+from http_support import wait_until
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,13 +41,6 @@ def token() -> TokenEvent:
 
 def logged(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [record for record in caplog.records if record.name == LOGGER]
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0)
-    await asyncio.wait_for(poll(), 10.0)
 
 
 def run_request(metrics: ServingMetrics, clock: FakeClock, req_id: str = "cmpl-1") -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+from http_support import wait_until
 
 from skippyd.engine.worker.commands import (
     CompleteEvent,
@@ -60,14 +59,6 @@ def token() -> TokenEvent:
 def sample(metrics: ServingMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Let the event loop run queued callbacks until ``predicate`` holds (bounded)."""
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0)
-    await asyncio.wait_for(poll(), WAIT_S)
 
 
 def test_a_finished_request_feeds_every_window_and_counter() -> None:
