@@ -19,8 +19,6 @@ from skippyd.engine.worker.commands import (
 from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
 from skippyd.http.metrics import ServingMetrics
 
-WAIT_S = 10.0
-
 
 class FakeClock:
     def __init__(self) -> None:
