@@ -273,8 +273,9 @@ class HttpSection:
     """An idle keep-alive connection is closed after this long without a request head."""
     send_timeout_s: float = _setting(60.0, lo=0.1, hi=3600.0)
     """A client that reads nothing of its response for this long is disconnected."""
-    protocol: HttpProtocol = "h11"
-    """uvicorn's HTTP/1.1 implementation: ``h11``, ``httptools`` (installed apart) or ``auto``."""
+    protocol: HttpProtocol = "httptools"
+    """uvicorn's HTTP/1.1 implementation: ``httptools`` (C parser, a dependency), ``h11``
+    (pure Python, slower per streamed chunk) or ``auto``."""
     parse_special_in_content: bool = False
     """Let message text spell the chat template's control tokens (unsafe: prompt injection)."""
     drain_timeout_s: float = _setting(30.0, lo=0.0, hi=3600.0)
