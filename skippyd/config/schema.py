@@ -205,7 +205,7 @@ class RuntimeSection:
     by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
-    target_step_ms: float = _setting(400.0, lo=0.0, hi=60_000.0)
+    target_step_ms: float = _setting(300.0, lo=0.0, hi=60_000.0)
     """While requests are decoding, prompts are prefilled in chunks sized so that one
     iteration (their decode rows plus the chunk) takes about this long: running streams
     keep getting a token every step instead of freezing for a whole prompt. Smaller
