@@ -12,7 +12,7 @@ through stage 0 and every stage is checked. It prints a one-line summary per sta
 exits 0 only if every check passed.
 
 With ``--attack`` the connection attacks run beside the load the whole time: idle
-connections that never send a byte (``--attack-idle``, default 1 000), request heads and
+connections that never send a byte (``--attack-idle``, default 900), request heads and
 bodies dripped a byte at a time, handshakes dripped at every stage's link port, and a
 supervisor probing ``/health`` twice a second, which must never see anything but 200.
 
