@@ -16,8 +16,9 @@ The chain is kept busy three ways (see also docs/stage-protocol.md):
   down the chain in parts instead of leaving the other stages idle while it runs.
 * **Decode look-ahead.** When one group's predictions arrive while the call still waits
   for another group, stage 0 immediately runs that group's next decode step (the
-  predicted token at the next position) and ships it. The next call finds the step
-  already in flight and only waits for it. A look-ahead the scheduler does not ask for
+  predicted token at the next position) and ships it; predictions that arrive together
+  still go out as separate groups of the call's group size, so groups never merge. The
+  next call finds the step already in flight and only waits for it. A look-ahead the scheduler does not ask for
   (the sequence finished, or it replays) is retracted locally and trimmed away
   downstream by the next frame's first position (align "trim if ahead, never extend").
 
@@ -92,6 +93,7 @@ class PipelineRuntime:
         self._shipped_epoch: dict[str, int] = {}
         self._next_wire_id = 1
         self._next_batch_id = 1
+        self._group_rows = 1
 
     # -- facts (Runtime protocol) ------------------------------------------------------
 
@@ -196,6 +198,8 @@ class PipelineRuntime:
         needed, fresh = self._match(requests, starts)
         lookahead_batches = {step.batch_id for step in needed.values()}
         compute_s = 0.0
+        # Look-ahead steps of this call's sequences are shipped in groups of this size.
+        self._group_rows = -(-len(requests) // self._num_groups())
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
         lengths = [len(requests[i].token_ids) for i in fresh]
@@ -371,16 +375,21 @@ class PipelineRuntime:
                                            sampling=step.sampling, sample_last=True,
                                            phase=IterationPhase.DECODE)
                 items.append((request, step.end))
-        if not items:
-            return 0.0
-        try:
-            _, seconds = self._ship(items, speculative=True)
-        except RuntimeFailure as exc:
-            # Nothing changed (the runtime's guarantee): the scheduler's own call will
-            # run these steps, or report the problem itself.
-            logger.debug("look-ahead step skipped: %s", exc)
-            return 0.0
-        self.counters.lookahead_steps += len(items)
+        seconds = 0.0
+        # Predictions that arrived together (several batches answered while this stage
+        # computed) are shipped again in groups of the call's size, each as soon as it
+        # is computed: merged into one batch they would stay merged, and the chain would
+        # settle into one large group and one small one, each stage idle while the
+        # other computes the large one.
+        for part in split_evenly(items, -(-len(items) // self._group_rows)):
+            try:
+                seconds += self._ship(part, speculative=True)[1]
+            except RuntimeFailure as exc:
+                # Nothing changed (the runtime's guarantee): the scheduler's own call
+                # will run these steps, or report the problem itself.
+                logger.debug("look-ahead step skipped: %s", exc)
+                continue
+            self.counters.lookahead_steps += len(part)
         return seconds
 
     def _output(self, requests: Sequence[IterationRequest], needed: dict[int, InflightStep],
@@ -445,6 +454,16 @@ class PipelineRuntime:
                         step.error = ChainUnavailableError(
                             f"the downstream pipeline was lost: {reason}")
             self._cond.notify_all()
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` in order as at most ``parts`` consecutive, non-empty runs of nearly
+    equal length (none for no items)."""
+    if not items:
+        return []
+    parts = max(1, min(parts, len(items)))
+    bounds = [round(len(items) * k / parts) for k in range(parts + 1)]
+    return [items[bounds[k]:bounds[k + 1]] for k in range(parts)]
 
 
 def _piece(request: IterationRequest, start: int,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.pipeline import PipelineRuntime
+from skippyd.engine.runtime.pipeline import PipelineRuntime, split_evenly
 from skippyd.engine.runtime.pipeline_types import ChainSample, ChainUnavailableError
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
@@ -67,17 +68,26 @@ class ScriptedChain:
         self.runtime.on_down(self.epoch, "scripted outage")
 
 
-@pytest.fixture
-def chain(tiny_model_path):
-    local = LlamaRuntime(RuntimeOptions(str(tiny_model_path), lane_count=4, ctx_size=256,
+@contextmanager
+def scripted_chain(model_path, decode_groups: int):
+    local = LlamaRuntime(RuntimeOptions(str(model_path), lane_count=4, ctx_size=256,
                                         n_batch=128, n_ubatch=32, threads=1,
                                         final_stage=False))
     scripted = ScriptedChain()
-    scripted.runtime = PipelineRuntime(local, scripted, decode_groups=2, reply_timeout_s=5)
-    with ThreadPoolExecutor(1) as worker:  # the one thread that calls the runtime
-        scripted.worker = worker
+    scripted.runtime = PipelineRuntime(local, scripted, decode_groups=decode_groups,
+                                       reply_timeout_s=5)
+    try:
+        with ThreadPoolExecutor(1) as worker:  # the one thread that calls the runtime
+            scripted.worker = worker
+            yield scripted
+    finally:
+        local.close()
+
+
+@pytest.fixture
+def chain(tiny_model_path):
+    with scripted_chain(tiny_model_path, decode_groups=2) as scripted:
         yield scripted
-    local.close()
 
 
 def _run(chain, requests) -> Future:
@@ -112,6 +122,36 @@ def test_groups_lookahead_and_reuse(chain):
     chain.answer(2, {0: 50})
     assert [s.token for s in call.result(TIMEOUT_S).samples] == [50]
     assert len(chain.batches) == 3 and chain.runtime.counters.lookahead_hits == 1
+
+
+def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
+        tiny_model_path):
+    with scripted_chain(tiny_model_path, decode_groups=4) as chain:
+        call = _run(chain, [IterationRequest(name, [5 + i], positions=[0], sampling=GREEDY,
+                                             sample_last=True)
+                            for i, name in enumerate("abcd")])
+        assert len(chain.wait_batches(4)) == 4  # one session per group
+        # Both answers land while stage 0 is busy (it holds the runtime's lock): the two
+        # look-ahead steps still travel as two groups, not merged into one batch.
+        with chain.runtime._cond:
+            chain.answer(0, {0: 40})
+            chain.answer(1, {0: 41})
+        lookahead = chain.wait_batches(6)[4:]
+        assert [[(e.session_id, e.token_ids) for e in entries] for _, entries in lookahead] == [
+            [(1, [40])], [(2, [41])]]
+        chain.answer(2, {0: 42})
+        chain.answer(3, {0: 43})
+        output = call.result(TIMEOUT_S)
+        assert [s.token for s in output.samples] == [40, 41, 42, 43]
+
+
+def test_split_evenly_keeps_order_and_balances_the_parts():
+    items = list(range(7))
+    assert split_evenly(items, 2) == [[0, 1, 2, 3], [4, 5, 6]]
+    assert split_evenly(items, 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert split_evenly(items, 10) == [[i] for i in items]  # never an empty part
+    assert split_evenly(items, 0) == [items]
+    assert split_evenly([], 3) == []
 
 
 def test_a_lookahead_the_scheduler_does_not_want_is_retracted(chain):
