@@ -1,0 +1,118 @@
+"""What one decode step costs per row, unsplit and per stage, and the chain's ceiling.
+
+A 2-stage chain can only beat one process if each stage's slice, on its own share of
+the threads, decodes its rows as fast as the whole model does them on all the threads.
+This measures the time of one ``llama_decode`` step for 1, 2, 3, 4 and 8 rows (each row
+a session 60 tokens into its context) for the unsplit model on ``--threads`` threads
+and for each stage's slice on half of them, then prints the decode-only ceiling of a
+chain that cuts 8 rows into G groups: per 8-token step the slowest stage must decode
+every group, so the chain reaches at most ``unsplit(8 rows) / max(stage total)``.
+
+    python bench/split_row_cost.py [--split-at 17] [--threads 2] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from skippyd.config.defaults import default_model_path
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.gguf.inspect import inspect_model
+from skippyd.gguf.slice import cached_slice
+
+ROWS = (1, 2, 3, 4, 8)
+PROMPT_TOKENS = 60
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
+            steps: int, row_counts: tuple[int, ...]) -> dict[int, float]:
+    """Median milliseconds of one decode step of ``rows`` sessions, for each row count."""
+    runtime = LlamaRuntime(RuntimeOptions(path, lane_count=max(row_counts), ctx_size=4096,
+                                          threads=threads, first_stage=first,
+                                          final_stage=final))
+    rng = np.random.default_rng(0)
+
+    def request(session: str, count: int, position: int,
+                phase: IterationPhase) -> IterationRequest:
+        positions = range(position, position + count)
+        if first:
+            return IterationRequest(session, [100 + p % 500 for p in positions],
+                                    positions=positions, sampling=GREEDY,
+                                    sample_last=final, phase=phase)
+        rows = (rng.standard_normal((count, n_embd)) * 0.1).astype(np.float32)
+        return IterationRequest(session, input_rows=rows, positions=positions,
+                                sampling=GREEDY, sample_last=final, phase=phase)
+
+    medians = {}
+    try:
+        for rows in row_counts:
+            sessions = [f"r{rows}-{i}" for i in range(rows)]
+            for session in sessions:
+                runtime.ensure_session_active(session)
+                runtime.iteration_batch_sampled(
+                    [request(session, PROMPT_TOKENS, 0, IterationPhase.PREFILL)])
+            times = []
+            for k in range(steps):
+                batch = [request(s, 1, PROMPT_TOKENS + k, IterationPhase.DECODE)
+                         for s in sessions]
+                started = time.perf_counter()
+                runtime.iteration_batch_sampled(batch)
+                times.append((time.perf_counter() - started) * 1000)
+            for session in sessions:
+                runtime.drop_session(session)
+            medians[rows] = statistics.median(times)
+    finally:
+        runtime.close()
+    return medians
+
+
+def group_rows(groups: int, total: int = 8) -> list[int]:
+    return [total // groups + (1 if i < total % groups else 0) for i in range(groups)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--split-at", type=int, default=17)
+    parser.add_argument("--threads", type=int, default=2, help="the unsplit model's threads")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps per row count")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="row counts to time (the ceiling needs 1, 2, 3, 4 and 8)")
+    args = parser.parse_args()
+    row_counts = tuple(sorted({int(r) for r in args.rows.split(",")} | set(ROWS)))
+    source = default_model_path()
+    info = inspect_model(source)
+    stage_threads = max(1, args.threads // 2)
+    targets = [
+        (f"unsplit, {args.threads} threads", str(source), args.threads, True, True),
+        (f"stage 0 (layers 0-{args.split_at}), {stage_threads} thread(s)",
+         str(cached_slice(source, 0, args.split_at)), stage_threads, True, False),
+        (f"stage 1 (layers {args.split_at}-{info.n_layer} + output), {stage_threads} "
+         "thread(s)", str(cached_slice(source, args.split_at, info.n_layer)),
+         stage_threads, False, True),
+    ]
+    costs = []
+    print("ms per decode step, by rows in the step")
+    for name, path, threads, first, final in targets:
+        cost = step_ms(path, threads, first, final, info.n_embd, args.steps, row_counts)
+        costs.append(cost)
+        print(f"  {name:<48}" + "".join(f"{rows:>3}: {cost[rows]:6.1f}" for rows in row_counts),
+              flush=True)
+    unsplit, stage0, stage1 = costs
+    print("decode-only ceiling of the chain at 8 rows (one process: "
+          f"{unsplit[8]:.1f} ms per step)")
+    for groups in (2, 3, 4):
+        rows = group_rows(groups)
+        totals = [sum(float(np.interp(r, ROWS, [stage[x] for x in ROWS])) for r in rows)
+                  for stage in (stage0, stage1)]
+        print(f"  {groups} groups {rows}: stage 0 {totals[0]:.1f} ms, stage 1 "
+              f"{totals[1]:.1f} ms per step -> at most {unsplit[8] / max(totals):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
