@@ -18,9 +18,10 @@ The chain is kept busy three ways (see also docs/stage-protocol.md):
   for another group, stage 0 immediately runs that group's next decode step (the
   predicted token at the next position) and ships it; predictions that arrive together
   still go out as separate groups of the call's group size, so groups never merge. The
-  next call finds the step already in flight and only waits for it. A look-ahead the scheduler does not ask for
-  (the sequence finished, or it replays) is retracted locally and trimmed away
-  downstream by the next frame's first position (align "trim if ahead, never extend").
+  next call finds the step already in flight and only waits for it. A look-ahead the
+  scheduler does not ask for (the sequence finished, or it replays) is retracted
+  locally and trimmed away downstream by the next frame's first position (align "trim
+  if ahead, never extend").
 
 Only the worker thread calls this object, except the ``on_*`` listener callbacks, which
 the link's reader thread calls.
