@@ -94,7 +94,6 @@ class PipelineRuntime:
         self._shipped_epoch: dict[str, int] = {}
         self._next_wire_id = 1
         self._next_batch_id = 1
-        self._group_rows = 1
 
     # -- facts (Runtime protocol) ------------------------------------------------------
 
@@ -200,7 +199,7 @@ class PipelineRuntime:
         lookahead_batches = {step.batch_id for step in needed.values()}
         compute_s = 0.0
         # Look-ahead steps of this call's sequences are shipped in groups of this size.
-        self._group_rows = -(-len(requests) // self._num_groups())
+        group_rows = -(-len(requests) // self._num_groups())
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
         lengths = [len(requests[i].token_ids) for i in fresh]
@@ -210,7 +209,7 @@ class PipelineRuntime:
             compute_s += seconds
             needed.update({fresh[p.index]: s for p, s in zip(group, steps, strict=True)
                            if s is not None})
-        compute_s += self._await(list(needed.values()))
+        compute_s += self._await(list(needed.values()), group_rows)
         return self._output(requests, needed, compute_s)
 
     def _check_chain(self, requests: Sequence[IterationRequest]) -> None:
@@ -327,8 +326,9 @@ class PipelineRuntime:
                 raise ChainUnavailableError("the downstream pipeline stopped answering")
             self._cond.wait(remaining)
 
-    def _await(self, steps: list[InflightStep]) -> float:
-        """Wait for every step's prediction, starting look-ahead steps meanwhile."""
+    def _await(self, steps: list[InflightStep], group_rows: int) -> float:
+        """Wait for every step's prediction, starting look-ahead steps (in groups of
+        ``group_rows``) meanwhile."""
         compute_s = 0.0
         deadline = time.monotonic() + self._reply_timeout_s
         while True:
@@ -336,7 +336,7 @@ class PipelineRuntime:
                 arrived = self._poll(steps, deadline)
                 if arrived is None:
                     return compute_s
-            compute_s += self._start_lookahead(arrived)
+            compute_s += self._start_lookahead(arrived, group_rows)
             deadline = time.monotonic() + self._reply_timeout_s
 
     def _poll(self, steps: list[InflightStep], deadline: float) -> list[InflightStep] | None:
@@ -365,7 +365,7 @@ class PipelineRuntime:
             self._cond.wait(remaining)
             self.counters.timeline.wait_s += time.perf_counter() - started
 
-    def _start_lookahead(self, arrived: list[InflightStep]) -> float:
+    def _start_lookahead(self, arrived: list[InflightStep], group_rows: int) -> float:
         """Run and ship the next decode step of sessions whose prediction just arrived."""
         items = []
         for step in arrived:
@@ -382,7 +382,9 @@ class PipelineRuntime:
         # is computed: merged into one batch they would stay merged, and the chain would
         # settle into one large group and one small one, each stage idle while the
         # other computes the large one.
-        for part in split_evenly(items, -(-len(items) // self._group_rows)):
+        parts = -(-len(items) // group_rows)
+        for group in split_token_groups([1] * len(items), parts):
+            part = [items[piece.index] for piece in group]
             try:
                 seconds += self._ship(part, speculative=True)[1]
             except RuntimeFailure as exc:
@@ -455,16 +457,6 @@ class PipelineRuntime:
                         step.error = ChainUnavailableError(
                             f"the downstream pipeline was lost: {reason}")
             self._cond.notify_all()
-
-
-def split_evenly(items: list, parts: int) -> list[list]:
-    """``items`` in order as at most ``parts`` consecutive, non-empty runs of nearly
-    equal length (none for no items)."""
-    if not items:
-        return []
-    parts = max(1, min(parts, len(items)))
-    bounds = [round(len(items) * k / parts) for k in range(parts + 1)]
-    return [items[bounds[k]:bounds[k + 1]] for k in range(parts)]
 
 
 def _piece(request: IterationRequest, start: int,

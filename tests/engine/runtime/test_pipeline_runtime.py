@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.pipeline import PipelineRuntime, split_evenly
+from skippyd.engine.runtime.pipeline import PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import ChainSample, ChainUnavailableError
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
@@ -143,15 +143,6 @@ def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
         chain.answer(3, {0: 43})
         output = call.result(TIMEOUT_S)
         assert [s.token for s in output.samples] == [40, 41, 42, 43]
-
-
-def test_split_evenly_keeps_order_and_balances_the_parts():
-    items = list(range(7))
-    assert split_evenly(items, 2) == [[0, 1, 2, 3], [4, 5, 6]]
-    assert split_evenly(items, 3) == [[0, 1], [2, 3, 4], [5, 6]]
-    assert split_evenly(items, 10) == [[i] for i in items]  # never an empty part
-    assert split_evenly(items, 0) == [items]
-    assert split_evenly([], 3) == []
 
 
 def test_a_lookahead_the_scheduler_does_not_want_is_retracted(chain):

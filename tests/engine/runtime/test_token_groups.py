@@ -17,6 +17,11 @@ def test_decode_rows_split_evenly_and_in_order():
     assert shape([1] * 8, 2) == [[(i, 0, 1) for i in range(4)],
                                  [(i, 0, 1) for i in range(4, 8)]]
     assert shape([1] * 3, 4) == [[(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1)]]
+    # Look-ahead steps are re-split this way too: parts differ by at most one row.
+    assert [len(group) for group in split_token_groups([1] * 7, 2)] == [4, 3]
+    assert [len(group) for group in split_token_groups([1] * 7, 3)] == [2, 3, 2]
+    assert shape([1] * 7, 0) == [[(i, 0, 1) for i in range(7)]]
+    assert split_token_groups([], 3) == []
 
 
 def test_a_prompt_chunk_is_cut_across_groups():
