@@ -21,6 +21,7 @@ import numpy as np
 
 from skippyd.config.defaults import default_model_path
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.pipeline_types import split_token_groups
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.gguf.inspect import inspect_model
 from skippyd.gguf.slice import cached_slice
@@ -72,10 +73,6 @@ def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
     return medians
 
 
-def group_rows(groups: int, total: int = 8) -> list[int]:
-    return [total // groups + (1 if i < total % groups else 0) for i in range(groups)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split-at", type=int, default=17)
@@ -107,7 +104,7 @@ def main() -> None:
     print("decode-only ceiling of the chain at 8 rows (one process: "
           f"{unsplit[8]:.1f} ms per step)")
     for groups in (2, 3, 4):
-        rows = group_rows(groups)
+        rows = [len(group) for group in split_token_groups([1] * 8, groups)]
         totals = [sum(float(np.interp(r, ROWS, [stage[x] for x in ROWS])) for r in rows)
                   for stage in (stage0, stage1)]
         print(f"  {groups} groups {rows}: stage 0 {totals[0]:.1f} ms, stage 1 "
