@@ -205,12 +205,13 @@ class RuntimeSection:
     by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
-    target_step_ms: float = _setting(300.0, lo=0.0, hi=60_000.0)
+    target_step_ms: float = _setting(250.0, lo=0.0, hi=60_000.0)
     """While requests are decoding, prompts are prefilled in chunks sized so that one
     iteration (their decode rows plus the chunk) takes about this long: running streams
     keep getting a token every step instead of freezing for a whole prompt. Smaller
-    values smooth streams more and delay long prompts' first token; 0 prefills prompts
-    whole, between decode steps."""
+    values smooth streams more and delay long prompts' first token. While long prompts
+    queue up, a step may take up to 4 times this, so the queue cannot grow without end;
+    0 prefills prompts whole, between decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration into, so every stage works on one
     while the next computes another; ``None``: one per stage plus one (the one

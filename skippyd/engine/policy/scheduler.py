@@ -35,7 +35,7 @@ from skippyd.engine.policy.planning import (
     plan_phase_homogeneous,
 )
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
-from skippyd.engine.policy.step_budget import StepCostModel
+from skippyd.engine.policy.step_budget import StepCostModel, TargetStretch
 from skippyd.engine.policy.telemetry import (
     IterationTelemetry,
     SchedulerMetrics,
@@ -74,6 +74,7 @@ class Scheduler:
         self._metrics = SchedulerMetrics()
         self._calibration = MixedCalibration()
         self._costs = StepCostModel()
+        self._stretch = TargetStretch()
         self._waiting_turn = 0
         self._next_waiting_order = 0
         self._next_admission_serial = 0
@@ -188,8 +189,16 @@ class Scheduler:
         sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
         rows = live_decode_rows(sequences, self._config)
         if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
-            budget = self._costs.prefill_budget(rows, self._config.target_step_us,
-                                                self._config.max_tokens_per_iteration - rows)
+            target, most = self._config.target_step_us, self._config.max_tokens_per_iteration - rows
+            budget = self._costs.prefill_budget(rows, target, most)
+            # Prompts that need more than one step at the target: when they queue up,
+            # the target stretches (see ``step_budget``).
+            long_prompts = sum(
+                1 for sequence in sequences
+                if sequence.recompute_token_count() - sequence.prefill_cursor > budget)
+            stretch = self._stretch.factor(long_prompts)
+            if stretch > 1:
+                budget = self._costs.prefill_budget(rows, target * stretch, most)
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
             work, self._mixed_decode_cursor = plan_budgeted(
                 sequences, by_admission, self._config, budget, self._mixed_decode_cursor)

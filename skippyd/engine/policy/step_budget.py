@@ -8,6 +8,18 @@ than tokens): running streams get a token every step, and the prompt finishes a 
 steps later. Without live decoders nothing is waiting, so prompts take the whole token
 budget.
 
+The target holds while long prompts (those that need more than one step at the target)
+come one at a time. When they queue up (a second one is admitted before the first is
+through), a fixed target would leave them less than their full speed for as long as the
+queue lasts, and under a steady stream of long prompts the queue, and every prompt's
+time to first token, would grow without end. So the target stretches with the long
+prompts pending (:class:`TargetStretch`): with ``n`` of them a step may take ``n`` times
+the target, up to :data:`MAX_TARGET_STRETCH` times, and once they have queued it stays
+at least doubled until none is pending, so a steady stream of long prompts is served at
+nearly full speed instead of hovering at the edge of a queue. The streams' gaps grow
+with the queue and shrink back once it is gone. Short prompts, which one step absorbs,
+never stretch it.
+
 :class:`StepCostModel` learns the cost it needs from executed plans: a step's duration as
 a fixed part plus a part per token (decode rows and prompt tokens alike), fitted by least
 squares with exponential forgetting, so it follows the machine as load and context
@@ -34,6 +46,29 @@ INITIAL_PREFILL_TOKENS = 32
 #: Prompt tokens an iteration with live decoders always carries, whatever the estimate,
 #: so a prompt always progresses (a budget below one token would starve it).
 MIN_PREFILL_TOKENS = 16
+#: Most times its target a step may take while prompts queue up (see the module doc).
+MAX_TARGET_STRETCH = 4
+
+
+class TargetStretch:
+    """How many times its target a step may take, from the long prompts pending.
+
+    One target per pending long prompt, at most :data:`MAX_TARGET_STRETCH`; from the
+    moment two are pending until none is, at least two (see the module doc).
+    """
+
+    def __init__(self) -> None:
+        self._queued = False
+
+    def factor(self, long_prompts: int) -> int:
+        """The stretch for a step planned with ``long_prompts`` prompts pending that need
+        more than one step at the target (and remember whether they have queued up)."""
+        if long_prompts <= 0:
+            self._queued = False
+        elif long_prompts > 1:
+            self._queued = True
+        floor = 2 if self._queued else 1
+        return max(floor, min(long_prompts, MAX_TARGET_STRETCH))
 
 
 class StepCostModel:
