@@ -82,8 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--split-at", type=int, default=17,
                         help="first layer of stage 1 (SmolLM2 has 30 layers; the final stage "
-                             "also computes the output head, about 3 layers' worth, so 17 "
-                             "balances the two)")
+                             "also computes the output head, about eight layers' worth at "
+                             "decode, so 17 balances a request of 60 prompt and 64 output "
+                             "tokens)")
+    parser.add_argument("--decode-groups", type=int, default=None,
+                        help="runtime.pipeline_decode_groups of the chain (default: one per "
+                             "stage plus one)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating repetitions")
     parser.add_argument("--only-split", action="store_true",
                         help="measure only the chain (its busy fractions and timeline)")
@@ -91,13 +95,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str) -> Path:
+def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str,
+                 groups: int | None = None) -> Path:
     path = workdir / f"{name}.toml"
     path.write_text(
         f'[stage]\nid = "{name}"\n{extra}'
         f"[runtime]\nctx_size = 4096\nlane_count = {lanes}\nthreads = {threads}\n"
         f'threads_batch = {threads}\nslice_cache_dir = "{workdir / "slices"}"\n'
-        f'[control]\nsocket = "{workdir / name}.sock"\n')
+        + (f"pipeline_decode_groups = {groups}\n" if groups else "")
+        + f'[control]\nsocket = "{workdir / name}.sock"\n')
     return path
 
 
@@ -119,7 +125,8 @@ def start_servers(workdir: Path, args: argparse.Namespace,
                           f"index = 0\nlayer_start = 0\nlayer_end = {args.split_at}\n"
                           f'{link}listen = "127.0.0.1:{ports[0]}"\n'
                           f'[downstream]\nstage_id = "stage-1"\n'
-                          f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n')
+                          f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n',
+                          groups=args.decode_groups)
     env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else None
     stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin, env))
     head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin, env))
