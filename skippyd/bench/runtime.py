@@ -86,12 +86,20 @@ def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
     return statistics.median(durations)
 
 
+def _decode(ctx, llama_batch) -> None:
+    code = L.llama_decode(ctx, llama_batch)
+    if code != 0:  # no logits then: sampling them would abort the process
+        raise RuntimeError(f"llama_decode returned {code}")
+
+
 def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
     """The same work as a minimal hand-written loop over the raw llama.cpp API."""
     ctx, mem = rt.context, L.llama_get_memory(rt.context)
     llama_batch = L.llama_batch_init(max(batch * PROMPT_TOKENS, batch), 0, 1)
     greedy = L.llama_sampler_init_greedy()
     try:
+        for seq in range(batch):  # a lane the runtime used may still hold its cells
+            L.llama_memory_seq_rm(mem, seq, -1, -1)
         n = 0
         for seq in range(batch):
             for i, token in enumerate(_prompt(seq)):
@@ -100,7 +108,7 @@ def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
                 llama_batch.logits[n] = i == PROMPT_TOKENS - 1
                 n += 1
         llama_batch.n_tokens = n
-        L.llama_decode(ctx, llama_batch)
+        _decode(ctx, llama_batch)
         last = [L.llama_sampler_sample(greedy, ctx, (s + 1) * PROMPT_TOKENS - 1) for s in range(batch)]
         started = time.perf_counter()
         for step in range(steps):
@@ -109,7 +117,7 @@ def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
                 llama_batch.n_seq_id[seq], llama_batch.seq_id[seq][0] = 1, seq
                 llama_batch.logits[seq] = True
             llama_batch.n_tokens = batch
-            L.llama_decode(ctx, llama_batch)
+            _decode(ctx, llama_batch)
             last = [L.llama_sampler_sample(greedy, ctx, seq) for seq in range(batch)]
         elapsed = time.perf_counter() - started
     finally:
