@@ -72,6 +72,7 @@ def build_snapshot(
         "counters": _counters(stats, metrics),
         "scheduler": {"last_step_ms": stats.last_step_ms,
                       "last_overhead_ms": stats.last_overhead_ms,
+                      "step_target_ms": stats.step_target_ms,
                       "overhead_ratio": metrics.overhead_ratio()},
         "link": engine.link_status(),
     }

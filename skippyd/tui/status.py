@@ -172,7 +172,10 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
                          f"{n(pc, 'matched_tokens')} · evictions {n(pc, 'evictions')} · "
                          f"resident {fmt_bytes(number(pc.get('bytes_resident')))} · host "
                          f"{fmt_bytes(number(pc.get('bytes_host')))}"),
-        ("scheduler", f"last step {number(sch.get('last_step_ms')):.2f} ms · overhead "
+        ("scheduler", f"last step {number(sch.get('last_step_ms')):.2f} ms"
+                      + (f" (target {number(sch.get('step_target_ms')):.0f} ms)"
+                         if number(sch.get('step_target_ms')) > 0 else "")
+                      + " · overhead "
                       f"{number(sch.get('last_overhead_ms')):.2f} ms · overhead ratio "
                       f"{fmt_percent(number(sch.get('overhead_ratio')))}"),
     ]

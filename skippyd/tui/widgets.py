@@ -203,7 +203,9 @@ class StepLine(Widget):
 
     def render(self) -> RenderResult:
         scheduler = section(self.snapshot, "scheduler")
-        return Text(f"step {number(scheduler.get('last_step_ms')):.1f}ms  "
+        target = number(scheduler.get("step_target_ms"))
+        return Text(f"step {number(scheduler.get('last_step_ms')):.1f}"
+                    + (f"/{target:.0f}" if target > 0 else "") + "ms  "
                     f"ovh {number(scheduler.get('overhead_ratio')) * 100:.0f}%", no_wrap=True)
 
 

@@ -42,7 +42,8 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
         "counters": {"finished": 0, "failed": 0, "cancelled": 0, "rejected": 0,
                      "preempted": 0, "iterations": 0, "direct_iterations": 0, "prompt_tokens": 0,
                      "generation_tokens": 0},
-        "scheduler": {"last_step_ms": 0.0, "last_overhead_ms": 0.0, "overhead_ratio": 0.0},
+        "scheduler": {"last_step_ms": 0.0, "last_overhead_ms": 0.0, "step_target_ms": 0.0,
+                      "overhead_ratio": 0.0},
         "link": None,
     }
     for key, value in overrides.items():

@@ -98,7 +98,7 @@ def short_dir() -> Iterator[Path]:
 def busy_stats() -> StatsWithLanes:
     return StatsWithLanes(
         num_active=1, num_waiting=2, num_iterations=40, num_preempted=1,
-        last_step_ms=3.0, last_overhead_ms=0.5, active_runtime_sessions=1,
+        last_step_ms=3.0, last_overhead_ms=0.5, step_target_ms=500.0, active_runtime_sessions=1,
         max_direct_batch_size=3, kv_cells_used=256,
         lanes=(LaneInfo(1, "chatcmpl-123", "decode", 17, 5),),
     )
@@ -129,6 +129,7 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25}
     assert snap["counters"]["rejected"] == 1 and snap["counters"]["preempted"] == 1
     assert snap["scheduler"]["last_step_ms"] == 3.0
+    assert snap["scheduler"]["step_target_ms"] == 500.0
     for name in ("ttft", "itl", "e2e"):
         assert snap["latency_ms"][name] == {"p50": None, "p95": None, "p99": None, "count": 0}
     json.dumps(snap, allow_nan=False)
@@ -159,6 +160,7 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "failed (worker panicked)" in text and "up 1h02m" in text
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
+    assert "last step 3.00 ms (target 500 ms)" in text
 
 
 def test_snapshot_carries_the_link_of_a_split_stage() -> None:

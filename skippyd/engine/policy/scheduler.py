@@ -225,6 +225,14 @@ class Scheduler:
         self._costs.observe(plan, elapsed_s)
 
     @property
+    def step_target_us(self) -> int:
+        """The step time the last plan sized its prompt chunks for (µs): the target,
+        stretched while long prompts queue up; 0 without a step-time target."""
+        if not (self._config.mixed_prefill_decode and self._config.target_step_us > 0):
+            return 0
+        return self._config.target_step_us * self._stretch.current
+
+    @property
     def step_costs(self) -> StepCostModel:
         """The learned step costs the step-time budget plans with (read-only use)."""
         return self._costs

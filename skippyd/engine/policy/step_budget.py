@@ -59,6 +59,8 @@ class TargetStretch:
 
     def __init__(self) -> None:
         self._queued = False
+        self.current = 1
+        """The factor of the last step planned."""
 
     def factor(self, long_prompts: int) -> int:
         """The stretch for a step planned with ``long_prompts`` prompts pending that need
@@ -68,7 +70,8 @@ class TargetStretch:
         elif long_prompts > 1:
             self._queued = True
         floor = 2 if self._queued else 1
-        return max(floor, min(long_prompts, MAX_TARGET_STRETCH))
+        self.current = max(floor, min(long_prompts, MAX_TARGET_STRETCH))
+        return self.current
 
 
 class StepCostModel:

@@ -317,6 +317,7 @@ class WorkerLoop:
             last_step_ms=self.planned.last_step_ms,
             last_execution_ms=self.planned.last_execution_ms,
             last_overhead_ms=max(0.0, self.planned.last_step_ms - self.planned.last_execution_ms),
+            step_target_ms=self.planned.scheduler.step_target_us / 1000.0,
             failure=self.failure,
             lanes=self._lane_rows(),
             kv_cells_used=self.runtime.kv_cells_used(),

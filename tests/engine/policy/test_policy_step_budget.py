@@ -109,6 +109,7 @@ def test_without_a_target_the_calibrated_mixing_stays():
     run_step(scheduler)
     scheduler.submit(make_sequence("long", 300))
     plan = scheduler.plan_iteration()  # no decode baseline: phase-homogeneous prefill
+    assert scheduler.step_target_us == 0
     assert [w.phase for w in plan.work] == [IterationPhase.PREFILL]
     assert plan.work[0].token_count == 300
 
@@ -151,6 +152,7 @@ def test_queued_prompts_get_bigger_chunks_and_the_first_one_gets_them():
     decode = sorted(w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE)
     assert decode == ["a", "b"]  # the streams still get their row
     assert prompt == {"first": 290}  # three pending: (600 - 16 - 2 * 2) / 2, oldest first
+    assert scheduler.step_target_us == 600_000  # what the status shows
     while any(w.sequence_id != "third" for w in plan.work
               if w.phase is not IterationPhase.DECODE):
         step(plan)
