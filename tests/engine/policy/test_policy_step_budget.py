@@ -125,56 +125,57 @@ def test_the_target_stretches_with_the_prompts_that_queue_up():
     assert [stretch.factor(n) for n in (0, 1)] == [1, 1]
 
 
-def test_queued_prompts_get_bigger_chunks_and_the_first_one_gets_them():
+def streaming_scheduler(*decoders: str):
+    """A 200 ms step target, ``decoders`` decoding, and one step to run a plan that
+    "takes" 16 ms plus 2 ms a token (so the costs are learned)."""
     scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=200_000,
                                max_tokens_per_iteration=2048, prefill_chunk_tokens=2048,
                                max_active_sequences=8)
-    for name in ("a", "b"):
+    for name in decoders:
         scheduler.submit(make_sequence(name, 4, max_tokens=500))
     run_step(scheduler)
     run_step(scheduler)  # a decode step: no prompt is pending any more
 
     def step(plan):
-        # A step costs 16 ms plus 2 ms a token, learned from what "ran".
         scheduler.observe_iteration_duration(plan, 0.016 + 0.002 * plan.token_count)
         scheduler.complete_iteration(plan, sampling_predictions(plan))
 
+    return scheduler, step
+
+
+def prompt_rows(plan) -> dict[str, int]:
+    return {w.sequence_id: w.token_count for w in plan.work
+            if w.phase is not IterationPhase.DECODE}
+
+
+def test_queued_prompts_get_bigger_chunks_and_the_first_one_gets_them():
+    scheduler, step = streaming_scheduler("a", "b")
     scheduler.submit(make_sequence("first", 1000, max_tokens=4))
     for _ in range(3):  # learn the costs with one prompt pending
         step(plan := scheduler.plan_iteration())
-    alone = [w.token_count for w in plan.work if w.sequence_id == "first"]
-    assert alone == [90]  # (200 - 16 fixed - 2 rows * 2) / 2
+    assert prompt_rows(plan) == {"first": 90}  # (200 - 16 fixed - 2 rows * 2) / 2
     scheduler.submit(make_sequence("second", 1000, max_tokens=4))
     scheduler.submit(make_sequence("third", 1000, max_tokens=4))
     plan = scheduler.plan_iteration()
-    prompt = {w.sequence_id: w.token_count for w in plan.work
-              if w.phase is not IterationPhase.DECODE}
     decode = sorted(w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE)
     assert decode == ["a", "b"]  # the streams still get their row
-    assert prompt == {"first": 290}  # three pending: (600 - 16 - 2 * 2) / 2, oldest first
+    # Three pending: (600 - 16 - 2 * 2) / 2, all to the oldest.
+    assert prompt_rows(plan) == {"first": 290}
     assert scheduler.step_target_us == 600_000  # what the status shows
-    while any(w.sequence_id != "third" for w in plan.work
-              if w.phase is not IterationPhase.DECODE):
+    while set(prompt_rows(plan)) != {"third"}:
         step(plan)
         plan = scheduler.plan_iteration()
-    third = [w.token_count for w in plan.work if w.sequence_id == "third"]
     rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
     # Alone now, but the queue was not empty since: twice the target.
-    assert third == [(400 - 16 - 2 * rows) // 2]
+    assert prompt_rows(plan) == {"third": (400 - 16 - 2 * rows) // 2}
 
 
 def test_a_short_prompt_beside_a_long_one_does_not_stretch_the_target():
-    scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=200_000,
-                               max_tokens_per_iteration=2048, prefill_chunk_tokens=2048,
-                               max_active_sequences=8)
-    scheduler.submit(make_sequence("a", 4, max_tokens=500))
-    run_step(scheduler)
+    scheduler, step = streaming_scheduler("a")
     scheduler.submit(make_sequence("long", 1000, max_tokens=4))
-    for _ in range(3):  # learn: 16 ms plus 2 ms a token
-        plan = scheduler.plan_iteration()
-        scheduler.observe_iteration_duration(plan, 0.016 + 0.002 * plan.token_count)
-        scheduler.complete_iteration(plan, sampling_predictions(plan))
+    for _ in range(3):  # learn the costs
+        step(scheduler.plan_iteration())
     scheduler.submit(make_sequence("short", 40, max_tokens=4))
     plan = scheduler.plan_iteration()
-    prompt = sum(w.token_count for w in plan.work if w.phase is not IterationPhase.DECODE)
-    assert prompt == 91  # (200 - 16 - 1 row * 2) / 2: one target, the short one fits a step
+    # (200 - 16 - 1 row * 2) / 2: one target; the short prompt fits in a step.
+    assert sum(prompt_rows(plan).values()) == 91
