@@ -112,6 +112,20 @@ def delta(before: dict[Any, float], after: dict[Any, float], name: str, **labels
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
+async def worker_settled(stage: Stage, finished: int) -> None:
+    """Wait until the worker's published stats show it idle with ``finished`` sequences
+    done: it publishes them when it goes idle, which can come just after the last
+    response reached its client."""
+    async def poll() -> None:
+        while True:
+            stats = stage.engine.worker.stats()
+            if (stats.num_active, stats.num_waiting) == (0, 0) and (
+                    stats.num_finished >= finished):
+                return
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(poll(), WAIT_S)
+
+
 async def stream_chat(client: httpx.AsyncClient) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
@@ -136,6 +150,7 @@ async def test_requests_move_metrics_and_the_snapshot(stage: Stage) -> None:
                  for i in range(5)]
         responses = await asyncio.gather(*posts, stream_chat(client))
         bodies = [r if isinstance(r, dict) else r.json() for r in responses]
+        await worker_settled(stage, finished=len(bodies))
         after = await get_metrics(client)
     num = len(bodies)
     prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
