@@ -210,8 +210,8 @@ class RuntimeSection:
     iteration (their decode rows plus the chunk) takes about this long: running streams
     keep getting a token every step instead of freezing for a whole prompt. Smaller
     values smooth streams more and delay long prompts' first token. While long prompts
-    queue up, a step may take up to 4 times this, so the queue cannot grow without end;
-    0 prefills prompts whole, between decode steps."""
+    queue up or prompts arrive in a burst, a step may take up to 4 times this, so the
+    queue cannot grow without end; 0 prefills prompts whole, between decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration into, so every stage works on one
     while the next computes another; ``None``: one per stage plus one (the one

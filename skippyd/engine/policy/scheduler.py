@@ -191,12 +191,12 @@ class Scheduler:
         if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
             target, most = self._config.target_step_us, self._config.max_tokens_per_iteration - rows
             budget = self._costs.prefill_budget(rows, target, most)
-            # Prompts that need more than one step at the target: when they queue up,
-            # the target stretches (see ``step_budget``).
-            long_prompts = sum(
-                1 for sequence in sequences
-                if sequence.recompute_token_count() - sequence.prefill_cursor > budget)
-            stretch = self._stretch.factor(long_prompts)
+            # When prompts queue up the target stretches (see ``step_budget``).
+            remaining = [sequence.recompute_token_count() - sequence.prefill_cursor
+                         for sequence in sequences if sequence.needs_replay()]
+            stretch = self._stretch.factor(
+                long_prompts=sum(1 for tokens in remaining if tokens > budget),
+                prompts=len(remaining))
             if stretch > 1:
                 budget = self._costs.prefill_budget(rows, target * stretch, most)
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])

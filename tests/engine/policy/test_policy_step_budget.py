@@ -7,6 +7,7 @@ from policy_helpers import make_scheduler, make_sequence, run_step, sampling_pre
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
 from skippyd.engine.policy.step_budget import (
+    BURST_PROMPTS,
     INITIAL_PREFILL_TOKENS,
     MAX_TARGET_STRETCH,
     MIN_PREFILL_TOKENS,
@@ -179,3 +180,34 @@ def test_a_short_prompt_beside_a_long_one_does_not_stretch_the_target():
     plan = scheduler.plan_iteration()
     # (200 - 16 - 1 row * 2) / 2: one target; the short prompt fits in a step.
     assert sum(prompt_rows(plan).values()) == 91
+
+
+def test_a_burst_of_short_prompts_is_taken_in_large_steps():
+    scheduler, step = streaming_scheduler("a")
+    scheduler.submit(make_sequence("warm", 1000, max_tokens=4))
+    for _ in range(3):  # learn the costs
+        step(scheduler.plan_iteration())
+    scheduler.cancel("warm")
+    step(scheduler.plan_iteration())  # nothing pending now
+    for name in ("p1", "p2"):
+        scheduler.submit(make_sequence(name, 80, max_tokens=4))
+    plan = scheduler.plan_iteration()
+    assert sum(prompt_rows(plan).values()) == 91  # two short ones: one target
+    step(plan)
+    for name in ("p3", "p4", "p5", "p6"):
+        scheduler.submit(make_sequence(name, 80, max_tokens=4))
+    plan = scheduler.plan_iteration()
+    rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
+    # Five pending at once (69 tokens of p2 left, 4 * 80 new): a burst, four targets
+    # (the most), which hold all of it.
+    assert (800 - 16 - 2 * rows) // 2 >= 389
+    assert prompt_rows(plan) == {"p2": 69, "p3": 80, "p4": 80, "p5": 80, "p6": 80}
+    assert scheduler.step_target_us == 800_000
+
+
+def test_the_burst_size_is_three_prompts():
+    assert BURST_PROMPTS == 3
+    stretch = TargetStretch()
+    assert stretch.factor(0, prompts=2) == 1
+    assert stretch.factor(0, prompts=3) == 3
+    assert stretch.factor(0, prompts=0) == 1
