@@ -194,9 +194,8 @@ class Scheduler:
             # When prompts queue up the target stretches (see ``step_budget``).
             remaining = [sequence.recompute_token_count() - sequence.prefill_cursor
                          for sequence in sequences if sequence.needs_replay()]
-            stretch = self._stretch.factor(
-                long_prompts=sum(1 for tokens in remaining if tokens > budget),
-                prompts=len(remaining))
+            long_prompts = sum(1 for tokens in remaining if tokens > budget)
+            stretch = self._stretch.factor(long_prompts, len(remaining) - long_prompts)
             if stretch > 1:
                 budget = self._costs.prefill_budget(rows, target * stretch, most)
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])

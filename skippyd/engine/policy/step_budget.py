@@ -19,9 +19,9 @@ at least doubled until none is pending, so a steady stream of long prompts is se
 nearly full speed instead of hovering at the edge of a queue. The streams' gaps grow
 with the queue and shrink back once it is gone. A short prompt, which one step absorbs,
 does not stretch it (a stream that restarts while a long prompt is chunked), but a
-burst of :data:`BURST_PROMPTS` or more prompts pending at once is a queue whatever their
-length: the step stretches by their count, so a burst is taken in a few large steps, as
-a server that prefills whole batches would, instead of being spread thinly over many.
+burst of :data:`BURST_PROMPTS` or more short prompts pending at once does, by their
+count and only while it lasts, so a burst is taken in a few large steps, as a server
+that prefills whole batches would, instead of being spread thinly over many.
 
 :class:`StepCostModel` learns the cost it needs from executed plans: a step's duration as
 a fixed part plus a part per token (decode rows and prompt tokens alike), fitted by least
@@ -51,16 +51,16 @@ INITIAL_PREFILL_TOKENS = 32
 MIN_PREFILL_TOKENS = 16
 #: Most times its target a step may take while long prompts queue up (see the module doc).
 MAX_TARGET_STRETCH = 4
-#: Prompts pending at once that make a burst: the step stretches by their count.
+#: Short prompts pending at once that make a burst: the step stretches by their count.
 BURST_PROMPTS = 3
 
 
 class TargetStretch:
     """How many times its target a step may take, from the prompts pending.
 
-    One target per pending long prompt, or per pending prompt in a burst, at most
-    :data:`MAX_TARGET_STRETCH`; from the moment two are queued until none is, at least
-    two (see the module doc).
+    One target per pending long prompt, or per short prompt in a burst, at most
+    :data:`MAX_TARGET_STRETCH`; from the moment two long prompts are pending until none
+    is, at least two (see the module doc).
     """
 
     def __init__(self) -> None:
@@ -68,19 +68,18 @@ class TargetStretch:
         self.current = 1
         """The factor of the last step planned."""
 
-    def factor(self, long_prompts: int, prompts: int | None = None) -> int:
-        """The stretch for a step planned with ``prompts`` prompts pending (by default
-        ``long_prompts``), ``long_prompts`` of which need more than one step at the
-        target; remembers whether prompts have queued up."""
-        queued = long_prompts
-        if prompts is not None and prompts >= BURST_PROMPTS:
-            queued = max(queued, prompts)
-        if queued <= 0:
+    def factor(self, long_prompts: int, short_prompts: int = 0) -> int:
+        """The stretch for a step planned with ``long_prompts`` prompts pending that need
+        more than one step at the target and ``short_prompts`` that fit in one;
+        remembers whether long prompts have queued up (a burst of short ones stretches
+        only while it lasts)."""
+        if long_prompts <= 0:
             self._queued = False
-        elif queued > 1:
+        elif long_prompts > 1:
             self._queued = True
         floor = 2 if self._queued else 1
-        self.current = max(floor, min(queued, MAX_TARGET_STRETCH))
+        burst = short_prompts if short_prompts >= BURST_PROMPTS else 0
+        self.current = max(floor, min(max(long_prompts, burst), MAX_TARGET_STRETCH))
         return self.current
 
 

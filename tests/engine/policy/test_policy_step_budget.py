@@ -205,9 +205,10 @@ def test_a_burst_of_short_prompts_is_taken_in_large_steps():
     assert scheduler.step_target_us == 800_000
 
 
-def test_the_burst_size_is_three_prompts():
+def test_a_burst_is_three_short_prompts_and_stretches_only_while_it_lasts():
     assert BURST_PROMPTS == 3
     stretch = TargetStretch()
-    assert stretch.factor(0, prompts=2) == 1
-    assert stretch.factor(0, prompts=3) == 3
-    assert stretch.factor(0, prompts=0) == 1
+    assert stretch.factor(0, short_prompts=2) == 1
+    assert stretch.factor(1, short_prompts=2) == 1  # a long prompt and two restarts
+    assert stretch.factor(1, short_prompts=3) == 3
+    assert stretch.factor(1, short_prompts=0) == 1  # not sticky, unlike long queues
