@@ -226,7 +226,7 @@ class Scheduler:
     @property
     def step_target_us(self) -> int:
         """The step time the last plan sized its prompt chunks for (µs): the target,
-        stretched while long prompts queue up; 0 without a step-time target."""
+        stretched while prompts queue up (``TargetStretch``); 0 without a target."""
         if not (self._config.mixed_prefill_decode and self._config.target_step_us > 0):
             return 0
         return self._config.target_step_us * self._stretch.current

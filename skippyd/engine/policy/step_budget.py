@@ -49,7 +49,7 @@ INITIAL_PREFILL_TOKENS = 32
 #: Prompt tokens an iteration with live decoders always carries, whatever the estimate,
 #: so a prompt always progresses (a budget below one token would starve it).
 MIN_PREFILL_TOKENS = 16
-#: Most times its target a step may take while long prompts queue up (see the module doc).
+#: Most times its target a step may take while prompts queue up (see the module doc).
 MAX_TARGET_STRETCH = 4
 #: Short prompts pending at once that make a burst: the step stretches by their count.
 BURST_PROMPTS = 3

@@ -317,7 +317,7 @@ class WorkerStats:
     last_overhead_ms: float = 0.0
     step_target_ms: float = 0.0
     """The step time prompt chunks are sized for now (the configured target, stretched
-    while long prompts queue up); 0 without a target."""
+    while prompts queue up); 0 without a target."""
     failure: str | None = None
     lanes: tuple[LaneInfo, ...] = ()
     """Active planned sequences, by request id."""
