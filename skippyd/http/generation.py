@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _resolve(waiter: asyncio.Future[bool], woken: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(woken)
+
+
 def api_error_from(error: WorkerError) -> ApiError:
     """Map a worker error to the HTTP error it suggests (429 gets ``Retry-After``)."""
     headers = {}
@@ -102,7 +107,7 @@ class GenerationStream:
         # terminal event per request, so its length is bounded by the request.
         self._pieces: list[str] = []
         self._error: ApiError | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
         self._relay: EventRelay | None = None
         self._submitted = False
         self._settled = False
@@ -146,13 +151,20 @@ class GenerationStream:
             ApiError: The worker reported an error for this request.
         """
         if not self._pieces and self._error is None and not self.finished:
-            self._waiter = asyncio.get_running_loop().create_future()
+            # NOTE: one future and one timer per wait, resolved by _deliver (True) or by
+            # the timer (False); wait_for over a shield cost four callbacks per token.
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = (None if timeout_s is None
+                     else loop.call_later(timeout_s, _resolve, waiter, False))
             try:
-                await asyncio.wait_for(asyncio.shield(self._waiter), timeout_s)
-            except TimeoutError:
-                return None
+                woken = await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if not woken:
+                return None
         pieces, self._pieces = self._pieces, []
         if not pieces and self._error is not None:
             raise self._error
@@ -227,8 +239,8 @@ class GenerationStream:
         else:
             if text:
                 self._pieces.append(text)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._waiter is not None:
+            _resolve(self._waiter, True)
 
     @staticmethod
     def _stop_if_token(event: GenerationEvent) -> None:
