@@ -64,6 +64,8 @@ class StopMatcher:
         """
         if self._stopped:
             return StopStep("", True)
+        if not self._stops:  # the common case: every piece passes straight through
+            return StopStep(piece, False)
         buffer = self._held + piece
         match_at = self._first_match(buffer)
         if match_at is not None:
