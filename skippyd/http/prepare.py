@@ -44,7 +44,7 @@ def render_chat(backend: ServingBackend, parsed: ChatParams, *,
     """The chat's prompt text (``/apply-template``), and the template's tool-call format.
 
     Raises:
-        ApiError: 400 naming ``messages`` when the template refuses the conversation.
+        ApiError: 400 naming ``tools`` or ``messages`` when the template refuses them.
     """
     fmt = detect_format(backend.chat_template)
     messages, tools = prepare_chat([dict(m) for m in parsed.messages], parsed.tools, fmt)
@@ -52,7 +52,7 @@ def render_chat(backend: ServingBackend, parsed: ChatParams, *,
         text = backend.render_chat(messages, tools=tools, template_kwargs=parsed.template_kwargs,
                                    add_generation_prompt=add_generation_prompt)
     except ValueError as exc:
-        raise _template_error(exc) from exc
+        raise _template_error(backend, messages, tools, parsed, exc) from exc
     return text, fmt
 
 
@@ -64,7 +64,7 @@ def prepare_chat_request(backend: ServingBackend, parsed: ChatParams) -> Prepare
         tokens, text = backend.chat_tokens(messages, tools=tools,
                                            template_kwargs=parsed.template_kwargs)
     except ValueError as exc:
-        raise _template_error(exc) from exc
+        raise _template_error(backend, messages, tools, parsed, exc) from exc
     grammar = None
     if parsed.params.constraint is not None:
         grammar = constraint_grammar(backend, parsed.params.constraint)
@@ -73,7 +73,18 @@ def prepare_chat_request(backend: ServingBackend, parsed: ChatParams) -> Prepare
     return PreparedChat(tokens, grammar, fmt, opens_reasoning(text))
 
 
-def _template_error(exc: ValueError) -> ApiError:
+def _template_error(backend: ServingBackend, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None, parsed: ChatParams,
+                    exc: ValueError) -> ApiError:
+    """400 naming ``tools`` when the template takes the messages without them (a template
+    that refuses tool definitions), else ``messages``."""
+    if tools:
+        try:
+            backend.render_chat(messages, tools=None, template_kwargs=parsed.template_kwargs)
+        except ValueError:
+            pass
+        else:
+            return invalid_field("tools", f"chat template rejected the tool definitions: {exc}")
     return invalid_field("messages", f"chat template rejected the messages: {exc}")
 
 

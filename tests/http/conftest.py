@@ -109,6 +109,8 @@ class FakeBackend:
         self.render_calls: list[dict] = []
         self.local_sampling = True
         self.chat_template: str | None = None
+        self.refuses_tools = False
+        """render_chat raises when given tool definitions, as a template without tools."""
         self._threads: list[threading.Thread] = []
 
     @property
@@ -131,6 +133,8 @@ class FakeBackend:
                     add_generation_prompt: bool = True) -> str:
         if any(m["role"] == "bad" for m in messages):
             raise ValueError("roles must alternate")
+        if tools and self.refuses_tools:
+            raise ValueError("this template takes no tools")
         self.rendered.append(messages)
         self.render_calls.append({"tools": tools, "template_kwargs": template_kwargs})
         turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

@@ -131,6 +131,22 @@ def test_tools_reach_a_template_that_knows_them(client: TestClient, fake: Any) -
     assert fake.rendered[-1] == [{"role": "user", "content": "hi"}]
 
 
+def test_a_template_that_refuses_tools_is_a_400_naming_tools_not_messages(
+        client: TestClient, fake: Any) -> None:
+    fake.chat_template = "{% for t in tools %}<tool_call>{{ t }}{% endfor %}"
+    fake.refuses_tools = True
+    response = client.post(CHAT_URL, json=chat(tools=TOOLS))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tools"
+    assert "this template takes no tools" in error["message"]
+    assert not fake.generations
+    bad_turns = client.post(CHAT_URL, json={"messages": [{"role": "bad", "content": "x"}],
+                                            "tools": TOOLS})
+    assert bad_turns.status_code == 400
+    assert bad_turns.json()["error"]["param"] == "messages"
+
+
 # -- reasoning -------------------------------------------------------------------------
 
 def test_think_text_is_reasoning_content(client: TestClient, fake: Any) -> None:
