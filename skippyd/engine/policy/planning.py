@@ -151,9 +151,10 @@ def plan_budgeted(
 ) -> tuple[list[IterationWork], int]:
     """Plan every decode row, then at most ``prefill_budget`` prompt tokens.
 
-    The prompt tokens go to the sequences in ``prefill_order`` (admission order: the
-    oldest prompt finishes first instead of every prompt advancing a little), each chunk
-    at most ``prefill_chunk_tokens``.
+    The prompt tokens go to the sequences in ``prefill_order`` (see :func:`prompt_order`:
+    prompts that finish in this step, then the oldest first, so prompts finish one after
+    another instead of every prompt advancing a little), each chunk at most
+    ``prefill_chunk_tokens``.
 
     Args:
         sequences: Admitted sequences in sorted-id order (the decode rotation's order).
@@ -178,6 +179,42 @@ def plan_budgeted(
             draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
             prompt_budget -= before - draft.budget
     return draft.work, decode_cursor
+
+
+def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserve: int,
+                 max_sequences: int) -> list[Sequence]:
+    """The order prompt work is served in: short prompts first, then oldest first.
+
+    A prompt whose remaining tokens fit in this step (with the ones already promoted, and
+    ``reserve`` tokens left over) goes ahead of older prompts, in admission order: it
+    finishes in this step, so a stream that restarts beside a long prompt being chunked
+    does not wait for that prompt's whole prefill. Everything else keeps admission order,
+    and because promoted prompts never take more than ``prefill_budget - reserve``, the
+    oldest remaining prompt still gets at least ``reserve`` tokens (and one of the
+    ``max_sequences`` prompt slots) a step: a stream of short prompts cannot starve a
+    long one.
+
+    Args:
+        by_admission: Admitted sequences, oldest admission first.
+        prefill_budget: Prompt tokens this iteration may carry.
+        reserve: Tokens always left for the oldest prompt that is not promoted.
+        max_sequences: Most sequences one plan may prefill.
+    """
+    room = prefill_budget - reserve
+    promoted: list[Sequence] = []
+    for sequence in by_admission:
+        if len(promoted) >= max_sequences - 1:
+            break
+        if not sequence.needs_replay():
+            continue
+        remaining = sequence.recompute_token_count() - sequence.prefill_cursor
+        if remaining <= room:
+            promoted.append(sequence)
+            room -= remaining
+    if not promoted:
+        return list(by_admission)
+    chosen = {id(sequence) for sequence in promoted}
+    return promoted + [sequence for sequence in by_admission if id(sequence) not in chosen]
 
 
 def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[Sequence], cursor: int) -> int:

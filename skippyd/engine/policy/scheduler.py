@@ -33,9 +33,10 @@ from skippyd.engine.policy.planning import (
     plan_budgeted,
     plan_mixed,
     plan_phase_homogeneous,
+    prompt_order,
 )
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
-from skippyd.engine.policy.step_budget import StepCostModel, TargetStretch
+from skippyd.engine.policy.step_budget import MIN_PREFILL_TOKENS, StepCostModel, TargetStretch
 from skippyd.engine.policy.telemetry import (
     IterationTelemetry,
     SchedulerMetrics,
@@ -199,8 +200,10 @@ class Scheduler:
             if stretch > 1:
                 budget = self._costs.prefill_budget(rows, target * stretch, most)
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
+            order = prompt_order(by_admission, budget, MIN_PREFILL_TOKENS if rows else 0,
+                                 self._config.max_prefill_sequences_per_iteration)
             work, self._mixed_decode_cursor = plan_budgeted(
-                sequences, by_admission, self._config, budget, self._mixed_decode_cursor)
+                sequences, order, self._config, budget, self._mixed_decode_cursor)
             self._consecutive_prefill_iterations = 0
         elif self._config.mixed_prefill_decode and self._calibration.allows_mixed(rows):
             work, self._mixed_decode_cursor = plan_mixed(

@@ -6,6 +6,7 @@ import pytest
 from policy_helpers import make_scheduler, make_sequence, run_step, sampling_predictions
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
+from skippyd.engine.policy.planning import prompt_order
 from skippyd.engine.policy.step_budget import (
     BURST_PROMPTS,
     INITIAL_PREFILL_TOKENS,
@@ -180,6 +181,44 @@ def test_a_short_prompt_beside_a_long_one_does_not_stretch_the_target():
     plan = scheduler.plan_iteration()
     # (200 - 16 - 1 row * 2) / 2: one target; the short prompt fits in a step.
     assert sum(prompt_rows(plan).values()) == 91
+
+
+def test_a_short_prompt_goes_ahead_of_a_long_one_and_finishes_in_one_step():
+    scheduler, step = streaming_scheduler("a")
+    scheduler.submit(make_sequence("long", 1000, max_tokens=4))
+    for _ in range(3):  # learn the costs
+        step(scheduler.plan_iteration())
+    scheduler.submit(make_sequence("restart", 40, max_tokens=4))  # a stream restarting
+    plan = scheduler.plan_iteration()
+    prompts = [w.sequence_id for w in plan.work if w.phase is IterationPhase.PREFILL]
+    assert prompts == ["restart", "long"]
+    assert prompt_rows(plan) == {"restart": 40, "long": 91 - 40}
+    step(plan)
+    plan = scheduler.plan_iteration()
+    decode = sorted(w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE)
+    assert decode == ["a", "restart"]  # decoding one step after it arrived
+
+
+def test_short_prompts_leave_the_oldest_prompt_its_minimum_share():
+    scheduler, step = streaming_scheduler("a")
+    scheduler.submit(make_sequence("long", 1000, max_tokens=4))
+    for _ in range(3):  # learn the costs
+        step(scheduler.plan_iteration())
+    for name in ("s1", "s2"):  # together more than the step holds
+        scheduler.submit(make_sequence(name, 40, max_tokens=4))
+    plan = scheduler.plan_iteration()
+    rows = prompt_rows(plan)
+    # s1 fits beside the reserve, s2 does not and keeps its place after the long one.
+    assert [w.sequence_id for w in plan.work if w.phase is IterationPhase.PREFILL][0] == "s1"
+    assert rows["s1"] == 40 and rows["long"] >= MIN_PREFILL_TOKENS
+    assert sum(rows.values()) == 91
+
+
+def test_the_prompt_order_promotes_nothing_when_one_prompt_a_step_is_allowed():
+    by_admission = [make_sequence("long", 500), make_sequence("short", 10)]
+    assert [s.id for s in prompt_order(by_admission, 100, 16, 8)] == ["short", "long"]
+    assert [s.id for s in prompt_order(by_admission, 100, 16, 1)] == ["long", "short"]
+    assert [s.id for s in prompt_order(by_admission, 20, 16, 8)] == ["long", "short"]
 
 
 def test_a_burst_of_short_prompts_is_taken_in_large_steps():
