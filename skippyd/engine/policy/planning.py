@@ -207,14 +207,14 @@ def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserv
             break
         if not sequence.needs_replay():
             continue
-        remaining = sequence.recompute_token_count() - sequence.prefill_cursor
+        remaining = sequence.replay_remaining()
         if remaining <= room:
             promoted.append(sequence)
             room -= remaining
     if not promoted:
         return list(by_admission)
-    chosen = {id(sequence) for sequence in promoted}
-    return promoted + [sequence for sequence in by_admission if id(sequence) not in chosen]
+    chosen = {sequence.id for sequence in promoted}
+    return promoted + [sequence for sequence in by_admission if sequence.id not in chosen]
 
 
 def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[Sequence], cursor: int) -> int:

@@ -193,7 +193,7 @@ class Scheduler:
             target, most = self._config.target_step_us, self._config.max_tokens_per_iteration - rows
             budget = self._costs.prefill_budget(rows, target, most)
             # When prompts queue up the target stretches (see ``step_budget``).
-            remaining = [sequence.recompute_token_count() - sequence.prefill_cursor
+            remaining = [sequence.replay_remaining()
                          for sequence in sequences if sequence.needs_replay()]
             long_prompts = sum(1 for tokens in remaining if tokens > budget)
             stretch = self._stretch.factor(long_prompts, len(remaining) - long_prompts)

@@ -162,6 +162,10 @@ class Sequence:
         """Length of :meth:`recompute_tokens` without building it."""
         return len(self.prompt_tokens) + max(0, len(self.generated_tokens) - 1)
 
+    def replay_remaining(self) -> int:
+        """Replay tokens the prefill cursor has not reached yet."""
+        return self.recompute_token_count() - self.prefill_cursor
+
     def replay_slice(self, start: int, stop: int) -> tuple[int, ...]:
         """``recompute_tokens()[start:stop]`` without concatenating the whole prompt."""
         prompt_len = len(self.prompt_tokens)
