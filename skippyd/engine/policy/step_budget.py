@@ -23,6 +23,13 @@ burst of :data:`BURST_PROMPTS` or more short prompts pending at once does, by th
 count and only while it lasts, so a burst is taken in a few large steps, as a server
 that prefills whole batches would, instead of being spread thinly over many.
 
+A chunk smaller than :data:`EFFICIENT_PREFILL_TOKENS` costs more per prompt token than a
+larger one (llama.cpp's CPU attention switches kernels at 64 query rows), and under a
+steady stream of long prompts that loss comes straight out of the decoders' time. So
+when the target leaves room for less, a step takes that many prompt tokens anyway as
+long as it is estimated within :data:`EFFICIENT_CHUNK_STRETCH` times the target; a model
+too slow for that keeps the smaller chunk, down to :data:`MIN_PREFILL_TOKENS`.
+
 :class:`StepCostModel` learns the cost it needs from executed plans: a step's duration as
 a fixed part plus a part per token (decode rows and prompt tokens alike), fitted by least
 squares with exponential forgetting, so it follows the machine as load and context
@@ -49,6 +56,15 @@ INITIAL_PREFILL_TOKENS = 32
 #: Prompt tokens an iteration with live decoders always carries, whatever the estimate,
 #: so a prompt always progresses (a budget below one token would starve it).
 MIN_PREFILL_TOKENS = 16
+#: Prompt tokens of a chunk beside decoders that llama.cpp prefills at full speed. Its CPU
+#: flash attention runs a micro-batch of 64 or more query rows through a tiled kernel and
+#: a smaller one row by row, about a fifth slower per prompt token on SmolLM2; with one KV
+#: stream per lane, llama.cpp puts a chunk's first token in the decoders' micro-batch, so
+#: the chunk's own holds 64 of these 65.
+EFFICIENT_PREFILL_TOKENS = 65
+#: How many times its target a step may take to carry an efficient chunk (see above):
+#: while a prompt waits, a fifth more prompt throughput is worth a step up to this long.
+EFFICIENT_CHUNK_STRETCH = 2
 #: Most times its target a step may take while prompts queue up (see the module doc).
 MAX_TARGET_STRETCH = 4
 #: Short prompts pending at once that make a burst: the step stretches by their count.
@@ -145,7 +161,9 @@ class StepCostModel:
 
         Returns:
             ``most`` without decoders; otherwise what fits in the target beside the decode
-            rows, at least :data:`MIN_PREFILL_TOKENS` (and at most ``most``).
+            rows, rounded up to :data:`EFFICIENT_PREFILL_TOKENS` when such a step is
+            estimated within :data:`EFFICIENT_CHUNK_STRETCH` times the target, and at least
+            :data:`MIN_PREFILL_TOKENS` (at most ``most`` in every case).
         """
         if decode_rows == 0:
             return most
@@ -155,6 +173,10 @@ class StepCostModel:
         fixed, per_token = coefficients
         fits = int((target_step_us - fixed - per_token * decode_rows) / max(per_token, 1e-3)
                    + 1e-6)  # a fit that lands on a whole number is not rounded down
+        if fits < EFFICIENT_PREFILL_TOKENS:
+            efficient_us = fixed + per_token * (decode_rows + EFFICIENT_PREFILL_TOKENS)
+            if efficient_us <= EFFICIENT_CHUNK_STRETCH * target_step_us:
+                fits = EFFICIENT_PREFILL_TOKENS
         return max(1, min(max(fits, MIN_PREFILL_TOKENS), most))
 
 

@@ -9,6 +9,8 @@ from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
 from skippyd.engine.policy.planning import prompt_order
 from skippyd.engine.policy.step_budget import (
     BURST_PROMPTS,
+    EFFICIENT_CHUNK_STRETCH,
+    EFFICIENT_PREFILL_TOKENS,
     INITIAL_PREFILL_TOKENS,
     MAX_TARGET_STRETCH,
     MIN_PREFILL_TOKENS,
@@ -62,9 +64,23 @@ def test_the_budget_fills_the_target_beside_the_decode_rows():
     assert costs.prefill_budget(4, 200_000, 2000) == INITIAL_PREFILL_TOKENS  # not learned
     costs.observe(plan_of(4, 0), 0.040)
     costs.observe(plan_of(4, 100), 0.540)  # 5 ms a token beside 20 ms fixed
-    assert costs.prefill_budget(4, 200_000, 2000) == 32  # (200 - 20 fixed - 4 * 5) / 5
-    assert costs.prefill_budget(4, 200_000, 10) == 10
+    assert costs.prefill_budget(4, 500_000, 2000) == 92  # (500 - 20 fixed - 4 * 5) / 5
+    assert costs.prefill_budget(4, 500_000, 10) == 10
     assert costs.prefill_budget(4, 50_000, 2000) == MIN_PREFILL_TOKENS  # prompts still move
+
+
+def test_a_chunk_too_small_to_run_at_full_speed_is_rounded_up_within_twice_the_target():
+    costs = StepCostModel()
+    costs.observe(plan_of(4, 0), 0.040)
+    costs.observe(plan_of(4, 100), 0.540)  # 5 ms a token beside 20 ms fixed
+    efficient_step_ms = 20 + 5 * (4 + EFFICIENT_PREFILL_TOKENS)  # 365 ms
+    # 200 ms leaves room for 32 tokens; 65 take 365 ms, within twice the target.
+    assert costs.prefill_budget(4, 200_000, 2000) == EFFICIENT_PREFILL_TOKENS
+    target = int(efficient_step_ms * 1000 / EFFICIENT_CHUNK_STRETCH)
+    assert costs.prefill_budget(4, target, 2000) == EFFICIENT_PREFILL_TOKENS
+    # Just past twice the target the small chunk stays: the streams' gap comes first.
+    assert costs.prefill_budget(4, target - 1000, 2000) == (target - 1000 - 40_000) // 5000
+    assert costs.prefill_budget(4, 200_000, 40) == 40  # never more than the plan holds
 
 
 def test_decoders_get_a_row_every_step_while_a_long_prompt_is_chunked():
