@@ -76,10 +76,10 @@ def test_a_chunk_too_small_to_run_at_full_speed_is_rounded_up_within_twice_the_t
     efficient_step_ms = 20 + 5 * (4 + EFFICIENT_PREFILL_TOKENS)  # 365 ms
     # 200 ms leaves room for 32 tokens; 65 take 365 ms, within twice the target.
     assert costs.prefill_budget(4, 200_000, 2000) == EFFICIENT_PREFILL_TOKENS
-    target = int(efficient_step_ms * 1000 / EFFICIENT_CHUNK_STRETCH)
-    assert costs.prefill_budget(4, target, 2000) == EFFICIENT_PREFILL_TOKENS
-    # Just past twice the target the small chunk stays: the streams' gap comes first.
-    assert costs.prefill_budget(4, target - 1000, 2000) == (target - 1000 - 40_000) // 5000
+    edge = int(efficient_step_ms * 1000 / EFFICIENT_CHUNK_STRETCH)
+    assert costs.prefill_budget(4, edge + 500, 2000) == EFFICIENT_PREFILL_TOKENS
+    # Past twice the target the small chunk stays: the streams' gap comes first.
+    assert costs.prefill_budget(4, edge - 500, 2000) == (edge - 500 - 40_000) // 5000
     assert costs.prefill_budget(4, 200_000, 40) == 40  # never more than the plan holds
 
 
