@@ -30,6 +30,7 @@ from skippyd.engine.prefix_cache.entries import (
     PrefixCacheStats,
     Tier,
     host_cost,
+    state_nbytes,
 )
 from skippyd.engine.prefix_cache.eviction import count_victims, host_victims
 from skippyd.engine.prefix_cache.settings import (
@@ -318,15 +319,27 @@ class LivePrefixCache:
         return self.settings.host_tier and entry.num_tokens >= self.settings.min_tokens
 
     def _demote(self, entry: CacheEntry) -> None:
-        """Save the entry's lane to host RAM and move the entry there (or drop it)."""
+        """Save the entry's lane to host RAM and move the entry there (or drop it).
+
+        The victims go first: the save may reuse one's mapping (the runtime's
+        ``StateMappings``). That mapping may be a little longer than the state, so the
+        budget is checked again with what the saved state really takes.
+        """
         assert entry.lane is not None
         bytes_needed = host_cost(self.runtime.lane_state_bytes(entry.lane), entry.num_tokens)
         victims = host_victims(self.table, bytes_needed)
         if victims is None:
             self._drop(entry, evicted=True)
             return
-        state = self.runtime.save_lane_state(entry.lane)
         for victim in victims:
+            self._drop(victim, evicted=True)
+        state = self.runtime.save_lane_state(entry.lane)
+        more = host_victims(self.table, host_cost(state_nbytes(state), entry.num_tokens))
+        if more is None:
+            state.release()
+            self._drop(entry, evicted=True)
+            return
+        for victim in more:
             self._drop(victim, evicted=True)
         self.table.move_to_host(entry, state)
         self._refresh("demote", tokens=entry.num_tokens, tier=Tier.HOST.value)

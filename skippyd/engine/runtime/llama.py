@@ -37,7 +37,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.forks import SessionForkMixin
-from skippyd.engine.runtime.lane_cache import LaneCacheMixin
+from skippyd.engine.runtime.lane_cache import LaneCacheMixin, StateMappings
 from skippyd.engine.runtime.llama_ext import (
     ensure_backend,
     make_layer_capture,
@@ -160,6 +160,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         )
         self._lanes = [_Lane(seq_id) for seq_id in range(options.lane_count)]
         self._sessions: dict[str, _Lane] = {}
+        self.state_mappings = StateMappings()
         self.decode_calls = 0
 
     # -- lifecycle -------------------------------------------------------------------
@@ -215,6 +216,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         for lane in self._lanes:
             self._reset_sampler(lane)
         self._sessions.clear()
+        self.state_mappings.clear()
         L.llama_batch_free(self._batch)
         L.llama_free(self._ctx)
         L.llama_model_free(self._model)

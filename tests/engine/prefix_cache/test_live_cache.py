@@ -110,6 +110,36 @@ def test_a_reused_lane_saves_its_entry_to_host_ram_and_it_restores_from_there(
         assert cache.stats().entries_host == 2
 
 
+def test_at_the_host_budget_a_demotion_saves_into_its_victim_s_mapping(
+        tiny_model_path, expected):
+    with open_runtime(tiny_model_path, lanes=1, ctx_size=512) as runtime:
+        probe, _ = make_cache(runtime)
+        record_from_lane(runtime, probe, "probe", PREFIX)
+        start(runtime, probe, "probe-next")  # "probe" goes to host RAM: what one costs
+        one_entry = probe.stats().bytes_host + 4096
+        runtime.drop_session("probe-next")
+        probe.clear()
+        runtime.clear_lane(0)
+        cache, _ = make_cache(runtime, host_ram_bytes=one_entry)  # room for one state
+        record_from_lane(runtime, cache, "a", PREFIX)
+        start(runtime, cache, "b")  # "a" goes to host RAM in a fresh mapping
+        prefill(runtime, "b", OTHER)
+        cache.record("b", len(OTHER))
+        runtime.drop_session("b")
+        reused_before = runtime.state_mappings.reused
+        start(runtime, cache, "c")  # "b" goes to host RAM; "a" gives way, and its mapping
+        runtime.drop_session("c")
+        assert runtime.state_mappings.reused == reused_before + 1
+        assert cache.stats().entries_host == 1 and cache.stats().bytes_host <= one_entry
+        assert cache.lease("req", OTHER + SUFFIX) is not None
+        placement, restored = start(runtime, cache, "req")
+        assert restored
+        with open_runtime(tiny_model_path) as fresh:
+            prefill(fresh, "ref", OTHER)
+            assert greedy_continue(runtime, "req", SUFFIX, 8) == greedy_continue(
+                fresh, "ref", SUFFIX, 8)
+
+
 def test_without_host_room_a_reused_lane_loses_its_entry(tiny_model_path):
     with open_runtime(tiny_model_path, lanes=1, ctx_size=512) as runtime:
         cache, _ = make_cache(runtime, host_ram_bytes=1024)

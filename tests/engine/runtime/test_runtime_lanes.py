@@ -13,7 +13,7 @@ import pytest
 from cache_helpers import GREEDY, greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.lane_cache import HostState
+from skippyd.engine.runtime.lane_cache import HostState, StateMappings
 from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationPhase,
@@ -152,3 +152,47 @@ def test_a_host_state_is_its_own_mapping_and_can_be_released_early():
     state.release()
     state.release()  # idempotent
     assert len(state) == 0
+
+
+def test_a_released_state_leaves_its_mapping_for_the_next_state_of_about_its_size():
+    mappings = StateMappings(max_count=2, max_bytes=1 << 20)
+    first = HostState(80_000, mappings)
+    first.as_ctypes()[:4] = [1, 2, 3, 4]
+    first.release()
+    assert len(first) == 0 and first.nbytes == 0 and mappings.kept_bytes == 80_000
+    with pytest.raises(ValueError, match="released"):
+        first.as_ctypes()
+    second = HostState(75_000, mappings)  # within 1/8 of the kept mapping: reused
+    assert mappings.reused == 1 and mappings.kept_bytes == 0
+    assert len(second) == 75_000 and len(second.as_ctypes()) == 75_000
+    assert second.nbytes == -(-80_000 // mmap.PAGESIZE) * mmap.PAGESIZE  # all it holds
+    second.release()
+    HostState(60_000, mappings).release()  # more than 1/8 smaller: a fresh mapping
+    assert mappings.reused == 1 and mappings.kept_bytes == 80_000 + 60_000
+
+
+def test_kept_mappings_stay_within_their_count_and_bytes_oldest_out_first():
+    mappings = StateMappings(max_count=2, max_bytes=100_000)
+    for size in (30_000, 40_000, 50_000):
+        HostState(size, mappings).release()
+    assert mappings.kept_bytes == 40_000 + 50_000  # the oldest went: at most 2 kept
+    HostState(60_000, mappings).release()
+    assert mappings.kept_bytes == 60_000  # 50_000 + 60_000 is over the bytes bound
+    HostState(200_000, mappings).release()  # larger than the bound: never kept
+    assert mappings.kept_bytes == 60_000
+    mappings.clear()
+    assert mappings.kept_bytes == 0
+
+
+def test_a_state_saved_into_a_reused_mapping_loads_and_continues_exactly(runtime, expected):
+    prefill(runtime, "source", PREFIX)
+    lane = runtime.lane_of("source")
+    runtime.drop_session("source")
+    runtime.save_lane_state(lane).release()  # its mapping is kept for the next save
+    reused_before = runtime.state_mappings.reused
+    state = runtime.save_lane_state(lane)
+    assert runtime.state_mappings.reused == reused_before + 1
+    runtime.clear_lane(lane)
+    runtime.ensure_session_active("host-hit", lane=(lane + 1) % 4)
+    assert runtime.load_session_state("host-hit", state, PREFIX)
+    assert greedy_continue(runtime, "host-hit", SUFFIX, 8) == expected
