@@ -4,6 +4,7 @@ backend (its tokens are bytes: token = byte + 1, so texts and token ids map 1:1)
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -291,3 +292,28 @@ def test_tokenize_detokenize_apply_template_props_and_models(client: TestClient)
     (model,) = client.get("/v1/models").json()["data"]
     assert model["max_model_len"] == 4096
     assert model["meta"] == {"n_ctx": 4096, "layer_start": 0, "layer_end": 30, "n_layer": 30}
+
+
+# -- where texts are tokenized -----------------------------------------------------------
+
+def test_short_texts_are_tokenized_on_the_event_loop_and_long_ones_on_the_text_pool(
+        fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    tokenize = fake.tokenize
+
+    def recording(text: str, **kwargs: Any) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return tokenize(text, **kwargs)
+
+    monkeypatch.setattr(fake, "tokenize", recording)
+    fake.ctx_size = 8192
+    limits = HttpLimits(max_body_bytes=16384, max_prompt_tokens=4000, max_tokens_limit=64)
+    long = "word " * 420  # 2100 characters: over INLINE_TEXT_CHARS
+    with TestClient(create_app(fake, limits=limits)) as client:
+        for url, body in ((COMPLETIONS_URL, {"prompt": "Say"}), (CHAT_URL, chat("hi")),
+                          (COMPLETIONS_URL, {"prompt": long}), (CHAT_URL, chat(long))):
+            assert client.post(url, json={**body, "max_tokens": 4}).status_code == 200
+    short_completion, short_chat, long_completion, long_chat = threads
+    assert not short_completion.startswith("skippyd-text")
+    assert short_chat == short_completion  # the loop's own thread
+    assert long_completion.startswith("skippyd-text") and long_chat.startswith("skippyd-text")
