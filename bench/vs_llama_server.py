@@ -1,11 +1,15 @@
 """skippyd against llama.cpp's own ``llama-server``: same model, threads, lanes and context.
 
 Both servers run the same llama.cpp kernels, so what differs is scheduling and per-token
-overhead. The script starts each server itself (a fresh process per measurement), runs
-each workload on both, alternating which goes first round by round, and reports medians
-over the rounds with MET / NOT MET per target. Any request error makes a target NOT MET.
+overhead. For each workload the script starts both servers itself (one process each, up
+together for that workload's rounds: an idle server takes no CPU), runs the workload on
+both in every round, alternating which goes first, and judges each target by the median
+over the rounds of the round's ratio: the two runs of a round are seconds apart, so a
+host whose speed drifts by 10-20 % from minute to minute moves both. Medians of each
+side's figures are shown too. Any request error makes a target NOT MET.
 
-Workloads (prompts are unique per request, round and server, so no prefix cache helps):
+Workloads (prompts are unique per request and round, so no prefix cache helps; in a round
+both sides get the same prompts):
 
 * ``streams8``: 8 closed-loop streams, ~60-token prompts, 64 output tokens (``ignore_eos``):
   aggregate output tok/s >= 1.0x, inter-token p50 <= 1.05x, median TTFT <= 1.0x.
@@ -22,7 +26,7 @@ Workloads (prompts are unique per request, round and server, so no prefix cache 
 Build llama-server from the llama.cpp that llama-cpp-python vendors (portable, same
 kernels), then::
 
-    python bench/vs_llama_server.py --llama-server PATH/TO/llama-server [--rounds 3]
+    python bench/vs_llama_server.py --llama-server PATH/TO/llama-server [--rounds 5]
         [--only streams8,cotenant] [--json out.json]
 """
 
@@ -293,16 +297,15 @@ RUNNERS: dict[str, Runner] = {
 }
 
 
-def measure(setup: Setup, workload: str, server: str, seed: str,
-            cache_mode: str | None = None) -> Measure:
-    proc = start_server(setup, server, cache_mode)
-    try:
-        return asyncio.run(RUNNERS["streams8" if workload == "cache" else workload](
-            proc, server, seed))
-    finally:
-        code = proc.stop()
-        if code not in (0, None):
-            logger.warning("%s exited with %s", server, code)
+def measure(proc: ServerProcess, workload: str, server: str, seed: str) -> Measure:
+    return asyncio.run(RUNNERS["streams8" if workload == "cache" else workload](
+        proc, server, seed))
+
+
+def stop_server(proc: ServerProcess, server: str) -> None:
+    code = proc.stop()
+    if code not in (0, None):
+        logger.warning("%s exited with %s", server, code)
 
 
 #: workload -> [(figure, higher is better, target ratio skippyd / anchor)].
@@ -326,31 +329,43 @@ class Result:
     def median(self, side: str, figure: str) -> float:
         return statistics.median(m.figures[figure] for m in self.sides[side])
 
+    def ratios(self, ours: str, anchor: str, figure: str) -> list[float]:
+        """Each round's ``ours / anchor``."""
+        return [a.figures[figure] / b.figures[figure] if b.figures[figure] else float("inf")
+                for a, b in zip(self.sides[ours], self.sides[anchor], strict=True)]
+
     def errors(self) -> int:
         return sum(m.errors for measures in self.sides.values() for m in measures)
 
 
 def run_all(setup: Setup, workloads: Sequence[str], rounds: int) -> dict[str, Result]:
     results = {w: Result() for w in workloads}
-    for r in range(rounds):
-        for workload in workloads:
-            result = results[workload]
-            if workload == "ceiling":
+    for workload in workloads:
+        result = results[workload]
+        if workload == "ceiling":
+            for _ in range(rounds):
                 result.sides.setdefault("bare", []).append(ceiling(setup))
-                continue
-            if workload == "cache":
-                sides = [("cache on", "skippyd", None), ("cache off", "skippyd", "disabled")]
-            else:
-                sides = [(s, s, None) for s in SERVERS]
-            if r % 2:
-                sides.reverse()
+            continue
+        if workload == "cache":
+            sides = [("cache on", "skippyd", None), ("cache off", "skippyd", "disabled")]
+        else:
+            sides = [(s, s, None) for s in SERVERS]
+        procs: dict[str, ServerProcess] = {}
+        try:
             for label, server, cache_mode in sides:
-                m = measure(setup, workload, server, f"{workload}:{r}", cache_mode)
-                result.sides.setdefault(label, []).append(m)
-                console.print(f"round {r + 1} {workload} {label}: "
-                              + ", ".join(f"{k} {v:.1f}" for k, v in m.figures.items())
-                              + (f" [red]{m.errors} errors: {m.error_detail}[/]"
-                                 if m.errors else ""), highlight=False)
+                procs[label] = start_server(setup, server, cache_mode)
+            for r in range(rounds):
+                for label, server, _ in (sides if r % 2 == 0 else sides[::-1]):
+                    m = measure(procs[label], workload, server, f"{workload}:{r}")
+                    result.sides.setdefault(label, []).append(m)
+                    console.print(f"round {r + 1} {workload} {label}: "
+                                  + ", ".join(f"{k} {v:.1f}" for k, v in m.figures.items())
+                                  + (f" [red]{m.errors} errors: {m.error_detail}[/]"
+                                     if m.errors else ""), highlight=False)
+        finally:
+            for label, server, _ in sides:
+                if label in procs:
+                    stop_server(procs[label], server)
     return results
 
 
@@ -363,7 +378,7 @@ def verdicts(results: dict[str, Result]) -> list[dict[str, Any]]:
         ours, anchor = ("cache on", "cache off") if workload == "cache" else SERVERS
         for figure, higher, target in targets:
             a, b = result.median(ours, figure), result.median(anchor, figure)
-            ratio = a / b if b else float("inf")
+            ratio = statistics.median(result.ratios(ours, anchor, figure))
             met = (ratio >= target if higher else ratio <= target) and result.errors() == 0
             rows.append({"workload": workload, "figure": figure, ours: a, anchor: b,
                          "ratio": ratio, "target": f"{'>=' if higher else '<='} {target}",
@@ -373,7 +388,8 @@ def verdicts(results: dict[str, Result]) -> list[dict[str, Any]]:
 
 
 def print_results(results: dict[str, Result], rows: list[dict[str, Any]]) -> None:
-    table = Table(title="skippyd vs llama-server (medians over rounds)")
+    table = Table(title="skippyd vs llama-server (medians over rounds;"
+                        " ratio: the median of the rounds' ratios)")
     for column in ("workload", "figure", "skippyd", "anchor", "ratio", "target", "errors",
                    "verdict"):
         table.add_column(column, justify="right")
@@ -405,7 +421,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default=",".join(WORKLOADS),
                         help=f"workloads, comma-separated (default: {','.join(WORKLOADS)})")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
