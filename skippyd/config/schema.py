@@ -210,10 +210,11 @@ class RuntimeSection:
     iteration (their decode rows plus the chunk) takes about this long: running streams
     keep getting a token every step instead of freezing for a whole prompt. Smaller
     values smooth streams more and delay long prompts' first token. A chunk is at least
-    65 tokens (below 64, llama.cpp's CPU attention runs about a fifth slower per token)
-    when such a step is estimated within twice this. While long prompts queue up or
-    prompts arrive in a burst, a step may take up to 4 times this, so the queue cannot
-    grow without end; 0 prefills prompts whole, between decode steps."""
+    65 tokens (below 64, llama.cpp's CPU attention to the prompt's cached part runs a
+    fifth to a third slower per token) when such a step is estimated within twice this.
+    While long prompts queue up or prompts arrive in a burst, a step may take up to 4
+    times this, so the queue cannot grow without end; 0 prefills prompts whole, between
+    decode steps."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration into, so every stage works on one
     while the next computes another; ``None``: one per stage plus one (the one

@@ -58,12 +58,13 @@ INITIAL_PREFILL_TOKENS = 32
 MIN_PREFILL_TOKENS = 16
 #: Prompt tokens of a chunk beside decoders that llama.cpp prefills at full speed. Its CPU
 #: flash attention runs a micro-batch of 64 or more query rows through a tiled kernel and
-#: a smaller one row by row, about a fifth slower per prompt token on SmolLM2; with one KV
-#: stream per lane, llama.cpp puts a chunk's first token in the decoders' micro-batch, so
-#: the chunk's own holds 64 of these 65.
+#: a smaller one row by row: a chunk that continues a prompt (attending to its cached part)
+#: costs a fifth to a third more per prompt token on SmolLM2, a prompt's first chunk about
+#: the same. With one KV stream per lane, llama.cpp puts a chunk's first token in the
+#: decoders' micro-batch, so the chunk's own holds 64 of these 65.
 EFFICIENT_PREFILL_TOKENS = 65
 #: How many times its target a step may take to carry an efficient chunk (see above):
-#: while a prompt waits, a fifth more prompt throughput is worth a step up to this long.
+#: while a prompt waits, up to a third more prompt throughput is worth a step this long.
 EFFICIENT_CHUNK_STRETCH = 2
 #: Most times its target a step may take while prompts queue up (see the module doc).
 MAX_TARGET_STRETCH = 4
