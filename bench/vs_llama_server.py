@@ -6,7 +6,10 @@ together for that workload's rounds: an idle server takes no CPU), runs the work
 both in every round, alternating which goes first, and judges each target by the median
 over the rounds of the round's ratio: the two runs of a round are seconds apart, so a
 host whose speed drifts by 10-20 % from minute to minute moves both. Medians of each
-side's figures are shown too. Any request error makes a target NOT MET.
+side's figures are shown too, and the lowest and highest round ratio: two identical
+servers measured this way still differ by up to ±10 % in one round on a noisy 2-core
+host, so a median within a few percent of its target is a tie, not a verdict to trust.
+Any request error makes a target NOT MET.
 
 Workloads (prompts are unique per request and round, so no prefix cache helps; in a round
 both sides get the same prompts):
@@ -378,10 +381,12 @@ def verdicts(results: dict[str, Result]) -> list[dict[str, Any]]:
         ours, anchor = ("cache on", "cache off") if workload == "cache" else SERVERS
         for figure, higher, target in targets:
             a, b = result.median(ours, figure), result.median(anchor, figure)
-            ratio = statistics.median(result.ratios(ours, anchor, figure))
+            round_ratios = result.ratios(ours, anchor, figure)
+            ratio = statistics.median(round_ratios)
             met = (ratio >= target if higher else ratio <= target) and result.errors() == 0
             rows.append({"workload": workload, "figure": figure, ours: a, anchor: b,
-                         "ratio": ratio, "target": f"{'>=' if higher else '<='} {target}",
+                         "ratio": ratio, "round_ratios": [min(round_ratios), max(round_ratios)],
+                         "target": f"{'>=' if higher else '<='} {target}",
                          "errors": result.errors(), "met": met,
                          "sides": (ours, anchor)})
     return rows
@@ -390,13 +395,14 @@ def verdicts(results: dict[str, Result]) -> list[dict[str, Any]]:
 def print_results(results: dict[str, Result], rows: list[dict[str, Any]]) -> None:
     table = Table(title="skippyd vs llama-server (medians over rounds;"
                         " ratio: the median of the rounds' ratios)")
-    for column in ("workload", "figure", "skippyd", "anchor", "ratio", "target", "errors",
-                   "verdict"):
+    for column in ("workload", "figure", "skippyd", "anchor", "ratio", "rounds' ratios",
+                   "target", "errors", "verdict"):
         table.add_column(column, justify="right")
     for row in rows:
         ours, anchor = row["sides"]
         table.add_row(row["workload"], row["figure"], f"{row[ours]:.1f}",
-                      f"{row[anchor]:.1f} ({anchor})", f"{row['ratio']:.3f}", row["target"],
+                      f"{row[anchor]:.1f} ({anchor})", f"{row['ratio']:.3f}",
+                      "{:.2f}-{:.2f}".format(*row["round_ratios"]), row["target"],
                       str(row["errors"]),
                       "[green]MET[/]" if row["met"] else "[red]NOT MET[/]")
     console.print(table)
