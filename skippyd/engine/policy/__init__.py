@@ -58,6 +58,7 @@ from skippyd.engine.policy.telemetry import (
     IterationTelemetry,
     SchedulerMetrics,
     SchedulerSnapshot,
+    SequenceProgress,
 )
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "SchedulerMetrics",
     "SchedulerSnapshot",
     "Sequence",
+    "SequenceProgress",
     "SequenceStatus",
     "StageCacheAffinity",
     "order_cache_aware_candidates",

@@ -65,6 +65,17 @@ class IterationTelemetry:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceProgress:
+    """How far one active sequence has come."""
+
+    sequence_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    replaying: bool
+    """Prompt (or, after a preemption, recompute) tokens are still to go into the KV."""
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerSnapshot:
     """Who is where right now."""
 

@@ -324,19 +324,15 @@ class WorkerLoop:
         )
 
     def _lane_rows(self) -> tuple[LaneInfo, ...]:
-        scheduler = self.planned.scheduler
         rows = []
-        for request_id in scheduler.snapshot().active_ids:
-            sequence = scheduler.sequence(request_id)
-            if sequence is None:
-                continue
-            if not sequence.needs_replay():
+        for progress in self.planned.scheduler.progress():
+            if not progress.replaying:
                 phase = "decode"
             else:
-                phase = "recompute" if sequence.generated_tokens else "prefill"
-            lane = self.runtime.session_seq_id(request_id)
-            rows.append(LaneInfo(-1 if lane is None else lane, request_id, phase,
-                                 len(sequence.prompt_tokens), len(sequence.generated_tokens)))
+                phase = "recompute" if progress.generated_tokens else "prefill"
+            lane = self.runtime.session_seq_id(progress.sequence_id)
+            rows.append(LaneInfo(-1 if lane is None else lane, progress.sequence_id, phase,
+                                 progress.prompt_tokens, progress.generated_tokens))
         return tuple(rows)
 
 

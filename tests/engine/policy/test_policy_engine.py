@@ -404,3 +404,21 @@ def test_preempt_one_uses_the_victim_rule_without_memory_pressure():
     assert scheduler.preempt_one() is None
     assert scheduler.snapshot().waiting_ids == ("important", "first", "second")
     assert scheduler.metrics().preempted == 3
+
+
+def test_progress_reports_each_active_sequence_without_a_waiting_one():
+    scheduler = make_scheduler(max_active_sequences=2, max_tokens_per_iteration=3)
+    scheduler.submit(make_sequence("b", [1, 2]))
+    scheduler.submit(make_sequence("a", [1, 2, 3, 4, 5, 6]))
+    scheduler.submit(make_sequence("waiting", [1, 2]))
+    assert scheduler.progress() == ()
+    run_step(scheduler)
+    progress = {p.sequence_id: p for p in scheduler.progress()}
+    assert [p.sequence_id for p in scheduler.progress()] == ["a", "b"]
+    assert progress["a"].prompt_tokens == 6 and progress["a"].replaying
+    run_step(scheduler)
+    run_step(scheduler)
+    after = {p.sequence_id: p for p in scheduler.progress()}
+    assert after["b"].generated_tokens >= 1 and not after["b"].replaying
+    assert sum(p.generated_tokens for p in scheduler.progress()) == sum(
+        len(scheduler.sequence(i).generated_tokens) for i in ("a", "b"))
