@@ -62,8 +62,9 @@ class LaneRuntime(Protocol):
 
     def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None: ...
 
-    def save_lane_state(self, lane: int) -> Sized:
-        """The lane's saved state; ``len()`` is its host RAM in bytes."""
+    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
+        """The lane's saved state; ``len()`` is its host RAM in bytes. ``size`` is the
+        lane's ``lane_state_bytes`` when just read."""
 
     def lane_state_bytes(self, lane: int) -> int: ...
 
@@ -326,14 +327,15 @@ class LivePrefixCache:
         budget is checked again with what the saved state really takes.
         """
         assert entry.lane is not None
-        bytes_needed = host_cost(self.runtime.lane_state_bytes(entry.lane), entry.num_tokens)
+        size = self.runtime.lane_state_bytes(entry.lane)
+        bytes_needed = host_cost(size, entry.num_tokens)
         victims = host_victims(self.table, bytes_needed)
         if victims is None:
             self._drop(entry, evicted=True)
             return
         for victim in victims:
             self._drop(victim, evicted=True)
-        state = self.runtime.save_lane_state(entry.lane)
+        state = self.runtime.save_lane_state(entry.lane, size)
         more = host_victims(self.table, host_cost(state_nbytes(state), entry.num_tokens))
         if more is None:
             state.release()

@@ -201,14 +201,20 @@ class LaneCacheMixin:
         L.llama_memory_seq_rm(self._mem, idle.seq_id, -1, -1)
         self._set_history(idle, ())
 
-    def save_lane_state(self, lane: int) -> HostState:
+    def save_lane_state(self, lane: int, size: int | None = None) -> HostState:
         """Serialize a lane's KV (``llama_state_seq_get_data_ext``) into host memory.
+
+        Args:
+            lane: The lane to save.
+            size: Its :meth:`lane_state_bytes`, when the caller has just read it and the
+                lane has not changed since (llama.cpp walks the whole state to size it).
 
         Raises:
             DecodeFailedError: llama.cpp wrote fewer bytes than it announced.
         """
         seq_id = self._lane(lane).seq_id
-        size = int(L.llama_state_seq_get_size_ext(self._ctx, seq_id, _STATE_FLAGS))
+        if size is None:
+            size = self.lane_state_bytes(lane)
         state = HostState(size, self.state_mappings)
         written = int(L.llama_state_seq_get_data_ext(self._ctx, state.as_ctypes(), size,
                                                      seq_id, _STATE_FLAGS))
