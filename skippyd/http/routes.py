@@ -195,7 +195,7 @@ class OpenAiApi:
         if params.constraint is not None:
             grammar = await self._off_loop(constraint_grammar, self._backend, params.constraint)
         if isinstance(parsed.prompt, str):
-            tokens = await self._text_work(len(parsed.prompt), self._backend.tokenize,
+            tokens = await self._text_work(_short(parsed.prompt), self._backend.tokenize,
                                            parsed.prompt, add_special=True)
         else:
             tokens = list(parsed.prompt)
@@ -218,7 +218,7 @@ class OpenAiApi:
         check_local_sampling(self._backend, logprobs=params.logprobs is not None,
                              tool_choice=tools is not None and tools.forced,
                              **{_constraint_name(params): params.constraint is not None})
-        prepared = await self._text_work(_chat_chars(parsed), prepare_chat_request,
+        prepared = await self._text_work(_short_chat(parsed), prepare_chat_request,
                                          self._backend, parsed)
         shaping = Shaping("chat", params.logprobs, tools=tools, tool_format=prepared.tool_format,
                           reasoning_open=prepared.reasoning_open if self._reasoning else None)
@@ -230,7 +230,7 @@ class OpenAiApi:
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
         content, add_special, parse_special, with_pieces = parse_tokenize(body)
-        tokens = await self._text_work(len(content), self._backend.tokenize, content,
+        tokens = await self._text_work(_short(content), self._backend.tokenize, content,
                                        add_special=add_special, parse_special=parse_special)
         return JSONResponse(tokenize_body(self._backend, tokens, with_pieces))
 
@@ -256,11 +256,11 @@ class OpenAiApi:
         return JSONResponse(props_body(self._backend, self._sampling_defaults,
                                        self._default_max_tokens))
 
-    async def _text_work(self, chars: int, fn: Callable[..., T], *args: Any,
+    async def _text_work(self, short: bool, fn: Callable[..., T], *args: Any,
                          **kwargs: Any) -> T:
-        """Tokenize or render a text of ``chars`` characters: here when it is short
-        (``INLINE_TEXT_CHARS``), else on the text pool."""
-        if chars <= INLINE_TEXT_CHARS:
+        """Tokenize or render a text: here when it is ``short`` (``INLINE_TEXT_CHARS``),
+        else on the text pool."""
+        if short:
             return fn(*args, **kwargs)
         return await self._off_loop(fn, *args, **kwargs)
 
@@ -392,13 +392,18 @@ class OpenAiApi:
         return choices
 
 
-def _chat_chars(parsed: ChatParams) -> int:
-    """How much text preparing a chat handles; a chat with tools or an output constraint
-    also builds a grammar, which always goes to the pool."""
+def _short(text: str) -> bool:
+    return len(text) <= INLINE_TEXT_CHARS
+
+
+def _short_chat(parsed: ChatParams) -> bool:
+    """Whether preparing the chat handles little text; a chat with tools or an output
+    constraint also builds a grammar, which always goes to the pool."""
     if parsed.tools is not None or parsed.params.constraint is not None:
-        return INLINE_TEXT_CHARS + 1
-    return sum(len(str(value)) for message in parsed.messages for value in message.values()
-               ) + sum(len(str(value)) for value in (parsed.template_kwargs or {}).values())
+        return False
+    chars = sum(len(str(value)) for message in parsed.messages for value in message.values()
+                ) + sum(len(str(value)) for value in (parsed.template_kwargs or {}).values())
+    return chars <= INLINE_TEXT_CHARS
 
 
 def _later_choice(base: SamplingConfig, index: int) -> SamplingConfig:
