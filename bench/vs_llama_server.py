@@ -26,6 +26,11 @@ both sides get the same prompts):
 * ``ceiling``: a bare ``llama_decode`` loop in this run (decode batch 8, prefill of one
   512-token prompt) and the output tok/s it allows for ``streams8``.
 
+For the closed-loop workloads each run also reads the server's per-thread CPU (Linux):
+the summary shows its CPU per output token in the threads busy for most of the run
+(llama.cpp's compute threads; in skippyd also the worker's Python between decodes) and
+in the rest (the HTTP side), which on two cores the busy threads pay for.
+
 Build llama-server from the llama.cpp that llama-cpp-python vendors (portable, same
 kernels), then::
 
@@ -64,7 +69,14 @@ from skippyd.bench.loadgen import (
     send_request,
     warm_up,
 )
-from skippyd.bench.process import ServerProcess, free_port, sigterm_exits, skippyd_process
+from skippyd.bench.process import (
+    ServerProcess,
+    cpu_per_token,
+    free_port,
+    sigterm_exits,
+    skippyd_process,
+    thread_cpu_seconds,
+)
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, RequestSpec, WorkloadSpec, build_level
 from skippyd.config import default_model_path
@@ -160,14 +172,19 @@ async def closed_loop(proc: ServerProcess, name: str, *, streams: int, requests:
                         output_tokens=IntRange(output_tokens, output_tokens), seed=zlib.crc32(seed.encode()))
     async with make_client(streams) as client:
         target = await _target(client, proc, name)
+        cpu_before, started = thread_cpu_seconds(proc.pid or 0), time.monotonic()
         level = await run_level(client, target, build_level(spec, 0), streams,
                                 temperature=0.0, timeout_s=600.0, on_done=lambda r: None)
+        cpu = cpu_per_token(cpu_before, thread_cpu_seconds(proc.pid or 0),
+                            time.monotonic() - started,
+                            sum(r.num_output_tokens for r in level.records))
     m = level_metrics(level)
     errors, detail = _errors(level.records)
     return Measure({"output_tok_s": m.output_tok_s, "prompt_tok_s": m.prompt_tok_s,
                     "itl_p50_ms": m.itl_ms.p50 or 0.0, "itl_p99_ms": m.itl_ms.p99 or 0.0,
                     "itl_max_ms": m.itl_ms.max or 0.0, "ttft_p50_ms": m.ttft_ms.p50 or 0.0,
-                    "ttft_max_ms": m.ttft_ms.max or 0.0}, errors, detail)
+                    "ttft_max_ms": m.ttft_ms.max or 0.0, **cpu}, errors, detail)
+
 
 
 async def prefill(proc: ServerProcess, name: str, *, seed: str, groups: int = 3) -> Measure:
@@ -406,6 +423,15 @@ def print_results(results: dict[str, Result], rows: list[dict[str, Any]]) -> Non
                       str(row["errors"]),
                       "[green]MET[/]" if row["met"] else "[red]NOT MET[/]")
     console.print(table)
+    for workload in ("streams8", "stream1", "cache"):
+        result = results.get(workload)
+        measures = [m for ms in (result.sides.values() if result else ()) for m in ms]
+        if measures and all("cpu_busy_ms_per_token" in m.figures for m in measures):
+            assert result is not None
+            console.print(f"{workload} CPU ms per output token (busy threads + the rest): "
+                          + "; ".join(f"{side} {result.median(side, 'cpu_busy_ms_per_token'):.2f}"
+                                      f" + {result.median(side, 'cpu_rest_ms_per_token'):.2f}"
+                                      for side in result.sides), highlight=False)
     if "ceiling" in results and results["ceiling"].sides:
         c = results["ceiling"]
         console.print(

@@ -171,6 +171,48 @@ class ServerProcess:
         self.stop()
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) each thread of process ``pid`` has used so far.
+
+    Read from ``/proc``; empty where there is none (not Linux) or the process is gone.
+    A thread that exits between the listing and its read is left out.
+    """
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    seconds: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as stat:
+                # Fields after the parenthesised name; utime and stime are the 14th and
+                # 15th of the whole line.
+                fields = stat.read().rpartition(")")[2].split()
+            seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+    return seconds
+
+
+def cpu_per_token(before: dict[int, float], after: dict[int, float], wall_s: float,
+                  tokens: int) -> dict[str, float]:
+    """A server's CPU per output token, split between its busy threads and the rest.
+
+    Busy threads ran for more than half the wall time: llama.cpp's compute threads
+    (they spin between graph nodes), which in skippyd include the worker thread and
+    its Python between decodes. The rest is the HTTP side: skippyd's event loop,
+    llama-server's HTTP threads. On two cores the rest takes its CPU from the busy
+    threads. Empty when the per-thread CPU cannot be read (not Linux).
+    """
+    if not after or tokens <= 0 or wall_s <= 0:
+        return {}
+    used = [after[tid] - before.get(tid, 0.0) for tid in after]
+    busy = sum(u for u in used if u > wall_s / 2)
+    return {"cpu_busy_ms_per_token": busy / tokens * 1000.0,
+            "cpu_rest_ms_per_token": (sum(used) - busy) / tokens * 1000.0}
+
+
 def skippyd_process(config_path: str, *, extra_args: Sequence[str] = (),
                     env: Mapping[str, str] | None = None) -> ServerProcess:
     """A ``skippyd serve`` of ``config_path`` on a free loopback port (``env`` adds

@@ -270,3 +270,30 @@ def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokeniz
     finally:
         fast.close()
         chain.close()
+
+
+def test_greedy_rows_of_a_mixed_batch_pick_their_own_rows_argmax(runtime, tokenizer):
+    """Each greedy request reads its own row, whatever else the batch holds: rows of a
+    prompt log-probability request (every row an output), other samplers, requests given
+    out of lane order."""
+    prompts = {"a": prompt(tokenizer, "the cat sat"), "b": prompt(tokenizer, "a dog ran off"),
+               "c": prompt(tokenizer, "hello there")}
+    configs = {"a": SamplingConfig(temperature=0.0, logprobs=2),
+               "b": SamplingConfig(temperature=0.0, prompt_logprobs=1),
+               "c": SamplingConfig(temperature=1.5, seed=7)}
+    for lane, session in enumerate(prompts):
+        runtime.ensure_session_active(session, lane=lane)
+    order = ["c", "a", "b"]  # requests out of lane order
+    out = runtime.iteration_batch_sampled([
+        IterationRequest(s, prompts[s], sampling=configs[s], sample_last=True) for s in order])
+    assert [sample.request_index for sample in out.samples] == [0, 1, 2]
+    tokens = {order[sample.request_index]: sample for sample in out.samples}
+    last_row = {"a": len(prompts["a"]) - 1,
+                "b": len(prompts["a"]) + len(prompts["b"]) - 1}  # batch rows in lane order
+    for session, row in last_row.items():
+        logits = logits_row(runtime, row)
+        assert tokens[session].token == int(logits.argmax())
+    logprob = tokens["a"].logprob
+    assert logprob is not None and logprob.token == tokens["a"].token
+    assert logprob.top[0][0] == tokens["a"].token
+    assert set(out.prompt_logprobs) == {2}
