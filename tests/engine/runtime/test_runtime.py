@@ -297,3 +297,50 @@ def test_greedy_rows_of_a_mixed_batch_pick_their_own_rows_argmax(runtime, tokeni
     assert logprob is not None and logprob.token == tokens["a"].token
     assert logprob.top[0][0] == tokens["a"].token
     assert set(out.prompt_logprobs) == {2}
+
+
+@pytest.fixture
+def runtime4(tiny_model_path):
+    with LlamaRuntime(
+        RuntimeOptions(str(tiny_model_path), lane_count=4, ctx_size=512, n_batch=128,
+                       n_ubatch=32, threads=2)
+    ) as rt:
+        yield rt
+
+
+def replay_last_logits(rt, lane: int, tokens: list[int]) -> np.ndarray:
+    """Logits of re-running ``tokens``' last token on the lane's kept KV (then ended)."""
+    rt.ensure_session_active("probe", lane=lane, keep_tokens=len(tokens) - 1)
+    rt.iteration_batch_sampled([IterationRequest("probe", tokens[-1:], sample_last=True,
+                                                 positions=[len(tokens) - 1])])
+    logits = logits_row(rt, 0)
+    rt.drop_session("probe")
+    return logits
+
+
+def test_a_lane_between_the_batch_lanes_gets_a_filler_row_and_keeps_its_cells(runtime4,
+                                                                              tokenizer):
+    kept = prompt(tokenizer, "a lane that keeps its prompt")
+    runtime4.ensure_session_active("kept", lane=2)
+    runtime4.iteration_batch_sampled([IterationRequest("kept", kept, sample_last=True)])
+    runtime4.drop_session("kept")  # lane 2 is idle and holds the prompt for reuse
+    before = replay_last_logits(runtime4, 2, kept)
+    for lane, text in ((0, "the cat"), (1, "a dog"), (3, "hello")):
+        runtime4.ensure_session_active(text, lane=lane)
+    sessions = {"the cat": prompt(tokenizer, "the cat"), "a dog": prompt(tokenizer, "a dog"),
+                "hello": prompt(tokenizer, "hello")}
+    generated = generate(runtime4, sessions, steps=4)
+    assert runtime4._batch.n_tokens == 4  # three decode rows and lane 2's filler
+    mem = L.llama_get_memory(runtime4.context)
+    assert L.llama_memory_seq_pos_max(mem, 2) == len(kept) - 1  # the filler is gone
+    assert all(len(tokens) == 4 for tokens in generated.values())
+    assert np.array_equal(replay_last_logits(runtime4, 2, kept), before)
+
+
+def test_distant_lanes_are_not_padded(runtime4, tokenizer):
+    runtime4.ensure_session_active("a", lane=0)
+    runtime4.ensure_session_active("b", lane=3)
+    generate(runtime4, {"a": prompt(tokenizer, "the cat"), "b": prompt(tokenizer, "a dog")},
+             steps=2)
+    assert runtime4._batch.n_tokens == 2  # two holes for two rows: two small evaluations
+    assert L.llama_memory_seq_pos_max(L.llama_get_memory(runtime4.context), 1) == -1
