@@ -30,12 +30,14 @@ def tokenizer(tiny_model_path):
     tok.close()
 
 
+def small_runtime(model_path, lanes: int, ctx_size: int) -> LlamaRuntime:
+    return LlamaRuntime(RuntimeOptions(str(model_path), lane_count=lanes, ctx_size=ctx_size,
+                                       n_batch=128, n_ubatch=32, threads=2))
+
+
 @pytest.fixture
 def runtime(tiny_model_path):
-    with LlamaRuntime(
-        RuntimeOptions(str(tiny_model_path), lane_count=3, ctx_size=256, n_batch=128,
-                       n_ubatch=32, threads=2)
-    ) as rt:
+    with small_runtime(tiny_model_path, 3, 256) as rt:
         yield rt
 
 
@@ -301,10 +303,7 @@ def test_greedy_rows_of_a_mixed_batch_pick_their_own_rows_argmax(runtime, tokeni
 
 @pytest.fixture
 def runtime4(tiny_model_path):
-    with LlamaRuntime(
-        RuntimeOptions(str(tiny_model_path), lane_count=4, ctx_size=512, n_batch=128,
-                       n_ubatch=32, threads=2)
-    ) as rt:
+    with small_runtime(tiny_model_path, 4, 512) as rt:
         yield rt
 
 
