@@ -186,7 +186,6 @@ async def closed_loop(proc: ServerProcess, name: str, *, streams: int, requests:
                     "ttft_max_ms": m.ttft_ms.max or 0.0, **cpu}, errors, detail)
 
 
-
 async def prefill(proc: ServerProcess, name: str, *, seed: str, groups: int = 3) -> Measure:
     """``groups`` times: 4 concurrent 512-word prompts with 1 output token."""
     spec = WorkloadSpec(concurrency=(4,), num_requests=4 * groups,
