@@ -10,9 +10,11 @@ lowest and highest sequence id):
   compiler) wraps ``llama_process`` and the ``llama_batch_ext`` calls that fill its batch
   (the server's batch API), and ``llama_decode`` for builds that still call that.
 * skippyd: a ``sitecustomize`` module put on its ``PYTHONPATH`` wraps llama-cpp-python's
-  ``llama_decode`` binding, which skippyd's runtime looks up at every call. The hook's own
-  bookkeeping (a few microseconds per row) falls between calls, so skippyd's time outside
-  is slightly overstated.
+  ``llama_decode`` binding, which skippyd's runtime looks up at every call (it shadows any
+  other ``sitecustomize`` for that process). The hook's own bookkeeping (a few
+  microseconds per row) falls between calls, so skippyd's time outside is slightly
+  overstated, and it times the call from Python, so the time inside includes taking the
+  GIL back after the call.
 
 The host's speed drifts by 10-20 % from minute to minute, so every time is also given in
 *steps*: the median duration of the run's full decode steps (one row per stream, as many
@@ -353,7 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="decode-calls-") as tmp:
         setup = Setup(args.model or Path(default_model_path()), args.threads, 8, 8192,
                       args.llama_server, Path(tmp), _parse_sets(args.set))
-        results = run(setup, sides, args.workload, args.rounds, args.requests)
+        try:
+            results = run(setup, sides, args.workload, args.rounds, args.requests)
+        except (OSError, ValueError) as exc:  # no C compiler for the shim; a run to account
+            console.print(f"[red]decode_calls: {exc}[/]")
+            return 2
     print_results(results, args.workload)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
