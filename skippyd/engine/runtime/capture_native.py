@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 from llama_cpp import llama_cpp as L
@@ -87,8 +89,14 @@ _library: ctypes.CDLL | None = None
 _unavailable: str | None = None
 
 
-def _compile() -> ctypes.CDLL:
-    """Build the callback into a temporary directory and load it.
+def build_shared_library(source: str, library: Path, *, link: Sequence[str] = ()) -> Path:
+    """Compile C ``source`` into the shared library ``library`` with the system compiler
+    (``$CC``, else ``cc`` or ``gcc``); the source file goes beside it.
+
+    Args:
+        source: The C source text.
+        library: Where the ``.so`` goes.
+        link: Extra linker arguments (``-ldl``).
 
     Raises:
         OSError: No C compiler, or it failed.
@@ -96,17 +104,26 @@ def _compile() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) found")
+    source_path = library.with_suffix(".c")
+    source_path.write_text(source, encoding="utf-8")
+    result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library),
+                             str(source_path), *link],
+                            capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0:
+        raise OSError(f"{compiler} failed: {result.stderr.strip()[:400]}")
+    return library
+
+
+def _compile() -> ctypes.CDLL:
+    """Build the callback into a temporary directory and load it.
+
+    Raises:
+        OSError: No C compiler, or it failed.
+    """
     with tempfile.TemporaryDirectory(prefix="skippyd-capture-") as tmp:
-        source = os.path.join(tmp, "capture.c")
-        library = os.path.join(tmp, "capture.so")
-        with open(source, "w", encoding="utf-8") as file:
-            file.write(_SOURCE)
-        result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source],
-                                capture_output=True, text=True, timeout=60, check=False)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[:400]}")
+        library = build_shared_library(_SOURCE, Path(tmp) / "capture.so")
         # The loaded mapping outlives the file, so the directory can go.
-        return ctypes.CDLL(library)
+        return ctypes.CDLL(str(library))
 
 
 def native_library() -> ctypes.CDLL | None:
