@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from llama_cpp import llama_cpp as L
 
+from skippyd.engine.runtime.logprobs import row_logits
+
 logger = logging.getLogger(__name__)
 
 #: ``llama_token_data`` laid out as numpy sees it (int32 id, float logit, float p).
@@ -74,7 +76,7 @@ class Candidates:
 
     def load(self, ctx: int, row: int) -> None:
         """Fill from the logits of batch row ``row`` (samplers reorder and shrink it)."""
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,))
+        logits = row_logits(ctx, row, self._n_vocab)
         self._data["id"] = self._ids
         self._data["logit"] = logits
         self._data["p"] = 0.0

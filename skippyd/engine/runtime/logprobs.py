@@ -7,6 +7,8 @@ alternatives are wanted, a partial sort of the top few.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 
 import numpy as np
@@ -18,10 +20,23 @@ logger = logging.getLogger(__name__)
 
 
 def row_logits(ctx: int, row: int, n_vocab: int) -> np.ndarray:
-    """The logits of batch row ``row`` as a read-only view (valid until the next decode)."""
-    view = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+    """The logits of batch row ``row`` as a read-only view (valid until the next decode).
+
+    Raises:
+        ValueError: Row ``row`` has no logits (llama.cpp returned NULL).
+    """
+    # NOTE: a cached ctypes array type over the row's address, not np.ctypeslib.as_array,
+    # which builds a new array type per call: this runs once per sampled token, right
+    # after a decode has evicted the caches, where that costs tens of microseconds.
+    address = ctypes.addressof(L.llama_get_logits_ith(ctx, row).contents)
+    view = np.frombuffer(_logits_row_type(n_vocab).from_address(address), dtype=np.float32)
     view.flags.writeable = False
     return view
+
+
+@functools.cache
+def _logits_row_type(n_vocab: int) -> type[ctypes.Array[ctypes.c_float]]:
+    return ctypes.c_float * n_vocab
 
 
 def log_normalizer(logits: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from skippyd.engine.runtime.constrained import (
     GrammarSampler,
     sample_constrained,
 )
+from skippyd.engine.runtime.logprobs import row_logits
 from skippyd.engine.runtime.protocol import SamplingConfig
 
 
@@ -59,6 +60,7 @@ class SamplerChain:
         self._argmax = (config.is_greedy and not self.tracks_history and not config.logit_bias
                         and config.grammar is None)
         self._masked = np.array(sorted(eog_tokens) if config.ignore_eos else [], dtype=np.intp)
+        self._masked_set = frozenset(self._masked.tolist())
         self._eog_token = eog_tokens[0] if eog_tokens else 0
         pre = list(_adjusting_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx,
                                        eog_tokens=eog_tokens))
@@ -115,9 +117,11 @@ class SamplerChain:
         return token
 
     def _greedy(self, ctx: int, row: int) -> int:
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, row), shape=(self._n_vocab,))
+        logits = row_logits(ctx, row, self._n_vocab)
         token = int(logits.argmax())
-        if self._masked.size and token in self._masked:  # ignore_eos: never end
+        # NOTE: a set, not ``in`` over the numpy array: right after a decode numpy's
+        # dispatch costs more than the argmax itself.
+        if token in self._masked_set:  # ignore_eos: never end
             masked = logits.copy()
             masked[self._masked] = -np.inf
             token = int(masked.argmax())

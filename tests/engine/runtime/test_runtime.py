@@ -9,6 +9,7 @@ import pytest
 from llama_cpp import llama_cpp as L
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.logprobs import row_logits
 from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationPhase,
@@ -239,6 +240,18 @@ def test_non_final_stage_cannot_sample(tiny_model_path, tokenizer):
         out = rt.iteration_batch_sampled([IterationRequest("a", [5, 6, 7])])
         assert out.output_rows[0].shape == (3, 64)
         assert out.output_rows[0].dtype == np.float32
+
+
+def test_row_logits_is_a_read_only_view_of_the_context_row(runtime, tokenizer):
+    toks = prompt(tokenizer, "the cat")
+    runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=GREEDY,
+                                                      sample_last=True)])
+    row = len(toks) - 1
+    view = row_logits(runtime.context, row, runtime.n_vocab)
+    assert view.dtype == np.float32 and view.shape == (runtime.n_vocab,)
+    np.testing.assert_array_equal(view, logits_row(runtime, row))
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 0.0
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
