@@ -44,6 +44,7 @@ from skippyd.http.connections import (
     protocol_class,
 )
 from skippyd.http.metrics import ServingMetrics, metrics_route
+from skippyd.http.relay import relay_for
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
 
@@ -239,6 +240,7 @@ class Daemon:
             self.exit_code = STARTUP_FAILURE
             self.server.should_exit = True
             return
+        wake_loop_while_worker_waits(self.engine)
         self.notifier.ready(f"serving {self.engine.model_id} on {host}:{port}")
         print(f"skippyd serving {self.engine.model_id} on http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
@@ -306,6 +308,7 @@ class LinkStageDaemon:
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
             return False
+        wake_loop_while_worker_waits(self.engine)
         host, port = self.engine.link_address or ("?", 0)
         stage = self.config.stage
         self.notifier.ready(f"serving layers {stage.layer_start}:{stage.layer_end} of "
@@ -313,6 +316,20 @@ class LinkStageDaemon:
         print(f"skippyd stage {stage.id} serving layers {stage.layer_start}:"
               f"{stage.layer_end} on link {host}:{port}", file=sys.stderr, flush=True)
         return True
+
+
+def wake_loop_while_worker_waits(engine: StageEngine) -> None:
+    """Have the worker's events wake this event loop when the worker waits (a model
+    call, or no work), not the moment they are posted; see :mod:`skippyd.http.relay`.
+
+    Call on the event loop, once the engine is loaded.
+    """
+    worker = engine.worker
+    if worker is None:
+        return
+    relay = relay_for(asyncio.get_running_loop())
+    worker.add_wait_hook(relay.flush)
+    relay.defer_wakes_from(worker.thread)
 
 
 async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlServer | None:

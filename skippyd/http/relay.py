@@ -4,6 +4,12 @@ The worker finishes an iteration by emitting one event per sampled token, for ev
 stream in the batch, within microseconds. Scheduling each with ``call_soon_threadsafe``
 writes the loop's self-pipe and wakes the loop once per token; :class:`EventRelay`
 queues them and wakes the loop once, then runs them all in order.
+
+For the worker thread the relay can hold even that wake-up back until the worker is
+about to wait (:meth:`EventRelay.defer_wakes_from`, flushed from the worker's wait
+hooks): the loop then runs while llama.cpp computes, instead of taking the GIL from the
+worker between two model calls. The events are the same, a fraction of a millisecond
+later.
 """
 
 from __future__ import annotations
@@ -31,6 +37,18 @@ class EventRelay:
         self._pending: deque[tuple[Callable[[Any], None], Any]] = deque()
         self._lock = threading.Lock()
         self._scheduled = False
+        self._deferring: threading.Thread | None = None
+        self._wake_owed = False
+
+    def defer_wakes_from(self, thread: threading.Thread | None) -> None:
+        """Let posts made on ``thread`` wake the loop only at the next :meth:`flush`.
+
+        The owner of ``thread`` must call :meth:`flush` before ``thread`` waits for
+        anything, or its posts sit unseen. None makes every post wake the loop again.
+        """
+        with self._lock:
+            self._deferring = thread
+        self.flush()
 
     def post(self, callback: Callable[[Any], None], argument: Any) -> None:
         """Queue ``callback(argument)`` for the loop thread; callable from any thread.
@@ -42,7 +60,28 @@ class EventRelay:
             self._pending.append((callback, argument))
             if self._scheduled:
                 return
+            if self._deferring is not None and threading.current_thread() is self._deferring:
+                if self._loop.is_closed():
+                    self._pending.pop()
+                    raise RuntimeError("the event loop is closed")
+                self._wake_owed = True
+                return
             self._scheduled = True
+        self._wake()
+
+    def flush(self) -> None:
+        """Wake the loop for posts held back by :meth:`defer_wakes_from`, if any."""
+        with self._lock:
+            owed, self._wake_owed = self._wake_owed, False
+            if not owed or self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._wake()
+        except RuntimeError:  # closed between the post and now: nobody reads them
+            logger.debug("event loop closed: the events held for it were dropped")
+
+    def _wake(self) -> None:
         try:
             self._loop.call_soon_threadsafe(self._run_pending)
         except RuntimeError:
@@ -56,6 +95,7 @@ class EventRelay:
             batch = list(self._pending)
             self._pending.clear()
             self._scheduled = False
+            self._wake_owed = False
         for callback, argument in batch:
             try:
                 callback(argument)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+
+import pytest
 
 from skippyd.http.relay import EventRelay, relay_for
 
@@ -63,3 +66,72 @@ async def test_a_failing_callback_does_not_stop_the_others() -> None:
 async def test_one_relay_per_loop() -> None:
     loop = asyncio.get_running_loop()
     assert relay_for(loop) is relay_for(loop)
+
+
+async def test_posts_of_the_deferring_thread_wait_for_its_flush() -> None:
+    loop = asyncio.get_running_loop()
+    relay = EventRelay(loop)
+    received: list[str] = []
+    delivered = asyncio.Event()
+    posted, flush_now = threading.Event(), threading.Event()
+
+    def record(value: str) -> None:
+        received.append(value)
+        delivered.set()
+
+    def worker() -> None:
+        relay.post(record, "token")
+        posted.set()
+        flush_now.wait(10)
+        relay.flush()
+
+    thread = threading.Thread(target=worker)
+    relay.defer_wakes_from(thread)
+    thread.start()
+    assert await asyncio.to_thread(posted.wait, 10)
+    # The loop is free to run (this coroutine awaits) and still nothing arrives.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(delivered.wait(), 0.2)
+    assert received == []
+    flush_now.set()
+    await asyncio.wait_for(delivered.wait(), 10)
+    thread.join()
+    assert received == ["token"]
+
+
+async def test_other_threads_still_wake_the_loop_and_carry_held_events_along() -> None:
+    loop = asyncio.get_running_loop()
+    relay = EventRelay(loop)
+    received: list[str] = []
+    done = asyncio.Event()
+
+    def record(value: str) -> None:
+        received.append(value)
+        if value == "other":
+            done.set()
+
+    relay.defer_wakes_from(threading.current_thread())
+    relay.post(record, "held")  # this thread defers: no wake-up yet
+    await asyncio.to_thread(relay.post, record, "other")
+    await asyncio.wait_for(done.wait(), 10)
+    assert received == ["held", "other"]
+    relay.flush()  # nothing owed any more: a no-op
+
+
+async def test_ending_the_deferral_releases_what_was_held() -> None:
+    relay = EventRelay(asyncio.get_running_loop())
+    done = asyncio.Event()
+    relay.defer_wakes_from(threading.current_thread())
+    relay.post(lambda _: done.set(), None)
+    relay.defer_wakes_from(None)
+    await asyncio.wait_for(done.wait(), 10)
+
+
+async def test_a_deferred_post_to_a_closed_loop_raises_at_once() -> None:
+    other = asyncio.new_event_loop()
+    relay = EventRelay(other)
+    relay.defer_wakes_from(threading.current_thread())
+    other.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        relay.post(lambda _: None, None)
+    relay.flush()  # nothing held, nothing raised

@@ -150,6 +150,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         self.compute_progress = make_compute_progress()
         if self.compute_progress is not None:
             self.compute_progress.install(self._ctx)
+        self._compute_hook: Callable[[], None] | None = None
         self._mem = L.llama_get_memory(self._ctx)
         # llama.cpp pads each lane's stream (to 256 cells); the padded sizes are real.
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
@@ -547,11 +548,18 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             L.llama_memory_seq_rm(self._mem, lane.seq_id, lane.token_count, -1)
         self._padding = []
 
+    def set_compute_hook(self, hook: Callable[[], None] | None) -> bool:
+        """Call ``hook`` right before each ``llama_decode`` (see ``install_compute_hook``)."""
+        self._compute_hook = hook
+        return True
+
     def _decode(self, requests, sessions, starts, new_ids) -> None:
         if self._capture is not None:
             self._capture.begin()
         if self.compute_progress is not None:
             self.compute_progress.reset()
+        if self._compute_hook is not None:
+            self._compute_hook()  # last: no call into llama.cpp between it and the decode
         try:
             ret = L.llama_decode(self._ctx, self._batch)
         finally:

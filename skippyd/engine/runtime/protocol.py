@@ -10,7 +10,7 @@ boundary is a plain dataclass defined here, so the worker never imports llama.cp
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -330,6 +330,19 @@ class Runtime(Protocol):
         """Free everything the runtime holds; idempotent. No call may follow."""
 
 
+def install_compute_hook(runtime: object, hook: Callable[[], None] | None) -> bool:
+    """Have ``runtime`` call ``hook`` right before each model computation; False when it
+    cannot (the caller then runs ``hook`` before each runtime call itself).
+
+    The hook runs on the calling thread after every other call into llama.cpp of the
+    iteration, so nothing between the hook and the computation releases the GIL: a
+    thread the hook wakes then runs while llama.cpp computes, not in the middle of the
+    caller's Python.
+    """
+    setter = getattr(runtime, "set_compute_hook", None)
+    return bool(setter is not None and setter(hook))
+
+
 class RuntimeWrapper:
     """A :class:`Runtime` that passes every call to ``inner``.
 
@@ -339,6 +352,10 @@ class RuntimeWrapper:
 
     def __init__(self, inner: Runtime) -> None:
         self.inner = inner
+
+    def set_compute_hook(self, hook: Callable[[], None] | None) -> bool:
+        """See :func:`install_compute_hook`."""
+        return install_compute_hook(self.inner, hook)
 
     @property
     def lane_count(self) -> int:

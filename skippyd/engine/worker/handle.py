@@ -102,6 +102,15 @@ class WorkerHandle:
     def thread(self) -> threading.Thread:
         return self._shared.thread
 
+    def add_wait_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` on the worker thread before each model call and each wait for a
+        command; it must be quick and never block (see :mod:`~skippyd.engine.worker.wait_hooks`)."""
+        self._shared.worker.wait_hooks.add(hook)
+
+    def remove_wait_hook(self, hook: Callable[[], None]) -> None:
+        """Stop running ``hook``. Idempotent."""
+        self._shared.worker.wait_hooks.remove(hook)
+
     @property
     def failure(self) -> str | None:
         """Why the worker died, or None while it is healthy."""

@@ -152,6 +152,7 @@ class PlanExecutor:
         scheduler: The policy scheduler (for preemption under KV pressure).
         on_preempted: Frees the runtime state of a preempted request.
         fail_request: Fails one request with a typed error.
+        before_model_call: Runs right before each runtime call (the worker's wait hooks).
     """
 
     def __init__(
@@ -160,11 +161,13 @@ class PlanExecutor:
         scheduler: Scheduler,
         on_preempted: Callable[[str], None],
         fail_request: Callable[[str, WorkerError], None],
+        before_model_call: Callable[[], None] = lambda: None,
     ) -> None:
         self._runtime = runtime
         self._scheduler = scheduler
         self._on_preempted = on_preempted
         self._fail_request = fail_request
+        self._before_model_call = before_model_call
 
     def execute(self, plan: IterationPlan) -> PlanResult | None:
         """Run ``plan``; None when nothing ran. Fatal runtime failures propagate.
@@ -187,6 +190,7 @@ class PlanExecutor:
 
     def _run(self, plan: IterationPlan) -> PlanResult:
         requests = [make_runtime_request(work) for work in plan.work]
+        self._before_model_call()
         started = time.monotonic()
         output = self._runtime.iteration_batch_sampled(requests)
         elapsed = time.monotonic() - started

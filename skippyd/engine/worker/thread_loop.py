@@ -17,7 +17,7 @@ import time
 from collections import deque
 
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.runtime.protocol import Runtime, install_compute_hook
 from skippyd.engine.worker.commands import (
     IDLE_POLL_INTERVAL_S,
     WORKER_PANIC_MESSAGE,
@@ -48,6 +48,7 @@ from skippyd.engine.worker.telemetry import (
     TelemetryHub,
 )
 from skippyd.engine.worker.thread_planned import PlannedGenerations
+from skippyd.engine.worker.wait_hooks import WaitHooks
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ STATS_INTERVAL_S = 0.05
 
 
 Command = SubmitCommand | CancelCommand | DirectIteration | RuntimeOperation | ShutdownCommand
+
+
+def _nothing() -> None:
+    pass
 
 
 class _ShutdownRequested(Exception):
@@ -82,9 +87,14 @@ class WorkerLoop:
         self.settings = settings
         self.telemetry = telemetry
         self._commands = commands
+        self.wait_hooks = WaitHooks()
+        """Run before every wait: each model call and each wait for a command."""
+        # Right before llama.cpp computes when the runtime can, else before its call.
+        in_runtime = install_compute_hook(runtime, self.wait_hooks.run)
         self.planned = PlannedGenerations(runtime, settings.policy, telemetry.publish,
                                           self.fail_all, self._refresh_active_sessions,
-                                          prefix_cache)
+                                          prefix_cache,
+                                          _nothing if in_runtime else self.wait_hooks.run)
         self.direct: deque[DirectIteration] = deque()
         self.active_runtime_sessions = 0
         self.last_served_direct = False
@@ -111,12 +121,14 @@ class WorkerLoop:
                 self.publish_stats()
             except Exception:  # the policy may be what broke; keep the failure visible
                 self.stats = WorkerStats(failure=self.failure)
+            self.wait_hooks.run()  # the last events (errors of a closing worker) go out
 
     def run_loop(self) -> None:
         """Idle wait, drain, gates, one work turn; until a Shutdown command."""
         while True:
             if self._is_idle():
                 self.publish_stats()
+                self.wait_hooks.run()
                 self._dispatch(self._commands.get())
             self._drain_commands()
             if self._is_idle():
@@ -150,6 +162,7 @@ class WorkerLoop:
             self.planned.cancel(self.cancel_inbox.get_nowait())
 
     def _wait_for_command(self, timeout_s: float) -> None:
+        self.wait_hooks.run()
         try:
             command = self._commands.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
@@ -168,6 +181,8 @@ class WorkerLoop:
             self.settings.direct_group_batch_size, self.direct[0].group,
         )
         deadline = time.monotonic() + DIRECT_ITERATION_COALESCE_WINDOW_S
+        if len(self.direct) < target:
+            self.wait_hooks.run()
         while len(self.direct) < target:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -227,6 +242,7 @@ class WorkerLoop:
             self.direct, self.settings.direct_group_batch_size,
             self.settings.max_direct_iteration_tokens,
         )
+        self.wait_hooks.run()
         self.num_direct_iterations += run_direct_iteration_batch(
             self.runtime, batch, self.telemetry.publish
         )
@@ -234,6 +250,7 @@ class WorkerLoop:
 
     def run_runtime_operation(self, operation: RuntimeOperation) -> None:
         """Run a caller's closure on the runtime; what it raises is logged, not fatal."""
+        self.wait_hooks.run()
         started = time.monotonic()
         try:
             operation.fn(self.runtime)

@@ -63,6 +63,7 @@ class PlannedGenerations:
             leaves no request safe.
         on_sessions_dropped: Called after runtime sessions were dropped.
         prefix_cache: The stage's prefix cache, if it runs one (see ``thread_cache``).
+        before_model_call: Runs right before each runtime call of a planned iteration.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class PlannedGenerations:
         fail_everything: Callable[[WorkerError], None],
         on_sessions_dropped: Callable[[], None],
         prefix_cache: LivePrefixCache | None = None,
+        before_model_call: Callable[[], None] = lambda: None,
     ) -> None:
         self.runtime = runtime
         self.scheduler = Scheduler(config)
@@ -88,7 +90,8 @@ class PlannedGenerations:
             lambda: {i: s.request.prompt_tokens for i, s in self.requests.items()})
         self.forks = ChoiceForks(runtime, self.scheduler.config.prefill_chunk_tokens)
         self._executor = PlanExecutor(
-            runtime, self.scheduler, self._release_preempted, self.fail_request)
+            runtime, self.scheduler, self._release_preempted, self.fail_request,
+            before_model_call)
         self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
@@ -97,3 +99,39 @@ def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_handle):
     assert aligned.session_alignment.after_token_count == 2
     on_worker(worker, lambda rt: rt.drop_session("s"))
     assert llama_runtime.active_session_count() == 0
+
+
+def test_a_wait_hook_runs_before_every_model_call_and_after_the_last_event(llama_runtime,
+                                                                           make_handle):
+    """What lets a consumer hold its wake-ups back until the worker waits."""
+    worker = make_handle(llama_runtime)
+    log: list[str] = []  # appended on the worker thread only
+    decodes_at_hook: list[int] = []
+    flushed_after_end = threading.Event()
+
+    def hook() -> None:
+        log.append("hook")
+        decodes_at_hook.append(llama_runtime.decode_calls)
+        if "complete" in log:
+            flushed_after_end.set()
+
+    def on_event(event) -> None:
+        log.append("complete" if isinstance(event, CompleteEvent) else "token")
+        if isinstance(event, TokenEvent):
+            event.ack.send(TokenControl.CONTINUE)
+
+    calls_before = llama_runtime.decode_calls
+    worker.add_wait_hook(hook)
+    worker.submit_generation(GenerationRequest("a", PROMPTS["a"], MAX_TOKENS, GREEDY), on_event)
+    assert flushed_after_end.wait(WAIT_S)
+    barrier(worker)
+    calls_after = llama_runtime.decode_calls
+    assert calls_after > calls_before
+    # Right before each model call (the count it had then), and once more after the end.
+    assert set(range(calls_before, calls_after)) <= set(decodes_at_hook)
+    assert log.index("complete") < len(log) - 1 - log[::-1].index("hook")
+    worker.remove_wait_hook(hook)
+    seen = len(log)
+    generate(worker, PROMPTS["b"], 2, sampling=GREEDY)
+    barrier(worker)
+    assert len(log) == seen
