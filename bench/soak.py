@@ -228,12 +228,19 @@ async def drive(url: str, total: int, concurrency: int, seed: int, max_output: i
 
 
 def settle(control: ControlClient, timeout: float) -> dict:
-    """Wait for the daemon to go idle; return its last snapshot."""
+    """Wait for the daemon to go idle; return its last snapshot.
+
+    Idle as the leak checks mean it: no busy lane, nothing waiting, no session and no KV
+    held. A later stage of a split pipeline frees a session when stage 0's drop reaches
+    it, which can be a moment after its lanes went idle.
+    """
     deadline = time.monotonic() + timeout
     while True:
         snapshot = control.status()
         busy = [lane for lane in snapshot["lanes"] if lane["phase"] != "idle"]
-        idle = not busy and snapshot["queues"]["waiting"] == 0
+        idle = (not busy and snapshot["queues"]["waiting"] == 0
+                and snapshot["wave"]["active_sessions"] == 0
+                and snapshot["kv"]["cells_used"] == 0)
         if idle or time.monotonic() > deadline:
             return snapshot
         time.sleep(0.2)
