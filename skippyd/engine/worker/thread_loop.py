@@ -89,12 +89,12 @@ class WorkerLoop:
         self._commands = commands
         self.wait_hooks = WaitHooks()
         """Run before every wait: each model call and each wait for a command."""
-        # Right before llama.cpp computes when the runtime can, else before its call.
-        in_runtime = install_compute_hook(runtime, self.wait_hooks.run)
+        # Right before llama.cpp computes when the runtime can, else before each call.
+        self._before_model_call = (_nothing if install_compute_hook(runtime, self.wait_hooks.run)
+                                   else self.wait_hooks.run)
         self.planned = PlannedGenerations(runtime, settings.policy, telemetry.publish,
                                           self.fail_all, self._refresh_active_sessions,
-                                          prefix_cache,
-                                          _nothing if in_runtime else self.wait_hooks.run)
+                                          prefix_cache, self._before_model_call)
         self.direct: deque[DirectIteration] = deque()
         self.active_runtime_sessions = 0
         self.last_served_direct = False
@@ -242,7 +242,7 @@ class WorkerLoop:
             self.direct, self.settings.direct_group_batch_size,
             self.settings.max_direct_iteration_tokens,
         )
-        self.wait_hooks.run()
+        self._before_model_call()
         self.num_direct_iterations += run_direct_iteration_batch(
             self.runtime, batch, self.telemetry.publish
         )
