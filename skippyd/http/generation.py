@@ -109,6 +109,7 @@ class GenerationStream:
         self._error: ApiError | None = None
         self._waiter: asyncio.Future[bool] | None = None
         self._relay: EventRelay | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._submitted = False
         self._settled = False
         self._closed = False
@@ -127,7 +128,9 @@ class GenerationStream:
             ApiError: 429 with ``Retry-After`` when the queue is full, 503 when the
                 worker is stopped, or the status the worker suggests.
         """
-        self._relay = relay_for(asyncio.get_running_loop())
+        # NOTE: kept, because asyncio.get_running_loop() makes a getpid() system call.
+        self._loop = asyncio.get_running_loop()
+        self._relay = relay_for(self._loop)
         try:
             self._backend.submit(self._request, self._on_event)
         except WorkerError as exc:
@@ -138,7 +141,8 @@ class GenerationStream:
         self._submitted = True
         if self._timer is not None:
             self._timer.on_submitted()
-        logger.debug("submitted %s", self._request.anon_repr())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("submitted %s", self._request.anon_repr())
 
     async def next_pieces(self, timeout_s: float | None = None) -> list[str] | None:
         """Wait for text and return every piece produced since the last call.
@@ -153,7 +157,7 @@ class GenerationStream:
         if not self._pieces and self._error is None and not self.finished:
             # NOTE: one future and one timer per wait, resolved by _deliver (True) or by
             # the timer (False); wait_for over a shield cost four callbacks per token.
-            loop = asyncio.get_running_loop()
+            loop = self._loop or asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
             timer = (None if timeout_s is None
                      else loop.call_later(timeout_s, _resolve, waiter, False))

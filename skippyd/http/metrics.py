@@ -7,7 +7,9 @@ events for iteration times and prefix-cache counts. It keeps the last
 ``window_s`` seconds of samples for the control socket's snapshot (tok/s, p50/p95/p99)
 and feeds a private ``prometheus_client`` registry (scrape-time gauges, build info and
 the link live in :mod:`skippyd.http.prometheus`, served by its ``metrics_route``; the
-registry also carries prometheus_client's process, platform and GC collectors). Each
+registry also carries prometheus_client's process, platform and GC collectors). What is
+recorded per token or per worker turn goes to the cheap histograms and counters of
+:mod:`skippyd.http.loop_metrics`: this thread's time comes out of the decode. Each
 ended request is handed to :class:`~skippyd.http.request_log.RequestLog` for its line.
 
 Every hook runs on the event loop thread. The worker thread only publishes to the hub;
@@ -24,9 +26,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -41,6 +43,7 @@ from skippyd.engine.worker.telemetry import (
     TelemetryEvent,
     TelemetryHub,
 )
+from skippyd.http.loop_metrics import LoopCounter, LoopHistogram
 from skippyd.http.prometheus import StageCollector, metrics_route
 from skippyd.http.relay import relay_for
 from skippyd.http.request_log import RequestLog
@@ -56,6 +59,11 @@ WINDOW_S = 60.0
 #: Events buffered between the worker and the event loop before the oldest drop.
 EVENT_BUFFER = 4096
 _ATTR = "skippy.scheduler."
+_STEP_MS, _OVERHEAD_MS = _ATTR + "step_ms", _ATTR + "overhead_ms"
+_PREFIX_HITS, _PREFIX_MISSES = _ATTR + "prefix_hits", _ATTR + "prefix_misses"
+_MATCHED = _ATTR + "cache_matched_tokens"
+_KV_USED = _ATTR + f"component.{KV_COMPONENT}.used_bytes"
+_KV_AVAILABLE = _ATTR + f"component.{KV_COMPONENT}.available_bytes"
 # NOTE: a long generation on a CPU runs for minutes (4096 tokens at 2 tok/s is 34 min):
 # the buckets keep doubling up to an hour so TTFT and e2e never pile up in +Inf.
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -69,6 +77,7 @@ OUTCOMES = ("stop", "length", "failed", "cancelled")
 REJECTION_REASONS = ("queue_full", "unauthorized", "unavailable", "invalid", "max_connections")
 
 StatsSource = Callable[[], WorkerStats | None]
+_LoopMetric = TypeVar("_LoopMetric", LoopHistogram, LoopCounter)
 
 
 class ServingMetrics:
@@ -165,8 +174,8 @@ class ServingMetrics:
         reg, window, clock = self.registry, self.window_s, self.clock
 
         def latency(name: str, doc: str) -> Window:
-            return Window(window, clock, Histogram(
-                name, doc, registry=reg, buckets=_LATENCY_BUCKETS_S).observe)
+            return Window(window, clock, self._loop_metric(
+                LoopHistogram(name, doc, _LATENCY_BUCKETS_S)).observe)
 
         self.ttft = latency("skippyd_time_to_first_token_seconds",
                             "Submit to first generated token.")
@@ -176,10 +185,10 @@ class ServingMetrics:
                            "Submit to the end of a finished generation.")
         self.queue = latency("skippyd_request_queue_time_seconds",
                              "Submit to the start of the first iteration that ran the request.")
-        self.prompt = Window(window, clock, Counter(
-            "skippyd_prompt_tokens", "Prompt tokens processed.", registry=reg).inc)
-        self.generated = Window(window, clock, Counter(
-            "skippyd_generation_tokens", "Tokens generated.", registry=reg).inc)
+        self.prompt = Window(window, clock, self._loop_metric(LoopCounter(
+            "skippyd_prompt_tokens", "Prompt tokens processed.")).inc)
+        self.generated = Window(window, clock, self._loop_metric(LoopCounter(
+            "skippyd_generation_tokens", "Tokens generated.")).inc)
         self._outcomes = Counter("skippyd_requests", "Generations ended, by outcome.",
                                  ["outcome"], registry=reg)
         self._rejected = Counter("skippyd_requests_rejected",
@@ -191,10 +200,16 @@ class ServingMetrics:
             self._outcomes.labels(outcome=outcome)
         for reason in REJECTION_REASONS:
             self._rejected.labels(reason=reason)
-        self._step = Histogram("skippyd_iteration_step_seconds", "Whole worker turn of one "
-                               "planned iteration.", registry=reg, buckets=_STEP_BUCKETS_S)
-        self._overhead = Histogram("skippyd_iteration_overhead_seconds", "Iteration time "
-                                   "outside llama_decode.", registry=reg, buckets=_STEP_BUCKETS_S)
+        self._step = self._loop_metric(LoopHistogram(
+            "skippyd_iteration_step_seconds", "Whole worker turn of one planned iteration.",
+            _STEP_BUCKETS_S))
+        self._overhead = self._loop_metric(LoopHistogram(
+            "skippyd_iteration_overhead_seconds", "Iteration time outside llama_decode.",
+            _STEP_BUCKETS_S))
+
+    def _loop_metric(self, metric: _LoopMetric) -> _LoopMetric:
+        self.registry.register(metric)
+        return metric
 
     # -- request hooks (event loop) --------------------------------------------------------
     def start_request(self, request_id: str, num_prompt_tokens: int) -> RequestTimer:
@@ -250,26 +265,29 @@ class ServingMetrics:
         self.request_log.flush()
 
     def observe_event(self, event: TelemetryEvent) -> None:
-        """Fold one telemetry event into the metrics."""
+        """Fold one telemetry event into the metrics (once per worker turn: keep it lean)."""
         attrs = event.attributes
         if event.name == SCHEDULER_RUNTIME_OPERATION:
-            self.prefix["matched_tokens"] += int(attrs.get(_ATTR + "cache_matched_tokens", 0))
+            self.prefix["matched_tokens"] += int(attrs.get(_MATCHED, 0))
         if event.name != SCHEDULER_ITERATION:
             return
-        step_s = float(attrs.get(_ATTR + "step_ms", 0.0)) / 1000.0
-        overhead_s = float(attrs.get(_ATTR + "overhead_ms", 0.0)) / 1000.0
+        step_s = float(attrs.get(_STEP_MS, 0.0)) / 1000.0
+        overhead_s = float(attrs.get(_OVERHEAD_MS, 0.0)) / 1000.0
         now = self.clock()
-        self._steps.append((now, step_s, overhead_s))
-        drop_before(self._steps, now - self.window_s)
+        steps = self._steps
+        steps.append((now, step_s, overhead_s))
+        if steps[0][0] < now - self.window_s:
+            drop_before(steps, now - self.window_s)
         self._step.observe(step_s)
         self._overhead.observe(overhead_s)
-        self.prefix["hits"] = int(attrs.get(_ATTR + "prefix_hits", self.prefix["hits"]))
-        self.prefix["misses"] = int(attrs.get(_ATTR + "prefix_misses", self.prefix["misses"]))
-        kv = _ATTR + f"component.{KV_COMPONENT}."
-        if kv + "used_bytes" in attrs:
-            self._kv_event = (int(attrs[kv + "used_bytes"]), int(attrs[kv + "available_bytes"]))
-        lag_s = max(0.0, time.time() - event.timestamp_s)
-        self._note_admissions(now - lag_s - step_s)
+        prefix = self.prefix
+        prefix["hits"] = int(attrs.get(_PREFIX_HITS, prefix["hits"]))
+        prefix["misses"] = int(attrs.get(_PREFIX_MISSES, prefix["misses"]))
+        if _KV_USED in attrs:
+            self._kv_event = (int(attrs[_KV_USED]), int(attrs[_KV_AVAILABLE]))
+        if self._awaiting:
+            lag_s = max(0.0, time.time() - event.timestamp_s)
+            self._note_admissions(now - lag_s - step_s)
 
     def _note_admissions(self, iteration_start: float) -> None:
         """Requests seen running in this turn left the queue when it started."""

@@ -72,14 +72,14 @@ class RequestTimer:
         now = metrics.clock()
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.ttft.add(now - self.submitted_at)
+            metrics.ttft.add(now - self.submitted_at, now)
             self._count_prompt()
         else:
-            metrics.itl.add(now - (self.last_token_at or now))
+            metrics.itl.add(now - (self.last_token_at or now), now)
         self.last_token_at = now
         self.num_generated_tokens += 1
         metrics.num_generated_tokens += 1
-        metrics.generated.add(1)
+        metrics.generated.add(1, now)
 
     def on_finished(self, reason: str) -> None:
         """The generation ended normally (``"stop"`` or ``"length"``)."""

@@ -187,7 +187,8 @@ class OpenAiApi:
         self._require_ready()
         parsed = parse_completion_request(body, self._limits, n_vocab=self._backend.n_vocab,
                                           defaults=self._sampling_defaults)
-        logger.debug("completion request %s", parsed.anon_repr())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("completion request %s", parsed.anon_repr())
         params = parsed.params
         check_local_sampling(self._backend, logprobs=params.logprobs is not None,
                              **{_constraint_name(params): params.constraint is not None})
@@ -213,7 +214,8 @@ class OpenAiApi:
         self._require_ready()
         parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab,
                                     defaults=self._sampling_defaults)
-        logger.debug("chat request %s", parsed.anon_repr())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("chat request %s", parsed.anon_repr())
         params, tools = parsed.params, parsed.tools
         check_local_sampling(self._backend, logprobs=params.logprobs is not None,
                              tool_choice=tools is not None and tools.forced,

@@ -38,11 +38,15 @@ class Window:
         self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_WINDOW_SAMPLES)
         self._lock = threading.Lock()
 
-    def add(self, value: float) -> None:
-        now = self._clock()
+    def add(self, value: float, now: float | None = None) -> None:
+        """Record ``value`` at ``now`` (the window's clock when None)."""
+        if now is None:
+            now = self._clock()
+        samples = self._samples
         with self._lock:
-            self._samples.append((now, value))
-            drop_before(self._samples, now - self._window_s)
+            samples.append((now, value))
+            if samples[0][0] < now - self._window_s:
+                drop_before(samples, now - self._window_s)
         self._sink(value)
 
     def values(self) -> list[float]:
