@@ -27,6 +27,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_KEEP_ALIVE = b": keep-alive\n\n"
 #: Stands in for a chunk's text while its encoded bytes are split around it.
 _TEXT_MARK = "\x00skippyd-text\x00"
+#: ``json.dumps(text, ensure_ascii=False)`` for a str, without building an encoder per call.
+_json_string = json.encoder.encode_basestring
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -79,7 +81,7 @@ class ResponseShape:
         """``sse_event(self.text_chunk(text))`` for non-empty ``text``, without building
         the chunk: the bytes around the text are the same for every token."""
         before, after = self._text_event_parts
-        return before + json.dumps(text, ensure_ascii=False).encode("utf-8") + after
+        return before + _json_string(text).encode("utf-8") + after
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {
