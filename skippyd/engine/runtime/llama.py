@@ -38,6 +38,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.forks import SessionForkMixin
+from skippyd.engine.runtime.greedy_native import native_greedy
 from skippyd.engine.runtime.lane_cache import LaneCacheMixin, StateMappings
 from skippyd.engine.runtime.llama_ext import (
     ensure_backend,
@@ -146,6 +147,8 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
+        if options.final_stage:
+            native_greedy()  # compiled now, not in the first request's time to first token
         # Counts computed graph nodes, so a long call that progresses is not "hung".
         self.compute_progress = make_compute_progress()
         if self.compute_progress is not None:
@@ -634,7 +637,10 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
 
     def _sample(self, session: _Lane, request: IterationRequest, row: int) -> int:
         config = request.sampling or _GREEDY
-        if session.sampler is None or session.sampler.config != config:
+        sampler = session.sampler
+        # NOTE: identity first: a request keeps its config object, and comparing every
+        # field of two equal configs costs more than the greedy pick right after a decode.
+        if sampler is None or (sampler.config is not config and sampler.config != config):
             self._reset_sampler(session)
             try:
                 session.sampler = SamplerChain(

@@ -20,6 +20,7 @@ from skippyd.engine.runtime.constrained import (
     GrammarSampler,
     sample_constrained,
 )
+from skippyd.engine.runtime.greedy_native import greedy_picker
 from skippyd.engine.runtime.logprobs import row_logits
 from skippyd.engine.runtime.protocol import SamplingConfig
 
@@ -61,6 +62,7 @@ class SamplerChain:
                         and config.grammar is None)
         self._masked = np.array(sorted(eog_tokens) if config.ignore_eos else [], dtype=np.intp)
         self._masked_set = frozenset(self._masked.tolist())
+        self._pick = greedy_picker(n_vocab, self._masked.tolist()) if self._argmax else None
         self._eog_token = eog_tokens[0] if eog_tokens else 0
         pre = list(_adjusting_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx,
                                        eog_tokens=eog_tokens))
@@ -117,6 +119,8 @@ class SamplerChain:
         return token
 
     def _greedy(self, ctx: int, row: int) -> int:
+        if self._pick is not None:
+            return self._pick(ctx, row)
         logits = row_logits(ctx, row, self._n_vocab)
         token = int(logits.argmax())
         # NOTE: a set, not ``in`` over the numpy array: right after a decode numpy's

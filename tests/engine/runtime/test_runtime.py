@@ -275,9 +275,12 @@ def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokeniz
     fast = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
     chain = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
     chain._argmax = False  # force the llama.cpp chain the argmax stands in for
+    numpy_pick = SamplerChain(config, n_vocab=runtime.n_vocab, n_ctx=256, eog_tokens=eog)
+    numpy_pick._pick = None  # the numpy argmax the compiled pick stands in for
     try:
         picked = fast.sample(runtime.context, row)
         assert picked == chain.sample(runtime.context, row)
+        assert picked == numpy_pick.sample(runtime.context, row)
         if best == "end-of-generation":
             assert (picked in eog) is not ignore_eos
         if best == "tie":
@@ -285,6 +288,7 @@ def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokeniz
     finally:
         fast.close()
         chain.close()
+        numpy_pick.close()
 
 
 def test_greedy_rows_of_a_mixed_batch_pick_their_own_rows_argmax(runtime, tokenizer):
