@@ -10,8 +10,9 @@ per row, while the worker's other threads (llama.cpp's) wait for the next decode
 
 :func:`greedy_picker` compiles the loop below once per process with the C compiler that
 building llama-cpp-python needs anyway, and hands it ``llama_get_logits_ith`` as a
-function pointer, so a pick is one foreign call. Without a compiler it returns None and
-callers keep the numpy path (:meth:`skippyd.engine.runtime.sampling.SamplerChain.sample`),
+function pointer, so a pick is one foreign call. Without a compiler, or on a CPU
+without SSE2 (where numpy's vectorized argmax is quicker), it returns None and callers
+keep the numpy path (:meth:`skippyd.engine.runtime.sampling.SamplerChain.sample`),
 which picks the same tokens.
 """
 
@@ -111,6 +112,15 @@ static int32_t fast_pick(const float *logits, int32_t n) {
     return scalar_pick(logits, n, 0, 0);
 }
 
+/* 1 when fast_pick has its vector loop here (elsewhere numpy's argmax is quicker). */
+int32_t skippyd_greedy_vectorized(void) {
+#if defined(__SSE2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* -1: the row has no logits. */
 int32_t skippyd_greedy(get_logits_fn get_logits, void *ctx, int32_t row, int32_t n_vocab,
                        const int32_t *masked, int32_t n_masked) {
@@ -139,6 +149,8 @@ _unavailable: str | None = None
 def _compile() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     with tempfile.TemporaryDirectory(prefix="skippyd-greedy-") as tmp:
         library = ctypes.CDLL(str(build_shared_library(_SOURCE, Path(tmp) / "greedy.so")))
+    if not library.skippyd_greedy_vectorized():
+        raise OSError("no SSE2 on this architecture: numpy's argmax is quicker")
     function = library.skippyd_greedy
     function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                          ctypes.c_void_p, ctypes.c_int32]
