@@ -59,7 +59,7 @@ from vs_llama_server import (  # noqa: E402  (a sibling script, not a package)
 
 from skippyd.bench.process import ServerProcess, free_port, skippyd_process  # noqa: E402
 from skippyd.config import default_model_path  # noqa: E402
-from skippyd.engine.runtime.capture_native import build_shared_library  # noqa: E402
+from skippyd.engine.runtime.native_build import build_shared_library  # noqa: E402
 
 console = Console()
 

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
 import tempfile
-import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from llama_cpp import llama_cpp as L
+
+from skippyd.engine.runtime.native_build import CompiledOnce, build_shared_library
 
 logger = logging.getLogger(__name__)
 
@@ -84,36 +81,6 @@ class _CaptureState(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_unavailable: str | None = None
-
-
-def build_shared_library(source: str, library: Path, *, link: Sequence[str] = ()) -> Path:
-    """Compile C ``source`` into the shared library ``library`` with the system compiler
-    (``$CC``, else ``cc`` or ``gcc``); the source file goes beside it.
-
-    Args:
-        source: The C source text.
-        library: Where the ``.so`` goes.
-        link: Extra linker arguments (``-ldl``).
-
-    Raises:
-        OSError: No C compiler, or it failed.
-    """
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc) found")
-    source_path = library.with_suffix(".c")
-    source_path.write_text(source, encoding="utf-8")
-    result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library),
-                             str(source_path), *link],
-                            capture_output=True, text=True, timeout=60, check=False)
-    if result.returncode != 0:
-        raise OSError(f"{compiler} failed: {result.stderr.strip()[:400]}")
-    return library
-
-
 def _compile() -> ctypes.CDLL:
     """Build the callback into a temporary directory and load it.
 
@@ -126,18 +93,13 @@ def _compile() -> ctypes.CDLL:
         return ctypes.CDLL(str(library))
 
 
+COMPILED = CompiledOnce(_compile, "native activation capture",
+                        "using the slower Python callback", logging.WARNING)
+
+
 def native_library() -> ctypes.CDLL | None:
     """The compiled callback (built on first use), or None when it cannot be built."""
-    global _library, _unavailable
-    with _lock:
-        if _library is None and _unavailable is None:
-            try:
-                _library = _compile()
-            except (OSError, subprocess.SubprocessError) as exc:
-                _unavailable = str(exc)
-                logger.warning("native activation capture unavailable (%s); using the "
-                               "slower Python callback", exc)
-        return _library
+    return COMPILED.get()
 
 
 class NativeLayerCapture:

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 import tempfile
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.capture_native import build_shared_library
+from skippyd.engine.runtime.native_build import CompiledOnce, build_shared_library
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +139,6 @@ GreedyPick = Callable[[int, int], int]
 
 Raises ValueError when the row has no logits."""
 
-_lock = threading.Lock()
-_function: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_unavailable: str | None = None
-
-
 def _compile() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     with tempfile.TemporaryDirectory(prefix="skippyd-greedy-") as tmp:
         library = ctypes.CDLL(str(build_shared_library(_SOURCE, Path(tmp) / "greedy.so")))
@@ -158,18 +151,13 @@ def _compile() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return function
 
 
+COMPILED = CompiledOnce(_compile, "native greedy pick", "picking with numpy")
+
+
 def native_greedy() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The compiled pick (built on first use, so a runtime calls it while it loads), or
     None when it cannot be built."""
-    global _function, _unavailable
-    with _lock:
-        if _function is None and _unavailable is None:
-            try:
-                _function = _compile()
-            except (OSError, subprocess.SubprocessError) as exc:
-                _unavailable = str(exc)
-                logger.info("native greedy pick unavailable (%s); picking with numpy", exc)
-        return _function
+    return COMPILED.get()
 
 
 def greedy_picker(n_vocab: int, masked: Sequence[int] = (), *,

@@ -50,11 +50,11 @@ def test_native_capture_equals_python_capture(stage_slice, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_without_a_compiler_the_python_callback_serves(stage_slice, monkeypatch):
-    monkeypatch.setattr(capture_native, "_library", None)
-    monkeypatch.setattr(capture_native, "_unavailable", None)
+def test_without_a_compiler_the_python_callback_serves(stage_slice, monkeypatch, request):
     monkeypatch.setenv("CC", "/nonexistent/cc")
+    capture_native.COMPILED.forget()
+    request.addfinalizer(capture_native.COMPILED.forget)
     assert capture_native.native_library() is None
-    assert "cc" in (capture_native._unavailable or "")
+    assert "cc" in (capture_native.COMPILED.unavailable or "")
     rows = _rows(stage_slice, monkeypatch, native=True, expect="LayerOutputCapture")
     assert rows[0].shape == (40, 64)

@@ -68,9 +68,9 @@ def test_a_row_without_logits_is_an_error(native):
         pick(0, 5)
 
 
-def test_without_a_compiler_there_is_no_native_pick(monkeypatch):
-    monkeypatch.setattr(greedy_native, "_function", None)
-    monkeypatch.setattr(greedy_native, "_unavailable", None)
+def test_without_a_compiler_there_is_no_native_pick(monkeypatch, request):
     monkeypatch.setenv("CC", "/nonexistent/cc")
+    greedy_native.COMPILED.forget()
+    request.addfinalizer(greedy_native.COMPILED.forget)
     assert greedy_native.greedy_picker(8) is None
-    assert "cc" in (greedy_native._unavailable or "")
+    assert "cc" in (greedy_native.COMPILED.unavailable or "")
