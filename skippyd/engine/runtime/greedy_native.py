@@ -139,6 +139,7 @@ GreedyPick = Callable[[int, int], int]
 
 Raises ValueError when the row has no logits."""
 
+
 def _compile() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     with tempfile.TemporaryDirectory(prefix="skippyd-greedy-") as tmp:
         library = ctypes.CDLL(str(build_shared_library(_SOURCE, Path(tmp) / "greedy.so")))
@@ -163,7 +164,7 @@ def native_greedy() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def greedy_picker(n_vocab: int, masked: Sequence[int] = (), *,
                   get_logits: int | None = None) -> GreedyPick | None:
     """A greedy pick over ``n_vocab`` logits that never returns a ``masked`` token
-    (unless every other logit is -inf), or None without a C compiler.
+    (unless every other logit is -inf); None without a C compiler or without SSE2.
 
     Args:
         n_vocab: Logits per row.
@@ -185,5 +186,4 @@ def greedy_picker(n_vocab: int, masked: Sequence[int] = (), *,
             raise ValueError(f"batch row {row} has no logits")
         return token
 
-    pick.masked_ids = masked_ids  # type: ignore[attr-defined]  # alive as long as pick
     return pick
