@@ -274,10 +274,8 @@ class ServingMetrics:
         step_s = float(attrs.get(_STEP_MS, 0.0)) / 1000.0
         overhead_s = float(attrs.get(_OVERHEAD_MS, 0.0)) / 1000.0
         now = self.clock()
-        steps = self._steps
-        steps.append((now, step_s, overhead_s))
-        if steps[0][0] < now - self.window_s:
-            drop_before(steps, now - self.window_s)
+        self._steps.append((now, step_s, overhead_s))
+        drop_before(self._steps, now - self.window_s)
         self._step.observe(step_s)
         self._overhead.observe(overhead_s)
         prefix = self.prefix
@@ -290,9 +288,8 @@ class ServingMetrics:
             self._note_admissions(now - lag_s - step_s)
 
     def _note_admissions(self, iteration_start: float) -> None:
-        """Requests seen running in this turn left the queue when it started."""
-        if not self._awaiting:
-            return
+        """Requests seen running in this turn left the queue when it started (call only
+        while some are awaited)."""
         stats = self._stats()
         in_lanes = {lane.request_id for lane in getattr(stats, "lanes", ())}
         for req_id, timer in list(self._awaiting.items()):

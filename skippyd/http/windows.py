@@ -42,11 +42,9 @@ class Window:
         """Record ``value`` at ``now`` (the window's clock when None)."""
         if now is None:
             now = self._clock()
-        samples = self._samples
         with self._lock:
-            samples.append((now, value))
-            if samples[0][0] < now - self._window_s:
-                drop_before(samples, now - self._window_s)
+            self._samples.append((now, value))
+            drop_before(self._samples, now - self._window_s)
         self._sink(value)
 
     def values(self) -> list[float]:
