@@ -10,7 +10,8 @@ lowest and highest sequence id):
   compiler) wraps ``llama_process`` and the ``llama_batch_ext`` calls that fill its batch
   (the server's batch API), and ``llama_decode`` for builds that still call that.
 * skippyd: a ``sitecustomize`` module put on its ``PYTHONPATH`` wraps llama-cpp-python's
-  ``llama_decode`` binding, which skippyd's runtime looks up at every call (it shadows any
+  ``llama_decode`` binding and ``wake_decode.decode_signalling`` (the decode that also
+  wakes the event loop), which skippyd's runtime looks up at every call (it shadows any
   other ``sitecustomize`` for that process). The hook's own bookkeeping (a few
   microseconds per row) falls between calls, so skippyd's time outside is slightly
   overstated, and it times the call from Python, so the time inside includes taking the
@@ -157,25 +158,39 @@ SITECUSTOMIZE_SOURCE = '''
 import os
 
 if os.environ.get("SKIPPYD_DECODE_TRACE"):
+    import threading
     import time
 
     from llama_cpp import llama_cpp as _llama
 
-    _real = _llama.llama_decode
+    from skippyd.engine.runtime import wake_decode as _wake
+
     _out = open(os.environ["SKIPPYD_DECODE_TRACE"], "w", buffering=1)
+    _depth = threading.local()
 
-    def llama_decode(ctx, batch):
-        start = time.monotonic()
-        ret = _real(ctx, batch)
-        seconds = time.monotonic() - start
-        n = batch.n_tokens
-        seqs = [batch.seq_id[i][0] for i in range(n)]
-        outputs = sum(1 for i in range(n) if batch.logits[i])
-        _out.write(f"{start:.6f} {seconds:.6f} {n} {outputs} {min(seqs, default=-1)}"
-                   f" {max(seqs, default=-1)}\\n")
-        return ret
+    def _traced(real):
+        # The runtime calls llama_decode through wake_decode when the call also wakes the
+        # event loop; without the native helper that one calls llama_decode: log it once.
+        def call(*args):
+            batch = args[-1]
+            depth = getattr(_depth, "value", 0)
+            _depth.value = depth + 1
+            start = time.monotonic()
+            try:
+                return real(*args)
+            finally:
+                _depth.value = depth
+                if not depth:
+                    seconds = time.monotonic() - start
+                    n = batch.n_tokens
+                    seqs = [batch.seq_id[i][0] for i in range(n)]
+                    outputs = sum(1 for i in range(n) if batch.logits[i])
+                    _out.write(f"{start:.6f} {seconds:.6f} {n} {outputs}"
+                               f" {min(seqs, default=-1)} {max(seqs, default=-1)}\\n")
+        return call
 
-    _llama.llama_decode = llama_decode
+    _llama.llama_decode = _traced(_llama.llama_decode)
+    _wake.decode_signalling = _traced(_wake.decode_signalling)
 '''
 
 

@@ -328,7 +328,7 @@ def wake_loop_while_worker_waits(engine: StageEngine) -> None:
     if worker is None:
         return
     relay = relay_for(asyncio.get_running_loop())
-    worker.add_wait_hook(relay.flush)
+    worker.add_wait_hook(relay.owed_wake)
     relay.defer_wakes_from(worker.thread)
 
 

@@ -9,13 +9,18 @@ For the worker thread the relay can hold even that wake-up back until the worker
 about to wait (:meth:`EventRelay.defer_wakes_from`, flushed from the worker's wait
 hooks): the loop then runs while llama.cpp computes, instead of taking the GIL from the
 worker between two model calls. The events are the same, a fraction of a millisecond
-later.
+later. Where the platform has eventfds, that wake-up is the relay's own eventfd, which the
+worker signals from native code once it has released the GIL for the model call
+(:meth:`EventRelay.owed_wake`): the loop thread then finds the GIL free instead of
+waking, sleeping on the GIL and waking again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import weakref
 from collections import deque
@@ -39,15 +44,24 @@ class EventRelay:
         self._scheduled = False
         self._deferring: threading.Thread | None = None
         self._wake_owed = False
+        self._wake_fd: int | None = None
 
     def defer_wakes_from(self, thread: threading.Thread | None) -> None:
         """Let posts made on ``thread`` wake the loop only at the next :meth:`flush`.
 
-        The owner of ``thread`` must call :meth:`flush` before ``thread`` waits for
-        anything, or its posts sit unseen. None makes every post wake the loop again.
+        The owner of ``thread`` must call :meth:`flush` (or :meth:`owed_wake`) before
+        ``thread`` waits for anything, or its posts sit unseen. None makes every post
+        wake the loop again. Call on the loop's thread.
         """
         with self._lock:
             self._deferring = thread
+        if thread is not None and self._wake_fd is None and hasattr(os, "eventfd"):
+            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            # NOTE: never closed before the relay goes: the deferring thread may still
+            # hold the number, and a write to a reused descriptor would hit another file.
+            weakref.finalize(self, os.close, fd)
+            self._loop.add_reader(fd, self._on_wake_fd)
+            self._wake_fd = fd
         self.flush()
 
     def post(self, callback: Callable[[Any], None], argument: Any) -> None:
@@ -80,6 +94,29 @@ class EventRelay:
             self._wake()
         except RuntimeError:  # closed between the post and now: nobody reads them
             logger.debug("event loop closed: the events held for it were dropped")
+
+    def owed_wake(self) -> int | None:
+        """The deferring thread's wait hook: claim the wake-up its posts are owed.
+
+        Returns the relay's eventfd, which the caller must signal (the loop runs the held
+        events once it is), or None: nothing is owed, a wake-up is already on its way,
+        or the relay has no eventfd and has just woken the loop itself.
+        """
+        if self._wake_fd is None:
+            self.flush()
+            return None
+        with self._lock:
+            owed, self._wake_owed = self._wake_owed, False
+            if not owed or self._scheduled:
+                return None
+            self._scheduled = True
+        return self._wake_fd
+
+    def _on_wake_fd(self) -> None:
+        assert self._wake_fd is not None
+        with contextlib.suppress(BlockingIOError):  # already read by an earlier turn
+            os.eventfd_read(self._wake_fd)
+        self._run_pending()
 
     def _wake(self) -> None:
         try:

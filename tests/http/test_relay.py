@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 
 import pytest
@@ -135,3 +136,35 @@ async def test_a_deferred_post_to_a_closed_loop_raises_at_once() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         relay.post(lambda _: None, None)
     relay.flush()  # nothing held, nothing raised
+
+
+async def test_the_owed_wake_is_an_eventfd_the_worker_signals() -> None:
+    relay = EventRelay(asyncio.get_running_loop())
+    delivered = asyncio.Event()
+    received: list[str] = []
+    claimed: list[int | None] = []
+    signal_now = threading.Event()
+
+    def record(value: str) -> None:
+        received.append(value)
+        delivered.set()
+
+    def worker() -> None:
+        claimed.append(relay.owed_wake())  # nothing posted: nothing owed
+        relay.post(record, "token")
+        claimed.append(relay.owed_wake())
+        claimed.append(relay.owed_wake())  # already claimed
+        signal_now.wait(10)
+        os.eventfd_write(claimed[1], 1)
+
+    thread = threading.Thread(target=worker)
+    relay.defer_wakes_from(thread)
+    thread.start()
+    with contextlib.suppress(TimeoutError):  # claimed, not yet signalled: nothing runs
+        await asyncio.wait_for(delivered.wait(), 0.2)
+    assert received == []
+    signal_now.set()
+    await asyncio.wait_for(delivered.wait(), 10)
+    thread.join()
+    assert received == ["token"]
+    assert claimed[0] is None and isinstance(claimed[1], int) and claimed[2] is None

@@ -36,6 +36,7 @@ import numpy as np
 from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
+from skippyd.engine.runtime import wake_decode
 from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.forks import SessionForkMixin
 from skippyd.engine.runtime.greedy_native import native_greedy
@@ -49,6 +50,7 @@ from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, tok
 from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
+    ComputeHook,
     DecodeFailedError,
     InvalidIterationError,
     IterationOutput,
@@ -153,7 +155,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         self.compute_progress = make_compute_progress()
         if self.compute_progress is not None:
             self.compute_progress.install(self._ctx)
-        self._compute_hook: Callable[[], None] | None = None
+        self._compute_hook: ComputeHook | None = None
         self._mem = L.llama_get_memory(self._ctx)
         # llama.cpp pads each lane's stream (to 256 cells); the padded sizes are real.
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
@@ -551,8 +553,10 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             L.llama_memory_seq_rm(self._mem, lane.seq_id, lane.token_count, -1)
         self._padding = []
 
-    def set_compute_hook(self, hook: Callable[[], None] | None) -> bool:
+    def set_compute_hook(self, hook: ComputeHook | None) -> bool:
         """Call ``hook`` right before each ``llama_decode`` (see ``install_compute_hook``)."""
+        if hook is not None:
+            wake_decode.COMPILED.get()  # now, not at the first request
         self._compute_hook = hook
         return True
 
@@ -561,10 +565,14 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             self._capture.begin()
         if self.compute_progress is not None:
             self.compute_progress.reset()
-        if self._compute_hook is not None:
-            self._compute_hook()  # last: no call into llama.cpp between it and the decode
+        # Last: no call into llama.cpp between the hook and the decode.
+        wake = self._compute_hook() if self._compute_hook is not None else ()
         try:
-            ret = L.llama_decode(self._ctx, self._batch)
+            if wake:
+                wake_decode.signal_eventfds(wake[1:])
+                ret = wake_decode.decode_signalling(wake[0], self._ctx, self._batch)
+            else:
+                ret = L.llama_decode(self._ctx, self._batch)
         finally:
             self._remove_padding()
         self.decode_calls += 1

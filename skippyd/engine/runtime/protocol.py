@@ -330,14 +330,19 @@ class Runtime(Protocol):
         """Free everything the runtime holds; idempotent. No call may follow."""
 
 
-def install_compute_hook(runtime: object, hook: Callable[[], None] | None) -> bool:
+ComputeHook = Callable[[], Sequence[int]]
+"""Run right before a model computation; returns the eventfds to signal as it starts."""
+
+
+def install_compute_hook(runtime: object, hook: ComputeHook | None) -> bool:
     """Have ``runtime`` call ``hook`` right before each model computation; False when it
     cannot (the caller then runs ``hook`` before each runtime call itself).
 
     The hook runs on the calling thread after every other call into llama.cpp of the
-    iteration, so nothing between the hook and the computation releases the GIL: a
-    thread the hook wakes then runs while llama.cpp computes, not in the middle of the
-    caller's Python.
+    iteration, so nothing between the hook and the computation releases the GIL. It
+    returns the eventfds of the threads to wake; the runtime signals them once the GIL
+    is released for the computation (``wake_decode``), so a woken thread runs while
+    llama.cpp computes and finds the GIL free, not in the middle of the caller's Python.
     """
     setter = getattr(runtime, "set_compute_hook", None)
     return bool(setter is not None and setter(hook))
@@ -353,7 +358,7 @@ class RuntimeWrapper:
     def __init__(self, inner: Runtime) -> None:
         self.inner = inner
 
-    def set_compute_hook(self, hook: Callable[[], None] | None) -> bool:
+    def set_compute_hook(self, hook: ComputeHook | None) -> bool:
         """See :func:`install_compute_hook`."""
         return install_compute_hook(self.inner, hook)
 

@@ -38,6 +38,7 @@ from skippyd.engine.worker.direct_batch import DirectIteration, validate_direct_
 from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.thread_loop import Command, WorkerLoop
+from skippyd.engine.worker.wait_hooks import WaitHook
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,13 @@ class WorkerHandle:
     def thread(self) -> threading.Thread:
         return self._shared.thread
 
-    def add_wait_hook(self, hook: Callable[[], None]) -> None:
+    def add_wait_hook(self, hook: WaitHook) -> None:
         """Run ``hook`` on the worker thread before each model call and each wait for a
-        command; it must be quick and never block (see :mod:`~skippyd.engine.worker.wait_hooks`)."""
+        command; it must be quick and never block, and may return an eventfd for the worker
+        to signal (see :mod:`~skippyd.engine.worker.wait_hooks`)."""
         self._shared.worker.wait_hooks.add(hook)
 
-    def remove_wait_hook(self, hook: Callable[[], None]) -> None:
+    def remove_wait_hook(self, hook: WaitHook) -> None:
         """Stop running ``hook``. Idempotent."""
         self._shared.worker.wait_hooks.remove(hook)
 

@@ -91,7 +91,7 @@ class WorkerLoop:
         """Run before every wait: each model call and each wait for a command."""
         # Right before llama.cpp computes when the runtime can, else before each call.
         self._before_model_call = (_nothing if install_compute_hook(runtime, self.wait_hooks.run)
-                                   else self.wait_hooks.run)
+                                   else self.wait_hooks.run_and_signal)
         self.planned = PlannedGenerations(runtime, settings.policy, telemetry.publish,
                                           self.fail_all, self._refresh_active_sessions,
                                           prefix_cache, self._before_model_call)
@@ -121,14 +121,14 @@ class WorkerLoop:
                 self.publish_stats()
             except Exception:  # the policy may be what broke; keep the failure visible
                 self.stats = WorkerStats(failure=self.failure)
-            self.wait_hooks.run()  # the last events (errors of a closing worker) go out
+            self.wait_hooks.run_and_signal()  # the last events (errors of a closing worker) go out
 
     def run_loop(self) -> None:
         """Idle wait, drain, gates, one work turn; until a Shutdown command."""
         while True:
             if self._is_idle():
                 self.publish_stats()
-                self.wait_hooks.run()
+                self.wait_hooks.run_and_signal()
                 self._dispatch(self._commands.get())
             self._drain_commands()
             if self._is_idle():
@@ -162,7 +162,7 @@ class WorkerLoop:
             self.planned.cancel(self.cancel_inbox.get_nowait())
 
     def _wait_for_command(self, timeout_s: float) -> None:
-        self.wait_hooks.run()
+        self.wait_hooks.run_and_signal()
         try:
             command = self._commands.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
@@ -182,7 +182,7 @@ class WorkerLoop:
         )
         deadline = time.monotonic() + DIRECT_ITERATION_COALESCE_WINDOW_S
         if len(self.direct) < target:
-            self.wait_hooks.run()
+            self.wait_hooks.run_and_signal()
         while len(self.direct) < target:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -250,7 +250,7 @@ class WorkerLoop:
 
     def run_runtime_operation(self, operation: RuntimeOperation) -> None:
         """Run a caller's closure on the runtime; what it raises is logged, not fatal."""
-        self.wait_hooks.run()
+        self.wait_hooks.run_and_signal()
         started = time.monotonic()
         try:
             operation.fn(self.runtime)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import pytest
 from fake_runtime import FakeRuntime
 from worker_support import barrier, generate
 
@@ -38,3 +40,21 @@ def test_without_a_runtime_hook_the_worker_runs_them_before_each_runtime_call(ma
     barrier(worker)
     assert set(range(len(runtime.calls))) <= set(calls_at_hook)
     assert calls_at_hook[-1] == len(runtime.calls)  # and once more before it went idle
+
+
+def test_hooks_hand_back_eventfds_and_run_and_signal_signals_them(caplog) -> None:
+    hooks = WaitHooks()
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        hooks.add(lambda: fd)
+        hooks.add(lambda: None)
+        hooks.add(lambda: True)  # not an eventfd: logged, never written to
+        with caplog.at_level(logging.ERROR):
+            assert hooks.run() == (fd,)
+        assert "not an eventfd" in caplog.text
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(fd)  # run() leaves the signalling to its caller
+        hooks.run_and_signal()
+        assert os.eventfd_read(fd) == 1
+    finally:
+        os.close(fd)
