@@ -1,9 +1,13 @@
 """skippyd against llama.cpp's own ``llama-server``: same model, threads, lanes and context.
 
 Both servers run the same llama.cpp kernels, so what differs is scheduling and per-token
-overhead. For each workload the script starts both servers itself (one process each, up
-together for that workload's rounds: an idle server takes no CPU), runs the workload on
-both in every round, alternating which goes first, and judges each target by the median
+overhead. Every round of a workload starts both servers afresh (one process each, up
+together for the round: an idle server takes no CPU), in the order the round then runs
+the workload on them, alternating which goes first from round to round. (Two skippyd
+processes of the same code, started one after the other and measured alternately, differed
+by 3-8 % in decode step time on these 2-core VMs, the later one faster in five of five
+tests: a server kept up for all rounds would carry its start's luck into every ratio.)
+Each target is judged by the median
 over the rounds of the round's ratio: the two runs of a round are seconds apart, so a
 host whose speed drifts by 10-20 % from minute to minute moves both. Medians of each
 side's figures are shown too, and the lowest and highest round ratio: two identical
@@ -369,22 +373,23 @@ def run_all(setup: Setup, workloads: Sequence[str], rounds: int) -> dict[str, Re
             sides = [("cache on", "skippyd", None), ("cache off", "skippyd", "disabled")]
         else:
             sides = [(s, s, None) for s in SERVERS]
-        procs: dict[str, ServerProcess] = {}
-        try:
-            for label, server, cache_mode in sides:
-                procs[label] = start_server(setup, server, cache_mode)
-            for r in range(rounds):
-                for label, server, _ in (sides if r % 2 == 0 else sides[::-1]):
+        for r in range(rounds):
+            order = sides if r % 2 == 0 else sides[::-1]
+            procs: dict[str, ServerProcess] = {}
+            try:
+                for label, server, cache_mode in order:
+                    procs[label] = start_server(setup, server, cache_mode)
+                for label, server, _ in order:
                     m = measure(procs[label], workload, server, f"{workload}:{r}")
                     result.sides.setdefault(label, []).append(m)
                     console.print(f"round {r + 1} {workload} {label}: "
                                   + ", ".join(f"{k} {v:.1f}" for k, v in m.figures.items())
                                   + (f" [red]{m.errors} errors: {m.error_detail}[/]"
                                      if m.errors else ""), highlight=False)
-        finally:
-            for label, server, _ in sides:
-                if label in procs:
-                    stop_server(procs[label], server)
+            finally:
+                for label, server, _ in order:
+                    if label in procs:
+                        stop_server(procs[label], server)
     return results
 
 
