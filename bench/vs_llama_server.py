@@ -4,16 +4,15 @@ Both servers run the same llama.cpp kernels, so what differs is scheduling and p
 overhead. Every round of a workload starts both servers afresh (one process each, up
 together for the round: an idle server takes no CPU), in the order the round then runs
 the workload on them, alternating which goes first from round to round. (Two skippyd
-processes of the same code, started one after the other and measured alternately, differed
-by 3-8 % in decode step time on these 2-core VMs, the later one faster in five of five
-tests: a server kept up for all rounds would carry its start's luck into every ratio.)
-Each target is judged by the median
-over the rounds of the round's ratio: the two runs of a round are seconds apart, so a
-host whose speed drifts by 10-20 % from minute to minute moves both. Medians of each
-side's figures are shown too, and the lowest and highest round ratio: two identical
-servers measured this way still differ by up to ±10 % in one round on a noisy 2-core
-host, so a median within a few percent of its target is a tie, not a verdict to trust.
-Any request error makes a target NOT MET.
+processes of the same code, started one after the other and measured alternately,
+differed by 4.5-8 % in decode step time on a 2-core host, the later one faster in every
+test: a server kept up for all rounds would carry its start's luck into every ratio.)
+Each target is judged by the median over the rounds of the round's ratio: the two runs
+of a round are seconds apart, so a host whose speed drifts by 10-20 % from minute to
+minute moves both. Medians of each side's figures are shown too, and the lowest and
+highest round ratio: two identical servers measured this way still differ by up to
+±10 % in one round on a noisy 2-core host, so a median within a few percent of its
+target is a tie, not a verdict to trust. Any request error makes a target NOT MET.
 
 Workloads (prompts are unique per request and round, so no prefix cache helps; in a round
 both sides get the same prompts):
