@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -244,14 +245,18 @@ class ServingMetrics:
         relay = relay_for(asyncio.get_running_loop())
         subscription: Subscription | None = None
 
-        def take_all(_: object) -> None:
-            for event in subscription.drain() if subscription is not None else ():
+        def take_through(seq: int) -> None:
+            for event in subscription.drain_through(seq) if subscription is not None else ():
                 self.observe_event(event)
 
         def notify() -> None:  # worker thread: must never block
-            # Through the loop's relay: the same wake-up as the step's tokens.
+            # Through the loop's relay, in order with the step's tokens: a fold that
+            # took the events published after it would run ahead of their tokens, and
+            # a request seen to end before its admission turn would wait for that turn
+            # for ever (its log line with it) once the worker goes idle.
+            seq = subscription.last_offered_seq if subscription is not None else sys.maxsize
             with contextlib.suppress(RuntimeError):  # loop closed: nobody reads metrics
-                relay.post(take_all, None)
+                relay.post(take_through, seq)
 
         subscription = hub.subscribe(EVENT_BUFFER, notify)
         self._subscription = subscription

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -19,8 +20,13 @@ from skippyd.engine.worker.commands import (
     TokenEvent,
     WorkerBackendError,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryHub
+from skippyd.engine.worker.telemetry import (
+    SCHEDULER_ITERATION,
+    SCHEDULER_RUNTIME_OPERATION,
+    TelemetryHub,
+)
 from skippyd.http.metrics import ServingMetrics
+from skippyd.http.relay import relay_for
 from skippyd.http.request_log import RequestLog, format_request_line, request_fields
 from skippyd.logs import JsonFormatter
 
@@ -85,6 +91,33 @@ async def test_the_line_waits_for_the_admission_event_to_know_the_queue_time(cap
         (record,) = logged(caplog)
         assert record.fields["queue_ms"] is not None and record.fields["queue_ms"] >= 0
         assert "queue -," not in record.getMessage()
+    finally:
+        metrics.detach()
+
+
+async def test_a_lagging_loop_folds_the_admission_turn_after_the_token_before_it(caplog):
+    """The worker ran ahead of the event loop: a prefix-cache event, the request's first
+    token, its iteration event and its end all wait in the relay. Folding every buffered
+    event at the first notice would see the iteration before the token, skip it, and
+    leave the ended request waiting for an admission turn that never comes again."""
+    caplog.set_level(logging.INFO, LOGGER)
+    clock = FakeClock()
+    hub = TelemetryHub()
+    metrics = ServingMetrics(clock=clock, request_log=RequestLog())
+    metrics.attach(hub)
+    relay = relay_for(asyncio.get_running_loop())
+    try:
+        timer = metrics.start_request("cmpl-lag", 5)
+        timer.on_submitted()
+        # Posted from this thread, they run in this order once this coroutine awaits.
+        hub.publish(SCHEDULER_RUNTIME_OPERATION, {})
+        relay.post(lambda _: timer.on_event(token()), None)
+        hub.publish(SCHEDULER_ITERATION, {"skippy.scheduler.step_ms": 10.0})
+        relay.post(lambda _: timer.on_event(CompleteEvent("length")), None)
+        await wait_until(lambda: logged(caplog) != [])
+        (record,) = logged(caplog)
+        assert record.fields["request_id"] == "cmpl-lag"
+        assert record.fields["queue_ms"] is not None
     finally:
         metrics.detach()
 

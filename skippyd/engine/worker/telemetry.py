@@ -73,6 +73,7 @@ class Subscription:
         self._cond = threading.Condition()
         self._num_dropped = 0
         self._closed = False
+        self._last_seq = -1
 
     @property
     def num_dropped(self) -> int:
@@ -95,6 +96,7 @@ class Subscription:
                 self._events.popleft()
                 self._num_dropped += 1
             self._events.append(event)
+            self._last_seq = event.seq
             self._cond.notify_all()
         if self._notify is not None:
             try:
@@ -131,6 +133,26 @@ class Subscription:
         with self._cond:
             events = list(self._events)
             self._events.clear()
+            return events
+
+    @property
+    def last_offered_seq(self) -> int:
+        """``seq`` of the newest event offered so far (-1 before the first).
+
+        Read from a ``notify`` callback, it names the event just delivered (with one
+        publishing thread; with several, possibly a later one): a consumer that hands
+        the number to another thread can fold events in the order they were published
+        relative to its other messages (:meth:`drain_through`).
+        """
+        with self._cond:
+            return self._last_seq
+
+    def drain_through(self, seq: int) -> list[TelemetryEvent]:
+        """Pop and return the buffered events up to ``seq`` included, oldest first."""
+        with self._cond:
+            events = []
+            while self._events and self._events[0].seq <= seq:
+                events.append(self._events.popleft())
             return events
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from skippyd.engine.worker.telemetry import (
     SCHEDULER_DIRECT_ITERATION,
     SCHEDULER_ITERATION,
     SCHEDULER_RUNTIME_OPERATION,
+    Subscription,
     TelemetryHub,
 )
 
@@ -151,3 +152,21 @@ def test_stats_snapshot_is_published_without_touching_the_worker(make_handle,
     assert stats.wave_fullness == pytest.approx(0.5)
     assert stats.num_runtime_operations >= 2
     assert stats.failure is None
+
+
+def test_a_consumer_can_drain_up_to_the_event_it_was_notified_of() -> None:
+    hub = TelemetryHub()
+    notified: list[int] = []
+    subscription: Subscription | None = None
+
+    def notify() -> None:
+        assert subscription is not None
+        notified.append(subscription.last_offered_seq)
+
+    subscription = hub.subscribe(maxlen=8, notify=notify)
+    assert subscription.last_offered_seq == -1
+    for name in ("a", "b", "c"):
+        hub.publish(name, {})
+    assert [event.name for event in subscription.drain_through(notified[0])] == ["a"]
+    assert subscription.drain_through(notified[0]) == []
+    assert [event.name for event in subscription.drain_through(notified[2])] == ["b", "c"]
