@@ -85,11 +85,8 @@ class EventRelay:
 
     def flush(self) -> None:
         """Wake the loop for posts held back by :meth:`defer_wakes_from`, if any."""
-        with self._lock:
-            owed, self._wake_owed = self._wake_owed, False
-            if not owed or self._scheduled:
-                return
-            self._scheduled = True
+        if not self._claim_owed_wake():
+            return
         try:
             self._wake()
         except RuntimeError:  # closed between the post and now: nobody reads them
@@ -105,12 +102,17 @@ class EventRelay:
         if self._wake_fd is None:
             self.flush()
             return None
+        return self._wake_fd if self._claim_owed_wake() else None
+
+    def _claim_owed_wake(self) -> bool:
+        """True when held posts are owed a wake-up and none is on its way; the caller
+        then sends it."""
         with self._lock:
             owed, self._wake_owed = self._wake_owed, False
             if not owed or self._scheduled:
-                return None
+                return False
             self._scheduled = True
-        return self._wake_fd
+            return True
 
     def _on_wake_fd(self) -> None:
         assert self._wake_fd is not None

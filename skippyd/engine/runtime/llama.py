@@ -569,8 +569,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         wake = self._compute_hook() if self._compute_hook is not None else ()
         try:
             if wake:
-                wake_decode.signal_eventfds(wake[1:])
-                ret = wake_decode.decode_signalling(wake[0], self._ctx, self._batch)
+                ret = wake_decode.decode_signalling(wake, self._ctx, self._batch)
             else:
                 ret = L.llama_decode(self._ctx, self._batch)
         finally:

@@ -20,7 +20,7 @@ import ctypes
 import logging
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from llama_cpp import llama_cpp as L
@@ -69,19 +69,22 @@ def signal_eventfds(descriptors: Iterable[int]) -> None:
             logger.debug("eventfd %d not signalled: %s", fd, exc)
 
 
-def decode_signalling(fd: int, ctx: L.llama_context_p, batch: L.llama_batch) -> int:
-    """``llama_decode(ctx, batch)``, after adding 1 to eventfd ``fd``.
+def decode_signalling(fds: Sequence[int], ctx: L.llama_context_p,
+                      batch: L.llama_batch) -> int:
+    """``llama_decode(ctx, batch)``, after adding 1 to each eventfd in ``fds``.
 
-    Both happen in one foreign call when the helper could be compiled, so the thread the
-    eventfd wakes finds the GIL free. If the call raises before reaching C, ``fd`` is
-    signalled from Python: an extra wake-up is harmless, a lost one is not.
+    The first is signalled in the same foreign call as the decode when the helper could
+    be compiled, so the thread it wakes finds the GIL free (the others, rare, from Python
+    before it). If the call raises before reaching C, that one is signalled from Python:
+    an extra wake-up is harmless, a lost one is not.
     """
     function = COMPILED.get()
-    if function is None:
-        signal_eventfds((fd,))
+    if function is None or not fds:
+        signal_eventfds(fds)
         return L.llama_decode(ctx, batch)
+    signal_eventfds(fds[1:])
     try:
-        return function(_DECODE_ADDRESS, fd, ctx, batch)
+        return function(_DECODE_ADDRESS, fds[0], ctx, batch)
     except BaseException:
-        signal_eventfds((fd,))
+        signal_eventfds(fds[:1])
         raise
