@@ -2,14 +2,16 @@
 
 Both servers run the same llama.cpp kernels, so what differs is scheduling and per-token
 overhead. Every round of a workload starts both servers afresh (one process each, up
-together for the round: an idle server takes no CPU), in the order the round then runs
-the workload on them, alternating which goes first from round to round. (Two skippyd
-processes of the same code, started one after the other and measured alternately,
-differed by 4.5-8 % in decode step time on a 2-core host, the later one faster in every
-test: a server kept up for all rounds would carry its start's luck into every ratio.)
-Each target is judged by the median over the rounds of the round's ratio: the two runs
-of a round are seconds apart, so a host whose speed drifts by 10-20 % from minute to
-minute moves both. Medians of each side's figures are shown too, and the lowest and
+together for the round: an idle server takes no CPU), alternating which starts first
+from round to round. (Two skippyd processes of the same code, started one after the
+other and measured alternately, differed by 4.5-8 % in decode step time on a 2-core
+host, the later one faster in every test: a server kept up for all rounds would carry
+its start's luck into every ratio.) A round runs the workload four times, A, B, B, A in
+the order the servers started, each pass with prompts of its own (the same for both
+sides); a side's figure in the round is the mean of its two runs, so a drift of the
+host's speed across the round (10-20 % from minute to minute on a shared 2-core host)
+moves both sides alike. Each target is judged by the median over the rounds of the
+round's ratio. Medians of each side's figures are shown too, and the lowest and
 highest round ratio: two identical servers measured this way still differ by up to
 ±10 % in one round on a noisy 2-core host, so a median within a few percent of its
 target is a tie, not a verdict to trust. Any request error makes a target NOT MET.
@@ -154,6 +156,14 @@ class Measure:
     figures: dict[str, float]
     errors: int
     error_detail: str = ""
+
+    @classmethod
+    def mean(cls, measures: Sequence[Measure]) -> Measure:
+        """One side's runs of a round as one: each figure's mean, every error."""
+        return cls({k: statistics.fmean(m.figures[k] for m in measures)
+                    for k in measures[0].figures},
+                   sum(m.errors for m in measures),
+                   "; ".join(m.error_detail for m in measures if m.error_detail))
 
 
 def _errors(records: Sequence[RequestRecord]) -> tuple[int, str]:
@@ -378,13 +388,19 @@ def run_all(setup: Setup, workloads: Sequence[str], rounds: int) -> dict[str, Re
             try:
                 for label, server, cache_mode in order:
                     procs[label] = start_server(setup, server, cache_mode)
-                for label, server, _ in order:
-                    m = measure(procs[label], workload, server, f"{workload}:{r}")
-                    result.sides.setdefault(label, []).append(m)
+                runs: dict[str, list[Measure]] = {}
+                # A, B, B, A: a drift of the host's speed across the round hits both
+                # sides alike. Each pass has its own prompts, the same for both sides.
+                for run, (label, server, _) in enumerate([*order, *order[::-1]]):
+                    m = measure(procs[label], workload, server,
+                                f"{workload}:{r}:{run // len(order)}")
+                    runs.setdefault(label, []).append(m)
                     console.print(f"round {r + 1} {workload} {label}: "
                                   + ", ".join(f"{k} {v:.1f}" for k, v in m.figures.items())
                                   + (f" [red]{m.errors} errors: {m.error_detail}[/]"
                                      if m.errors else ""), highlight=False)
+                for label, measures in runs.items():
+                    result.sides.setdefault(label, []).append(Measure.mean(measures))
             finally:
                 for label, server, _ in order:
                     if label in procs:
@@ -413,8 +429,9 @@ def verdicts(results: dict[str, Result]) -> list[dict[str, Any]]:
 
 
 def print_results(results: dict[str, Result], rows: list[dict[str, Any]]) -> None:
-    table = Table(title="skippyd vs llama-server (medians over rounds;"
-                        " ratio: the median of the rounds' ratios)")
+    table = Table(title="skippyd vs its anchor (llama-server; for cache, skippyd with the"
+                        " cache off): medians over rounds, ratio the median of the rounds'"
+                        " ratios")
     for column in ("workload", "figure", "skippyd", "anchor", "ratio", "rounds' ratios",
                    "target", "errors", "verdict"):
         table.add_column(column, justify="right")

@@ -19,6 +19,7 @@ from skippyd.engine.policy.plan import (
     IterationWork,
 )
 from skippyd.engine.policy.sequence import Sequence
+from skippyd.engine.policy.step_budget import CHUNK_OVERRUN, EFFICIENT_PREFILL_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +175,39 @@ def plan_budgeted(
             break
         if draft.prefill_sequences >= config.max_prefill_sequences_per_iteration:
             break
-        if sequence.needs_replay():
-            before = draft.budget
-            draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
-            prompt_budget -= before - draft.budget
+        if not sequence.needs_replay():
+            continue
+        remaining = sequence.replay_remaining()
+        if (draft.prefill_sequences == 0 and remaining > prompt_budget
+                and prompt_budget < config.prefill_chunk_tokens):
+            # The step's budget ends inside the first prompt served, as every step's
+            # will until it is through: the rest of it goes in equal chunks, and what
+            # this one leaves of the budget is not worth a second prompt's rows (each
+            # adds micro-batches to the model call).
+            draft.add_prefill_chunk(sequence, min(even_chunk(remaining, prompt_budget),
+                                                  config.prefill_chunk_tokens))
+            break
+        before = draft.budget
+        draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
+        prompt_budget -= before - draft.budget
     return draft.work, decode_cursor
+
+
+def even_chunk(remaining: int, most: int) -> int:
+    """The chunk of a prompt with ``remaining`` tokens when a step may carry ``most``.
+
+    On a CPU every chunk costs a pass over the model's weights whatever its size (about
+    as long as a decode step), so a prompt should take as few chunks as its steps allow,
+    with no small last one: the rest is cut into equal chunks, each at most
+    :data:`CHUNK_OVERRUN` times ``most`` when going that far past the budget saves a
+    whole chunk. Never below :data:`EFFICIENT_PREFILL_TOKENS` when ``most`` reaches it
+    (smaller chunks run on llama.cpp's slower attention kernel).
+    """
+    if remaining <= most:
+        return remaining
+    steps = min(-(-remaining // most), -(-remaining // int(most * CHUNK_OVERRUN)))
+    floor = EFFICIENT_PREFILL_TOKENS if most >= EFFICIENT_PREFILL_TOKENS else 1
+    return max(-(-remaining // steps), floor)
 
 
 def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserve: int,

@@ -66,6 +66,10 @@ EFFICIENT_PREFILL_TOKENS = 65
 #: How many times its target a step may take to carry an efficient chunk (see above):
 #: while a prompt waits, up to a third more prompt throughput is worth a step this long.
 EFFICIENT_CHUNK_STRETCH = 2
+#: How far past its prompt budget a step may go when that saves a long prompt a whole
+#: chunk (see ``planning.even_chunk``): a chunk's pass over the weights costs about a
+#: decode step, so an eighth more tokens in each of the prompt's steps is cheaper.
+CHUNK_OVERRUN = 1.125
 #: Most times its target a step may take while prompts queue up (see the module doc).
 MAX_TARGET_STRETCH = 4
 #: Short prompts pending at once that make a burst: the step stretches by their count.

@@ -6,9 +6,10 @@ import pytest
 from policy_helpers import make_scheduler, make_sequence, run_step, sampling_predictions
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
-from skippyd.engine.policy.planning import prompt_order
+from skippyd.engine.policy.planning import even_chunk, prompt_order
 from skippyd.engine.policy.step_budget import (
     BURST_PROMPTS,
+    CHUNK_OVERRUN,
     EFFICIENT_CHUNK_STRETCH,
     EFFICIENT_PREFILL_TOKENS,
     INITIAL_PREFILL_TOKENS,
@@ -103,8 +104,13 @@ def test_decoders_get_a_row_every_step_while_a_long_prompt_is_chunked():
         scheduler.complete_iteration(plan, sampling_predictions(plan))
         if sum(chunks) == 300:
             break
-    assert chunks[0] == INITIAL_PREFILL_TOKENS
-    assert chunks[2] == 90  # learned: (200 - 16 fixed - 2 rows * 2) / 2
+    assert chunks[0] == even_chunk(300, INITIAL_PREFILL_TOKENS)
+    # Learned: (200 - 16 fixed - 2 rows * 2) / 2 = 90 tokens a step; the rest of the
+    # prompt goes in as few equal chunks as that allows, with no small last one.
+    assert scheduler.step_costs.prefill_budget(2, 200_000, 512) == 90
+    rest = chunks[2:]
+    assert max(rest) - min(rest) <= 1 and max(rest) <= int(90 * CHUNK_OVERRUN)
+    assert len(rest) == -(-sum(rest) // int(90 * CHUNK_OVERRUN))
     assert sum(chunks) == 300
 
 
@@ -169,23 +175,60 @@ def prompt_rows(plan) -> dict[str, int]:
 def test_queued_prompts_get_bigger_chunks_and_the_first_one_gets_them():
     scheduler, step = streaming_scheduler("a", "b")
     scheduler.submit(make_sequence("first", 1000, max_tokens=4))
+    done = 0
     for _ in range(3):  # learn the costs with one prompt pending
         step(plan := scheduler.plan_iteration())
-    assert prompt_rows(plan) == {"first": 90}  # (200 - 16 fixed - 2 rows * 2) / 2
+        done += prompt_rows(plan)["first"]
+    # (200 - 16 fixed - 2 rows * 2) / 2 = 90 a step, in equal chunks.
+    assert prompt_rows(plan) == {"first": even_chunk(1000 - done + prompt_rows(plan)["first"], 90)}
     scheduler.submit(make_sequence("second", 1000, max_tokens=4))
     scheduler.submit(make_sequence("third", 1000, max_tokens=4))
     plan = scheduler.plan_iteration()
     decode = sorted(w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE)
     assert decode == ["a", "b"]  # the streams still get their row
-    # Three pending: (600 - 16 - 2 * 2) / 2, all to the oldest.
-    assert prompt_rows(plan) == {"first": 290}
+    # Three pending: (600 - 16 - 2 * 2) / 2 = 290, all to the oldest.
+    assert prompt_rows(plan) == {"first": even_chunk(1000 - done, 290)}
     assert scheduler.step_target_us == 600_000  # what the status shows
     while set(prompt_rows(plan)) != {"third"}:
         step(plan)
         plan = scheduler.plan_iteration()
     rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
     # Alone now, but the queue was not empty since: twice the target.
-    assert prompt_rows(plan) == {"third": (400 - 16 - 2 * rows) // 2}
+    third = next(w for w in plan.work if w.sequence_id == "third")
+    assert prompt_rows(plan) == {"third": even_chunk(1000 - third.positions[0],
+                                                     (400 - 16 - 2 * rows) // 2)}
+
+
+def test_a_prompt_the_budget_cannot_finish_is_cut_into_equal_chunks():
+    assert even_chunk(60, 80) == 60  # it finishes
+    # Six chunks of 84 (an eighth over the budget at most), not six of 80 and one of 24.
+    assert CHUNK_OVERRUN == 1.125
+    assert even_chunk(504, 80) == 84
+    assert even_chunk(500, 80) == 84  # the last one 80
+    assert even_chunk(640, 80) == 80  # 8 chunks either way: no overrun
+    assert even_chunk(700, 80) == 88  # 8 chunks, not 9
+    assert even_chunk(100, 90) == 100  # ten tokens over the budget save a chunk
+    # Never below the efficient chunk when the budget reaches it.
+    assert even_chunk(130, 100) == EFFICIENT_PREFILL_TOKENS
+    assert even_chunk(504, EFFICIENT_PREFILL_TOKENS) == 72  # 7 of 72, not 7 of 65 and 49
+    assert even_chunk(100, 40) == 34  # a budget below it keeps its own size
+    scheduler, step = streaming_scheduler("a", "b")
+    scheduler.submit(make_sequence("long", 1000, max_tokens=4))
+    scheduler.submit(make_sequence("next", 1000, max_tokens=4))
+    chunks = []
+    while len(chunks) < 30:
+        plan = scheduler.plan_iteration()
+        rows = prompt_rows(plan)
+        chunks.append(rows["long"])
+        if sum(chunks) == 1000:  # the last chunk: what it leaves goes to the next one
+            break
+        # What a chunk leaves of the budget is not given to the next prompt.
+        assert set(rows) == {"long"}
+        step(plan)
+    # Once the costs are known, with two long prompts pending (twice the target):
+    # (400 - 16 fixed - 2 rows * 2) / 2 = 190 tokens a step at most, in equal chunks.
+    learned = chunks[3:]
+    assert max(learned) <= int(190 * CHUNK_OVERRUN) and max(learned) - min(learned) <= 1
 
 
 def test_a_short_prompt_beside_a_long_one_does_not_stretch_the_target():
