@@ -6,6 +6,7 @@ would otherwise only show the next time someone measures.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,25 @@ def test_script_imports_and_prints_its_help(script: Path) -> None:
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout.lower()
+
+
+
+def test_chunk_cost_measures_every_chunk_size(tiny_model_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "chunk_cost.py"), "--model", str(tiny_model_path),
+         "--threads", "1", "--prompt-tokens", "100", "--decoders", "2", "--chunks", "30,65",
+         "--reps", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in result.stdout.splitlines() if " ms " in line and "│" in line]
+    # The chunk size and the calls it takes: one call, 2 chunks of 65, 4 of 30.
+    assert [row[:2] for row in rows] == [["one call", "1"], ["65", "2"], ["30", "4"]]
+    assert rows[0][4] == "1.000"
+    assert "decode rows alone" in result.stdout
+
+
+def test_chunk_cost_rejects_bad_sizes() -> None:
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "chunk_cost.py"), "--chunks",
+                             "64,abc"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--chunks" in result.stderr
