@@ -312,6 +312,11 @@ async def run_benchmark(client: httpx.AsyncClient, targets: Sequence[Target],
                         progress: ProgressHook | None = None) -> list[TargetRun]:
     """Warm every target up, then run each level on each target in turn.
 
+    The order alternates from level to level (the first target first at the first
+    level, the last target first at the second, ...), so a host whose speed drifts does
+    not favour one target at every level; repeating a concurrency (``-c 8,8,8,8``)
+    measures it in both orders.
+
     Raises:
         BenchError: A target fails its warm-up.
     """
@@ -319,7 +324,7 @@ async def run_benchmark(client: httpx.AsyncClient, targets: Sequence[Target],
     runs = [TargetRun(await warm_up(client, target, spec, timeout_s)) for target in targets]
     for level_index, concurrency in enumerate(spec.concurrency):
         requests = build_level(spec, level_index)
-        for run in runs:
+        for run in runs if level_index % 2 == 0 else runs[::-1]:
             hook.level_started(run.target, concurrency, len(requests))
             level = await run_level(client, run.target, requests, concurrency,
                                     temperature=spec.temperature, timeout_s=timeout_s,

@@ -24,10 +24,12 @@ from starlette.routing import Route
 
 from skippyd.bench.loadgen import (
     BenchError,
+    ProgressHook,
     Target,
     api_root,
     make_client,
     resolve_target,
+    run_benchmark,
     run_level,
     send_request,
     warm_up,
@@ -180,3 +182,24 @@ async def test_level_runs_every_request_with_at_most_concurrency_in_flight():
     assert metrics.output_tokens == 3 * SPEC.num_requests
     assert metrics.prompt_tokens_source == "words" and metrics.cached_prompt_tokens is None
     assert metrics.prompt_tokens == sum(r.num_prompt_words for r in requests)
+
+
+async def test_two_targets_take_turns_going_first_from_level_to_level():
+    class Order(ProgressHook):
+        def __init__(self) -> None:
+            self.started: list[tuple[str, int]] = []
+
+        def level_started(self, target: Target, concurrency: int, num_requests: int) -> None:
+            self.started.append((target.name, concurrency))
+
+    spec = WorkloadSpec(concurrency=(1, 2, 2), num_requests=2, prompt_words=IntRange(4, 4),
+                        output_tokens=IntRange(2, 2))
+    order = Order()
+    async with serve_scripted() as url, make_client(2) as client:
+        targets = [Target(name, f"{url}/v1", "scripted") for name in ("first", "second")]
+        runs = await run_benchmark(client, targets, spec, timeout_s=10.0, progress=order)
+    assert order.started == [("first", 1), ("second", 1), ("second", 2), ("first", 2),
+                             ("first", 2), ("second", 2)]
+    # The report keeps the targets' order, each with its levels in the spec's order.
+    assert [run.target.name for run in runs] == ["first", "second"]
+    assert all(len(run.levels) == 3 for run in runs)
