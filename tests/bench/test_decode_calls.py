@@ -7,28 +7,21 @@ skippyd side runs for real against a daemon on the tiny model.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_script import loaded
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "decode_calls.py"
 
 
 @pytest.fixture(scope="module")
 def decode_calls():
-    spec = importlib.util.spec_from_file_location("decode_calls", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with loaded("decode_calls") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_accounting_splits_a_run_into_steps_inside_and_outside(decode_calls) -> None:

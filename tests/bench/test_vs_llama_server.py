@@ -6,26 +6,14 @@ script's own start and measure steps are replaced to record the order they ran i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "vs_llama_server.py"
+from bench_script import loaded
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("vs_llama_server", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with loaded("vs_llama_server") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_a_sides_round_figure_is_the_mean_of_its_runs_with_every_error(vs):
