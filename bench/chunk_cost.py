@@ -31,6 +31,7 @@ from llama_cpp import llama_cpp as L
 from rich.console import Console
 from rich.table import Table
 
+from skippyd.bench.runtime import decode_or_raise
 from skippyd.config import default_model_path
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 
@@ -65,11 +66,8 @@ class ChunkBench:
     def _call(self, count: int) -> float:
         self._batch.n_tokens = count
         started = time.perf_counter()
-        code = L.llama_decode(self._ctx, self._batch)
-        elapsed = time.perf_counter() - started
-        if code != 0:
-            raise RuntimeError(f"llama_decode returned {code}")
-        return elapsed
+        decode_or_raise(self._ctx, self._batch)
+        return time.perf_counter() - started
 
     def reset(self) -> None:
         """Empty every sequence, then give each decoder its context."""

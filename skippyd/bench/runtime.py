@@ -86,7 +86,8 @@ def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
     return statistics.median(durations)
 
 
-def _decode(ctx, llama_batch) -> None:
+def decode_or_raise(ctx, llama_batch) -> None:
+    """``llama_decode``, raising RuntimeError on a non-zero code."""
     code = L.llama_decode(ctx, llama_batch)
     if code != 0:  # no logits then: sampling them would abort the process
         raise RuntimeError(f"llama_decode returned {code}")
@@ -108,7 +109,7 @@ def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
                 llama_batch.logits[n] = i == PROMPT_TOKENS - 1
                 n += 1
         llama_batch.n_tokens = n
-        _decode(ctx, llama_batch)
+        decode_or_raise(ctx, llama_batch)
         last = [L.llama_sampler_sample(greedy, ctx, (s + 1) * PROMPT_TOKENS - 1) for s in range(batch)]
         started = time.perf_counter()
         for step in range(steps):
@@ -117,7 +118,7 @@ def bare_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
                 llama_batch.n_seq_id[seq], llama_batch.seq_id[seq][0] = 1, seq
                 llama_batch.logits[seq] = True
             llama_batch.n_tokens = batch
-            _decode(ctx, llama_batch)
+            decode_or_raise(ctx, llama_batch)
             last = [L.llama_sampler_sample(greedy, ctx, seq) for seq in range(batch)]
         elapsed = time.perf_counter() - started
     finally:

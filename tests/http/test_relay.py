@@ -12,6 +12,17 @@ import pytest
 from skippyd.http.relay import EventRelay, relay_for
 
 
+async def held_until_released(delivered: asyncio.Event, received: list,
+                              release: threading.Event) -> None:
+    """The loop is free to run (this coroutine awaits) and still nothing arrives; once
+    ``release`` is set the event is delivered."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(delivered.wait(), 0.2)
+    assert received == []
+    release.set()
+    await asyncio.wait_for(delivered.wait(), 10)
+
+
 async def test_a_burst_from_another_thread_wakes_the_loop_once_and_keeps_order() -> None:
     loop = asyncio.get_running_loop()
     relay = EventRelay(loop)
@@ -90,12 +101,7 @@ async def test_posts_of_the_deferring_thread_wait_for_its_flush() -> None:
     relay.defer_wakes_from(thread)
     thread.start()
     assert await asyncio.to_thread(posted.wait, 10)
-    # The loop is free to run (this coroutine awaits) and still nothing arrives.
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(delivered.wait(), 0.2)
-    assert received == []
-    flush_now.set()
-    await asyncio.wait_for(delivered.wait(), 10)
+    await held_until_released(delivered, received, flush_now)
     thread.join()
     assert received == ["token"]
 
@@ -160,11 +166,8 @@ async def test_the_owed_wake_is_an_eventfd_the_worker_signals() -> None:
     thread = threading.Thread(target=worker)
     relay.defer_wakes_from(thread)
     thread.start()
-    with contextlib.suppress(TimeoutError):  # claimed, not yet signalled: nothing runs
-        await asyncio.wait_for(delivered.wait(), 0.2)
-    assert received == []
-    signal_now.set()
-    await asyncio.wait_for(delivered.wait(), 10)
+    # Claimed, not yet signalled: nothing runs.
+    await held_until_released(delivered, received, signal_now)
     thread.join()
     assert received == ["token"]
     assert claimed[0] is None and isinstance(claimed[1], int) and claimed[2] is None
