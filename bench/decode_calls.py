@@ -19,11 +19,14 @@ lowest and highest sequence id):
 
 The host's speed drifts by 10-20 % from minute to minute, so every time is also given in
 *steps*: the median duration of the run's full decode steps (one row per stream, as many
-rows as streams). A run's span, time inside calls and time outside, in steps, compare
-across runs and servers whatever the host did. Each round runs the servers A-B-B-A (B-A-A-B
-in odd rounds); figures are medians over every run of a side. Calls are also grouped by
-shape: full decode steps, calls with prompt tokens (more tokens than outputs), and partial
-decode steps (fewer rows than streams: a stream restarting, the tail of a run).
+rows as streams). A run is the span of its measured requests: the warm-up request before
+them is left out, as in ``vs_llama_server.py`` (skippyd computes its short prompt again
+each time, llama-server takes it from the slot's cache). A run's span, time inside calls
+and time outside, in steps, compare across runs and servers whatever the host did. Each
+round runs the servers A-B-B-A (B-A-A-B in odd rounds); figures are medians over every
+run of a side. Calls are also grouped by shape: full decode steps, calls with prompt
+tokens (more tokens than outputs), and partial decode steps (fewer rows than streams: a
+stream restarting, the tail of a run).
 
 Without ``--llama-server`` only skippyd is measured (useful to compare its own settings
 with ``--set``)::
@@ -41,7 +44,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,13 +291,12 @@ def run(setup: Setup, sides: Sequence[str], workload: str, rounds: int,
         for r in range(rounds + 1):  # round 0 warms both up and is not counted
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for i, side in enumerate(order + order[::-1]):
-                start = time.monotonic()
                 m = asyncio.run(closed_loop(procs[side], side, streams=streams, requests=requests,
                                             prompt_words=60, output_tokens=64,
                                             seed=f"{workload}:{r}:{i // len(sides)}"))
                 if r:
-                    windows[side].append((start, time.monotonic(), m.figures["output_tok_s"],
-                                          m.errors))
+                    assert m.window is not None  # one run, not a mean
+                    windows[side].append((*m.window, m.figures["output_tok_s"], m.errors))
         for side in sides:
             calls = read_trace(traces[side])
             for start, end, tok_s, errors in windows[side]:

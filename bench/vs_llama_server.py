@@ -156,6 +156,9 @@ class Measure:
     figures: dict[str, float]
     errors: int
     error_detail: str = ""
+    window: tuple[float, float] | None = None
+    """When the measured requests ran (``time.monotonic()``, warm-up excluded); None for
+    a mean of runs."""
 
     @classmethod
     def mean(cls, measures: Sequence[Measure]) -> Measure:
@@ -188,15 +191,16 @@ async def closed_loop(proc: ServerProcess, name: str, *, streams: int, requests:
         cpu_before, started = thread_cpu_seconds(proc.pid or 0), time.monotonic()
         level = await run_level(client, target, build_level(spec, 0), streams,
                                 temperature=0.0, timeout_s=600.0, on_done=lambda r: None)
-        cpu = cpu_per_token(cpu_before, thread_cpu_seconds(proc.pid or 0),
-                            time.monotonic() - started,
+        ended = time.monotonic()
+        cpu = cpu_per_token(cpu_before, thread_cpu_seconds(proc.pid or 0), ended - started,
                             sum(r.num_output_tokens for r in level.records))
     m = level_metrics(level)
     errors, detail = _errors(level.records)
     return Measure({"output_tok_s": m.output_tok_s, "prompt_tok_s": m.prompt_tok_s,
                     "itl_p50_ms": m.itl_ms.p50 or 0.0, "itl_p99_ms": m.itl_ms.p99 or 0.0,
                     "itl_max_ms": m.itl_ms.max or 0.0, "ttft_p50_ms": m.ttft_ms.p50 or 0.0,
-                    "ttft_max_ms": m.ttft_ms.max or 0.0, **cpu}, errors, detail)
+                    "ttft_max_ms": m.ttft_ms.max or 0.0, **cpu}, errors, detail,
+                   window=(started, ended))
 
 
 async def prefill(proc: ServerProcess, name: str, *, seed: str, groups: int = 3) -> Measure:

@@ -82,7 +82,8 @@ def test_skippyds_calls_are_logged_and_accounted(tmp_path, tiny_model_path) -> N
     for figures in runs:
         assert figures["errors"] == 0
         # Each request's prompt call samples its first token; 63 decode steps follow.
-        assert figures["prompt_calls"] >= 2
+        # The warm-up request before the run, a prompt call of its own, is not counted.
+        assert figures["prompt_calls"] == 2
         assert figures["full_calls"] >= 2 * 63
         assert figures["partial_calls"] == 0
         assert 0 < figures["inside_steps"] < figures["span_steps"]
