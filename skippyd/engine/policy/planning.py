@@ -155,7 +155,9 @@ def plan_budgeted(
     The prompt tokens go to the sequences in ``prefill_order`` (see :func:`prompt_order`:
     prompts that finish in this step, then the oldest first, so prompts finish one after
     another instead of every prompt advancing a little), each chunk at most
-    ``prefill_chunk_tokens``.
+    ``prefill_chunk_tokens``. After the first prompt served, a prompt that fits in
+    ``prefill_budget`` but not in what is left of it is not cut: it goes whole in a later
+    step, and a smaller one behind it may take the room.
 
     Args:
         sequences: Admitted sequences in sorted-id order (the decode rotation's order).
@@ -187,6 +189,10 @@ def plan_budgeted(
             draft.add_prefill_chunk(sequence, min(even_chunk(remaining, prompt_budget),
                                                   config.prefill_chunk_tokens))
             break
+        if draft.prefill_sequences and prompt_budget < remaining <= prefill_budget:
+            # A later prompt the step could hold whole waits for a step with room for it:
+            # cut, its tail would add micro-batches to the next call as well.
+            continue
         before = draft.budget
         draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
         prompt_budget -= before - draft.budget

@@ -6,7 +6,7 @@ import pytest
 from policy_helpers import make_scheduler, make_sequence, run_step, sampling_predictions
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
-from skippyd.engine.policy.planning import even_chunk, prompt_order
+from skippyd.engine.policy.planning import even_chunk, plan_budgeted, prompt_order
 from skippyd.engine.policy.step_budget import (
     BURST_PROMPTS,
     CHUNK_OVERRUN,
@@ -290,17 +290,35 @@ def test_a_burst_of_short_prompts_is_taken_in_large_steps():
     for name in ("p1", "p2"):
         scheduler.submit(make_sequence(name, 80, max_tokens=4))
     plan = scheduler.plan_iteration()
-    assert sum(prompt_rows(plan).values()) == 91  # two short ones: one target
+    # Two short ones: one target (91 tokens), which holds p1 whole; p2 is not cut.
+    assert prompt_rows(plan) == {"p1": 80}
     step(plan)
     for name in ("p3", "p4", "p5", "p6"):
         scheduler.submit(make_sequence(name, 80, max_tokens=4))
     plan = scheduler.plan_iteration()
     rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
-    # Five pending at once (69 tokens of p2 left, 4 * 80 new): a burst, four targets
-    # (the most), which hold all of it.
-    assert (800 - 16 - 2 * rows) // 2 >= 389
-    assert prompt_rows(plan) == {"p2": 69, "p3": 80, "p4": 80, "p5": 80, "p6": 80}
+    # Five pending at once (5 * 80): a burst, four targets (the most), which hold four of
+    # them whole; the fifth waits for the next step rather than being cut.
+    assert 320 <= (800 - 16 - 2 * rows) // 2 < 400
+    assert prompt_rows(plan) == {"p2": 80, "p3": 80, "p4": 80, "p5": 80}
     assert scheduler.step_target_us == 800_000
+
+
+def test_a_later_prompt_the_step_could_hold_whole_is_not_cut():
+    by_admission = [make_sequence(name, tokens) for name, tokens in
+                    (("first", 60), ("second", 60), ("third", 30))]
+    config = make_scheduler().config
+    work, _ = plan_budgeted(by_admission, by_admission, config, 100, 0)
+    # "second" would fit in a step of 100 but not in the 40 left: it waits whole, and
+    # "third" takes the room.
+    assert {w.sequence_id: w.token_count for w in work} == {"first": 60, "third": 30}
+
+
+def test_a_long_prompt_still_takes_what_a_step_leaves():
+    by_admission = [make_sequence("short", 60), make_sequence("long", 500)]
+    config = make_scheduler(prefill_chunk_tokens=512).config
+    work, _ = plan_budgeted(by_admission, by_admission, config, 100, 0)
+    assert {w.sequence_id: w.token_count for w in work} == {"short": 60, "long": 40}
 
 
 def test_a_burst_is_three_short_prompts_and_stretches_only_while_it_lasts():
