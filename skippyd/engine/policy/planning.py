@@ -149,6 +149,7 @@ def plan_budgeted(
     config: SchedulerConfig,
     prefill_budget: int,
     decode_cursor: int,
+    oldest_prompt: str | None = None,
 ) -> tuple[list[IterationWork], int]:
     """Plan every decode row, then at most ``prefill_budget`` prompt tokens.
 
@@ -156,8 +157,9 @@ def plan_budgeted(
     prompts that finish in this step, then the oldest first, so prompts finish one after
     another instead of every prompt advancing a little), each chunk at most
     ``prefill_chunk_tokens``. After the first prompt served, a prompt that fits in
-    ``prefill_budget`` but not in what is left of it is not cut: it goes whole in a later
-    step, and a smaller one behind it may take the room.
+    ``prefill_budget`` but not in what is left is not cut: it goes whole in a later step,
+    and a smaller one behind it may take the room. ``oldest_prompt`` is never held back
+    (it keeps what :func:`prompt_order` reserves for it), so every prompt gets its turn.
 
     Args:
         sequences: Admitted sequences in sorted-id order (the decode rotation's order).
@@ -165,6 +167,7 @@ def plan_budgeted(
         config: Normalised scheduler config.
         prefill_budget: Prompt tokens this iteration may carry (see ``step_budget``).
         decode_cursor: Where the previous plan's decode scan stopped.
+        oldest_prompt: The oldest admission with prompt work left, if any.
 
     Returns:
         The work rows and the new decode cursor.
@@ -189,7 +192,8 @@ def plan_budgeted(
             draft.add_prefill_chunk(sequence, min(even_chunk(remaining, prompt_budget),
                                                   config.prefill_chunk_tokens))
             break
-        if draft.prefill_sequences and prompt_budget < remaining <= prefill_budget:
+        if (draft.prefill_sequences and sequence.id != oldest_prompt
+                and prompt_budget < remaining <= prefill_budget):
             # A later prompt the step could hold whole waits for a step with room for it:
             # cut, its tail would add micro-batches to the next call as well.
             continue

@@ -203,8 +203,9 @@ class Scheduler:
             by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
             order = prompt_order(by_admission, budget, MIN_PREFILL_TOKENS if rows else 0,
                                  self._config.max_prefill_sequences_per_iteration)
+            oldest = next((s.id for s in by_admission if s.needs_replay()), None)
             work, self._mixed_decode_cursor = plan_budgeted(
-                sequences, order, self._config, budget, self._mixed_decode_cursor)
+                sequences, order, self._config, budget, self._mixed_decode_cursor, oldest)
             self._consecutive_prefill_iterations = 0
         elif self._config.mixed_prefill_decode and self._calibration.allows_mixed(rows):
             work, self._mixed_decode_cursor = plan_mixed(

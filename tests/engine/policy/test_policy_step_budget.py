@@ -314,6 +314,18 @@ def test_a_later_prompt_the_step_could_hold_whole_is_not_cut():
     assert {w.sequence_id: w.token_count for w in work} == {"first": 60, "third": 30}
 
 
+def test_the_oldest_prompt_not_promoted_keeps_its_reserve():
+    # Budget 100 with a reserve of 16: "first" (60) is promoted; "older" (90) fits in the
+    # step but not beside the reserve, so it is not promoted. Being the oldest, it still
+    # takes what is left instead of waiting behind every newcomer that is promoted.
+    by_admission = [make_sequence("older", 90), make_sequence("first", 60)]
+    order = prompt_order(by_admission, 100, 16, 8)
+    assert [s.id for s in order] == ["first", "older"]
+    config = make_scheduler(prefill_chunk_tokens=512).config
+    work, _ = plan_budgeted(by_admission, order, config, 100, 0, oldest_prompt="older")
+    assert {w.sequence_id: w.token_count for w in work} == {"first": 60, "older": 40}
+
+
 def test_a_long_prompt_still_takes_what_a_step_leaves():
     by_admission = [make_sequence("short", 60), make_sequence("long", 500)]
     config = make_scheduler(prefill_chunk_tokens=512).config
