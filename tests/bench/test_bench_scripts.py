@@ -29,7 +29,6 @@ def test_script_imports_and_prints_its_help(script: Path) -> None:
     assert "usage:" in result.stdout.lower()
 
 
-
 def test_chunk_cost_measures_every_chunk_size(tiny_model_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(BENCH_DIR / "chunk_cost.py"), "--model", str(tiny_model_path),
