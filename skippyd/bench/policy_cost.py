@@ -52,7 +52,6 @@ def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
         raise ValueError(f"samples must be >= 1, got {samples}")
     config = SchedulerConfig(
         max_active_sequences=num_sequences,
-        reserved_sequence_ids=0,
         max_waiting_sequences=num_sequences,
         max_tokens_per_iteration=max(num_sequences * _PROMPT_TOKENS, num_sequences),
     )

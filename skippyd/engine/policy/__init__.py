@@ -10,7 +10,6 @@ from skippyd.engine.policy.cache_order import (
     CacheAwareCandidate,
     StageCacheAffinity,
     order_cache_aware_candidates,
-    select_cache_aware_candidate,
     waiting_prefix_dfs_order,
 )
 from skippyd.engine.policy.calibration import (
@@ -99,6 +98,5 @@ __all__ = [
     "StageCacheAffinity",
     "order_cache_aware_candidates",
     "plan_component_capacity",
-    "select_cache_aware_candidate",
     "waiting_prefix_dfs_order",
 ]

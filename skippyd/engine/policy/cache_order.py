@@ -84,8 +84,6 @@ class CacheAwareCandidate:
 
     index: int
     """Caller's identifier for the item; returned in the ordered result."""
-    priority: int
-    """Explicit priority, higher first; always dominates cache value."""
     affinity: CacheAffinity
     """Cache matches of the item's prompt."""
     prompt_tokens: SequenceOf[int]
@@ -105,7 +103,7 @@ def order_cache_aware_candidates(
     """Order waiting candidates best first and return their ``index`` values.
 
     Key, compared in this order:
-    priority descending; ``saved_cost + age * aging_cost_per_turn`` descending, with
+    ``saved_cost + age * aging_cost_per_turn`` descending, with
     ``age = max(0, current_turn - enqueued_turn)``; waiting-prefix DFS rank ascending
     (all ranks 0 when grouping is off); enqueue ``order`` ascending.
 
@@ -128,27 +126,14 @@ def order_cache_aware_candidates(
     else:
         ranks = [0] * len(candidates)
 
-    def key(position: int) -> tuple[int, int, int, int]:
+    def key(position: int) -> tuple[int, int, int]:
         candidate = candidates[position]
         age = max(0, current_turn - candidate.enqueued_turn)
         score = candidate.affinity.estimated_saved_cost() + age * aging_cost_per_turn
-        return (-candidate.priority, -score, ranks[position], candidate.order)
+        return (-score, ranks[position], candidate.order)
 
     ordered = sorted(range(len(candidates)), key=key)
     return [candidates[position].index for position in ordered]
-
-
-def select_cache_aware_candidate(
-    candidates: SequenceOf[CacheAwareCandidate],
-    current_turn: int,
-    aging_cost_per_turn: int,
-    group_waiting_prefixes: bool,
-) -> int | None:
-    """Return the ``index`` of the best candidate, or None when there is none."""
-    ordered = order_cache_aware_candidates(
-        candidates, current_turn, aging_cost_per_turn, group_waiting_prefixes
-    )
-    return ordered[0] if ordered else None
 
 
 def waiting_prefix_dfs_order(

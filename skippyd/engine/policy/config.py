@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 #: llama.cpp's hard cap on sequence ids per context.
 LLAMA_MAX_SEQ = 256
-#: Stands for the original's ``usize::MAX``: "no limit".
+#: "No limit" for a count.
 UNLIMITED = sys.maxsize
 
 
@@ -58,7 +57,6 @@ class MemoryComponent:
 
 _COUNT_FIELDS = (
     "max_active_sequences",
-    "reserved_sequence_ids",
     "max_waiting_sequences",
     "max_tokens_per_iteration",
     "prefill_chunk_tokens",
@@ -73,28 +71,28 @@ _COUNT_FIELDS = (
 class SchedulerConfig:
     """Scheduler knobs; ``Scheduler`` always works on ``normalized()``.
 
-    Counts must be non-negative integers (a negative value raises
-    :class:`SchedulerConfigError`); zero and oversize values are clamped by
-    :meth:`normalized` exactly as the original does.
+    The defaults are what a stage serving an attention-only model runs with under the
+    default ``[runtime]`` settings (4 lanes, ``queue_capacity`` 64, ``n_batch`` 2048,
+    ``n_ubatch`` 512, ``target_step_ms`` 250), less its memory components. Counts must be
+    non-negative integers (a negative value raises :class:`SchedulerConfigError`); zero
+    and oversize values are clamped by :meth:`normalized`.
     """
 
-    max_active_sequences: int = 32
-    """Most sequences admitted at once; capped at ``LLAMA_MAX_SEQ - reserved_sequence_ids``."""
-    reserved_sequence_ids: int = 16
-    """Sequence ids kept away from the scheduler (other users of the context)."""
-    max_waiting_sequences: int = 256
+    max_active_sequences: int = 4
+    """Most sequences admitted at once (the stage's lanes); capped at ``LLAMA_MAX_SEQ``."""
+    max_waiting_sequences: int = 64
     """Waiting-queue capacity; ``submit`` beyond it fails with ``QueueFullError``."""
     max_tokens_per_iteration: int = 2048
     """Token budget of one native iteration (prefill chunks plus decode rows)."""
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 512
     """Most prompt/recompute tokens of one sequence per iteration."""
     max_prefill_sequences_per_iteration: int = UNLIMITED
     """Most distinct sequences prefilling in one plan (1 for recurrent models)."""
-    max_consecutive_prefill_iterations: int = UNLIMITED
+    max_consecutive_prefill_iterations: int = 1
     """Prefill-only iterations allowed back to back while decoders wait."""
-    mixed_prefill_decode: bool = False
-    """Allow decode rows and prefill rows in one iteration, subject to calibration."""
-    target_step_us: int = 0
+    mixed_prefill_decode: bool = True
+    """Allow decode rows and prefill rows in one iteration (False for recurrent models)."""
+    target_step_us: int = 250_000
     """With ``mixed_prefill_decode``: give iterations that carry decode rows only as many
     prompt tokens as fit in this step time (µs), from learned costs (``step_budget``);
     0 keeps the calibration-gated mixing."""
@@ -102,8 +100,6 @@ class SchedulerConfig:
     """Credit a waiting request gains per turn (anti-starvation)."""
     group_waiting_prefixes: bool = True
     """Enable the waiting-prefix DFS tie-break."""
-    iteration_interval_s: float = 0.002
-    """Worker poll window between turns; the policy itself never uses it."""
     memory_components: tuple[MemoryComponent, ...] = field(default_factory=tuple)
     """Independently constrained memory pools."""
 
@@ -116,21 +112,14 @@ class SchedulerConfig:
         for name in ("mixed_prefill_decode", "group_waiting_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(name, "must be a bool")
-        interval = self.iteration_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
-            math.isfinite(interval) and interval >= 0
-        ):
-            raise SchedulerConfigError("iteration_interval_s",
-                                       f"must be a finite number >= 0, got {interval!r}")
         object.__setattr__(self, "memory_components", _components(self.memory_components))
 
     def normalized(self) -> SchedulerConfig:
-        """Apply the original's clamps and return the result."""
-        hard_limit = max(1, LLAMA_MAX_SEQ - self.reserved_sequence_ids)
+        """Clamp every count into its usable range and return the result."""
         max_tokens = max(1, self.max_tokens_per_iteration)
         return dataclasses.replace(
             self,
-            max_active_sequences=min(max(self.max_active_sequences, 1), hard_limit),
+            max_active_sequences=min(max(self.max_active_sequences, 1), LLAMA_MAX_SEQ),
             max_waiting_sequences=max(1, self.max_waiting_sequences),
             max_tokens_per_iteration=max_tokens,
             prefill_chunk_tokens=min(max(self.prefill_chunk_tokens, 1), max_tokens),

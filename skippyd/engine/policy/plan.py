@@ -94,10 +94,15 @@ class IterationPlan:
     """Work rows, in the order they were planned."""
     token_count: int = 0
     """Sum of ``len(work.tokens)``."""
-    admitted: int = 0
-    """Sequences admitted at the start of this plan."""
+    admitted_ids: tuple[str, ...] = ()
+    """Sequences admitted at the start of this plan (again, after a preemption)."""
     preempted: int = 0
     """Always 0 from ``plan_iteration``: preemption is a separate call."""
+
+    @property
+    def admitted(self) -> int:
+        """How many sequences were admitted at the start of this plan."""
+        return len(self.admitted_ids)
 
     def is_empty(self) -> bool:
         """True when there is nothing to run."""
@@ -114,7 +119,7 @@ class IterationPlan:
         return IterationPlan(
             work=kept,
             token_count=sum(work.token_count for work in kept),
-            admitted=self.admitted,
+            admitted_ids=self.admitted_ids,
             preempted=self.preempted,
         )
 

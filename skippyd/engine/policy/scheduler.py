@@ -80,7 +80,6 @@ class Scheduler:
         self._waiting_turn = 0
         self._next_waiting_order = 0
         self._next_admission_serial = 0
-        self._admission_serial: dict[str, int] = {}
         self._waiting_order_dirty = False
         self._consecutive_prefill_iterations = 0
         self._mixed_decode_cursor = 0
@@ -93,9 +92,11 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
 
     def submit(self, sequence: Sequence) -> None:
-        """Queue a sequence for admission; the scheduler keeps its own copy.
+        """Queue a sequence for admission.
 
-        Memory is not checked here: a sequence that does not fit yet waits.
+        The scheduler keeps and changes ``sequence`` itself from now on: the caller may
+        read it (its cursor, its generated tokens) but must not change it. Memory is not
+        checked here: a sequence that does not fit yet waits.
 
         Raises:
             EmptyPromptError: The prompt has no token.
@@ -116,11 +117,10 @@ class Scheduler:
             self._metrics.prefix_hits += 1
         else:
             self._metrics.prefix_misses += 1
-        owned = sequence.clone()
-        owned.status = SequenceStatus.WAITING
-        owned.enqueued_turn = self._waiting_turn
-        owned.enqueue_order = self._take_waiting_order()
-        self._waiting.append(owned)
+        sequence.status = SequenceStatus.WAITING
+        sequence.enqueued_turn = self._waiting_turn
+        sequence.enqueue_order = self._take_waiting_order()
+        self._waiting.append(sequence)
         self._waiting_order_dirty = True
         self._refresh_gauges()
 
@@ -129,7 +129,7 @@ class Scheduler:
         self._next_waiting_order += 1
         return order
 
-    def _admit_waiting(self) -> int:
+    def _admit_waiting(self) -> tuple[str, ...]:
         """Admit every waiting sequence that fits, best first, without head-of-line blocking.
 
         The queue is re-sorted only when it changed (submit, cancel, preemption), not
@@ -138,7 +138,7 @@ class Scheduler:
         """
         if self._waiting_order_dirty:
             self._sort_waiting()
-        admitted = 0
+        admitted: list[str] = []
         deferred: list[Sequence] = []
         for sequence in self._waiting:
             if len(self._active) >= self._config.max_active_sequences or not (
@@ -149,18 +149,17 @@ class Scheduler:
             self._memory.reserve(sequence.admission_tokens)
             sequence.status = SequenceStatus.RUNNING
             sequence.admitted_at = self._clock()
-            self._admission_serial[sequence.id] = self._next_admission_serial
+            sequence.admission_serial = self._next_admission_serial
             self._next_admission_serial += 1
             self._active[sequence.id] = sequence
-            admitted += 1
+            admitted.append(sequence.id)
         self._waiting = deferred
-        return admitted
+        return tuple(admitted)
 
     def _sort_waiting(self) -> None:
         candidates = [
             CacheAwareCandidate(
                 index=index,
-                priority=sequence.priority,
                 affinity=sequence.cache_affinity,
                 prompt_tokens=sequence.prompt_tokens,
                 enqueued_turn=sequence.enqueued_turn,
@@ -200,7 +199,7 @@ class Scheduler:
             stretch = self._stretch.factor(long_prompts, len(remaining) - long_prompts)
             if stretch > 1:
                 budget = self._costs.prefill_budget(rows, target * stretch, most)
-            by_admission = sorted(sequences, key=lambda s: self._admission_serial[s.id])
+            by_admission = sorted(sequences, key=lambda s: s.admission_serial)
             order = prompt_order(by_admission, budget, MIN_PREFILL_TOKENS if rows else 0,
                                  self._config.max_prefill_sequences_per_iteration)
             oldest = next((s.id for s in by_admission if s.needs_replay()), None)
@@ -217,7 +216,7 @@ class Scheduler:
                 sequences, self._config, self._consecutive_prefill_iterations
             )
         plan = IterationPlan(
-            work=work, token_count=sum(w.token_count for w in work), admitted=admitted
+            work=work, token_count=sum(w.token_count for w in work), admitted_ids=admitted
         )
         check_plan_invariants(plan, self._config, self._active, self._waiting)
         return plan
@@ -325,8 +324,7 @@ class Scheduler:
     def preempt_for_component_pressure(self, component_used_bytes: Iterable[int]) -> list[str]:
         """Adopt observed memory use, then preempt until every component fits.
 
-        The victim is the lowest-priority active sequence, the most recently admitted
-        first. It goes back to the front of the queue for recompute and keeps its
+        The victim is the most recently admitted active sequence. It goes back to the front of the queue for recompute and keeps its
         ``enqueued_turn``, so its aging credit survives.
 
         Args:
@@ -372,41 +370,34 @@ class Scheduler:
         self._metrics.preempted += 1
         return victim.id
 
-    def _victim_key(self, sequence: Sequence) -> tuple[int, float, int]:
-        # Lowest priority first; then the latest admission (no timestamp counts as now).
+    @staticmethod
+    def _victim_key(sequence: Sequence) -> tuple[float, int]:
+        # The latest admission (no timestamp counts as now).
         admitted_at = sequence.admitted_at if sequence.admitted_at is not None else float("inf")
-        return (sequence.priority, -admitted_at, -self._admission_serial.get(sequence.id, 0))
+        return (-admitted_at, -sequence.admission_serial)
 
     def _release_active(self, sequence_id: str) -> Sequence:
         sequence = self._active.pop(sequence_id)
-        self._admission_serial.pop(sequence_id, None)
         self._memory.release(sequence.admission_tokens)
         return sequence
 
-    def cancel(self, sequence_id: str) -> bool:
+    def cancel(self, sequence_id: str, *, finished: bool = False) -> bool:
         """Remove a waiting or active sequence and free its memory; idempotent.
+
+        Args:
+            sequence_id: The sequence.
+            finished: Its consumer ended it normally (a stop string matched): count it
+                as finished, not cancelled.
 
         Returns:
             True if the sequence existed.
         """
         if not self._remove(sequence_id):
             return False
-        self._metrics.cancelled += 1
-        self._refresh_gauges()
-        return True
-
-    def finish(self, sequence_id: str) -> bool:
-        """End a sequence its consumer declared done (a stop string, say); idempotent.
-
-        Like :meth:`cancel` it frees the sequence's memory, but it counts as finished: a
-        request that ended at a stop string completed normally.
-
-        Returns:
-            True if the sequence existed (False once the policy retired it itself).
-        """
-        if not self._remove(sequence_id):
-            return False
-        self._metrics.finished += 1
+        if finished:
+            self._metrics.finished += 1
+        else:
+            self._metrics.cancelled += 1
         self._refresh_gauges()
         return True
 

@@ -65,13 +65,13 @@ def _token_tuple(tokens: Iterable[int], what: str) -> tuple[int, ...]:
 class Sequence:
     """One generation request: prompt, generated tokens and scheduling state.
 
-    Construct it like the original's ``Sequence::new(id, prompt, max_tokens, sampling,
-    priority)``; ``admission_tokens`` then defaults to ``len(prompt) + max_tokens``. The
-    builder methods (``with_*``) mutate and return ``self``. Once submitted, the scheduler
-    owns its own copy; ``Scheduler.sequence`` hands out copies too.
+    ``admission_tokens`` defaults to ``len(prompt) + max_tokens``. The builder methods
+    (``with_*``) mutate and return ``self``; call them before submitting. Once submitted,
+    the scheduler changes this very object (the caller keeps a reference to read its
+    progress, never to change it); ``Scheduler.sequence`` hands out copies.
 
-    ``prefill_cursor``, ``enqueued_turn`` and ``enqueue_order`` are managed by the
-    scheduler (crate-private in the original) and are readable for tests and telemetry.
+    ``prefill_cursor``, ``enqueued_turn``, ``enqueue_order`` and ``admission_serial`` are
+    managed by the scheduler and are readable for tests and telemetry.
     """
 
     id: str
@@ -82,8 +82,6 @@ class Sequence:
     """Generation ceiling: the sequence finishes once it holds this many tokens."""
     sampling: object | None = None
     """Sampling configuration; opaque to the policy and copied into every work row."""
-    priority: int = 0
-    """Higher is more important (admission order and preemption victim choice)."""
     admission_tokens: int | None = None
     """Tokens of memory reserved on admission; None means ``len(prompt) + max_tokens``."""
     generated_tokens: list[int] = field(default_factory=list)
@@ -99,6 +97,8 @@ class Sequence:
     """Scheduler turn of the first submit; kept across preemption (aging credit)."""
     enqueue_order: int = 0
     """Monotone tie-break counter; renewed on preemption."""
+    admission_serial: int = -1
+    """Order of the last admission among all admissions (-1 while not admitted)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str):
@@ -108,7 +108,6 @@ class Sequence:
             _token_tuple(self.generated_tokens, "Sequence.generated_tokens")
         )
         self.max_tokens = checked_count(self.max_tokens, "Sequence.max_tokens")
-        self.priority = checked_count(self.priority, "Sequence.priority")
         if self.admission_tokens is None:
             self.admission_tokens = len(self.prompt_tokens) + self.max_tokens
         self.admission_tokens = checked_count(self.admission_tokens, "Sequence.admission_tokens")
@@ -140,16 +139,6 @@ class Sequence:
         if not isinstance(affinity, CacheAffinity):
             raise PolicyInputError("with_cache_affinity needs a CacheAffinity")
         self.cache_affinity = affinity
-        return self
-
-    def with_prefilled_generation(self, generated: Iterable[int]) -> Sequence:
-        """Resume a sequence whose prompt (and first tokens) were computed elsewhere.
-
-        The KV already holds everything but the pending token, so the sequence goes
-        straight to decode.
-        """
-        self.generated_tokens = list(_token_tuple(generated, "prefilled generation"))
-        self.prefill_cursor = self.recompute_token_count()
         return self
 
     # -- derived views ---------------------------------------------------------------------
@@ -192,13 +181,14 @@ class Sequence:
 
         The cursor restarts at the restored prefix, if any.
 
-        NOTE: the original clamps to the full replay length here. With no generated
-        token and a restore covering the whole prompt that leaves nothing to sample from
-        and the sequence would wait forever, so, as in ``with_prefix_restore``, at least
-        one token is replayed while nothing has been generated yet.
+        NOTE: with no generated token and a restore covering the whole prompt, clamping
+        to the whole replay would leave nothing to sample from and the sequence would
+        wait forever, so, as in ``with_prefix_restore``, at least one token is replayed
+        while nothing has been generated yet.
         """
         self.status = SequenceStatus.PREEMPTED
         self.admitted_at = None
+        self.admission_serial = -1
         restored = self.prefix_restore.token_count if self.prefix_restore else 0
         replay_len = self.recompute_token_count()
         limit = replay_len if self.generated_tokens else max(0, replay_len - 1)
@@ -218,6 +208,6 @@ class Sequence:
         return (
             f"Sequence(id={self.id!r}, prompt={len(self.prompt_tokens)} tokens, "
             f"generated={len(self.generated_tokens)}, max_tokens={self.max_tokens}, "
-            f"priority={self.priority}, status={self.status.value}, "
+            f"status={self.status.value}, "
             f"cursor={self.prefill_cursor})"
         )

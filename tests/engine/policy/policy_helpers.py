@@ -13,14 +13,32 @@ from skippyd.engine.policy import (
     SchedulerConfig,
     Sequence,
 )
+from skippyd.engine.policy.config import UNLIMITED
 
 _counter = itertools.count(1000)
 
 
+#: The knobs the policy tests assume unless they say otherwise: many sequences, small
+#: chunks, prefill and decode in separate iterations, no step-time budget.
+TEST_CONFIG: dict[str, object] = {
+    "max_active_sequences": 32,
+    "max_waiting_sequences": 256,
+    "prefill_chunk_tokens": 256,
+    "max_consecutive_prefill_iterations": UNLIMITED,
+    "mixed_prefill_decode": False,
+    "target_step_us": 0,
+}
+
+
+def make_config(**overrides: object) -> SchedulerConfig:
+    """``SchedulerConfig`` over :data:`TEST_CONFIG` with ``overrides``."""
+    return SchedulerConfig(**{**TEST_CONFIG, **overrides})
+
+
 def make_scheduler(**overrides: object) -> Scheduler:
-    """A scheduler over ``SchedulerConfig(**overrides)`` with a deterministic clock."""
+    """A scheduler over :func:`make_config` with a deterministic clock."""
     ticks = itertools.count()
-    return Scheduler(SchedulerConfig(**overrides), clock=lambda: float(next(ticks)))
+    return Scheduler(make_config(**overrides), clock=lambda: float(next(ticks)))
 
 
 def make_sequence(sequence_id: str, prompt: Iterable[int] | int, max_tokens: int = 8,

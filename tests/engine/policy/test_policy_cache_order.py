@@ -9,7 +9,6 @@ from skippyd.engine.policy import (
     CacheAwareCandidate,
     StageCacheAffinity,
     order_cache_aware_candidates,
-    select_cache_aware_candidate,
     waiting_prefix_dfs_order,
 )
 
@@ -20,17 +19,16 @@ def _affinity(saved_cost: int) -> CacheAffinity:
     return CacheAffinity.from_stage(StageCacheAffinity(0, saved_cost, 1))
 
 
-def _candidate(index, *, cost=0, priority=0, prompt=(1,), turn=0, order=None):
+def _candidate(index, *, cost=0, prompt=(1,), turn=0, order=None):
     return CacheAwareCandidate(
-        index=index, priority=priority, affinity=_affinity(cost), prompt_tokens=list(prompt),
+        index=index, affinity=_affinity(cost), prompt_tokens=list(prompt),
         enqueued_turn=turn, order=index if order is None else order,
     )
 
 
-def test_cache_value_orders_equal_priority_candidates():
+def test_cache_value_orders_candidates():
     candidates = [_candidate(0, cost=0), _candidate(1, cost=100)]
     assert order_cache_aware_candidates(candidates, 0, 10, True) == [1, 0]
-    assert select_cache_aware_candidate(candidates, 0, 10, True) == 1
 
 
 def test_aging_eventually_promotes_a_cold_request():
@@ -39,11 +37,6 @@ def test_aging_eventually_promotes_a_cold_request():
     # At turn 11 the cold request has 11 * 10 = 110 credit against the fresh hot one's 100.
     assert order_cache_aware_candidates([cold, hot], 11, 10, True) == [0, 1]
     assert order_cache_aware_candidates([cold, hot], 9, 10, True) == [1, 0]
-
-
-def test_explicit_priority_precedes_cache_value():
-    candidates = [_candidate(0, cost=100_000), _candidate(1, cost=0, priority=1)]
-    assert order_cache_aware_candidates(candidates, 0, 10, True) == [1, 0]
 
 
 def test_dfs_weight_groups_the_heaviest_equal_score_prefix_subtree():

@@ -10,6 +10,7 @@ from skippyd.engine.policy import (
     UNLIMITED,
     DuplicateSequenceError,
     EmptyPromptError,
+    IterationPrediction,
     MemoryComponent,
     PolicyInputError,
     PrefixRestore,
@@ -20,9 +21,9 @@ from skippyd.engine.policy import (
 )
 
 
-def test_hard_sequence_limit_accounts_for_reserved_ids():
-    config = SchedulerConfig(max_active_sequences=UNLIMITED, reserved_sequence_ids=24)
-    assert config.normalized().max_active_sequences == LLAMA_MAX_SEQ - 24 == 232
+def test_the_sequence_limit_is_llama_cpps():
+    config = SchedulerConfig(max_active_sequences=UNLIMITED)
+    assert config.normalized().max_active_sequences == LLAMA_MAX_SEQ
 
 
 def test_request_memory_includes_fixed_recurrent_state():
@@ -35,23 +36,22 @@ def test_request_memory_includes_fixed_recurrent_state():
     assert kv.reservation_bytes(20) == 7 + 2 * 20
 
 
-def test_defaults_match_the_original_and_are_already_normalized():
+def test_defaults_are_a_default_stage_s_and_already_normalized():
     config = SchedulerConfig()
-    assert (config.max_active_sequences, config.reserved_sequence_ids,
-            config.max_waiting_sequences, config.max_tokens_per_iteration,
-            config.prefill_chunk_tokens, config.cache_aging_cost_per_iteration) == (
-        32, 16, 256, 2048, 256, 4096)
+    assert (config.max_active_sequences, config.max_waiting_sequences,
+            config.max_tokens_per_iteration, config.prefill_chunk_tokens,
+            config.cache_aging_cost_per_iteration) == (4, 64, 2048, 512, 4096)
     assert config.max_prefill_sequences_per_iteration == UNLIMITED
-    assert config.max_consecutive_prefill_iterations == UNLIMITED
-    assert (config.mixed_prefill_decode, config.group_waiting_prefixes) == (False, True)
-    assert config.iteration_interval_s == pytest.approx(0.002)
+    assert config.max_consecutive_prefill_iterations == 1
+    assert (config.mixed_prefill_decode, config.group_waiting_prefixes) == (True, True)
+    assert config.target_step_us == 250_000
     assert config.memory_components == ()
     assert config.normalized() == config
 
 
 def test_normalization_clamps_zero_and_oversize_values():
     config = SchedulerConfig(
-        max_active_sequences=0, reserved_sequence_ids=300, max_waiting_sequences=0,
+        max_active_sequences=0, max_waiting_sequences=0,
         max_tokens_per_iteration=0, prefill_chunk_tokens=4096,
         max_prefill_sequences_per_iteration=0, max_consecutive_prefill_iterations=0,
         cache_aging_cost_per_iteration=0,
@@ -62,14 +62,14 @@ def test_normalization_clamps_zero_and_oversize_values():
             config.max_consecutive_prefill_iterations,
             config.cache_aging_cost_per_iteration) == (1, 1, 1, 1, 1, 1, 1)
     assert SchedulerConfig(max_tokens_per_iteration=100).normalized().prefill_chunk_tokens == 100
-    assert make_scheduler(max_active_sequences=999, reserved_sequence_ids=0).config \
+    assert make_scheduler(max_active_sequences=999).config \
         .max_active_sequences == LLAMA_MAX_SEQ
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_active_sequences", -1), ("max_tokens_per_iteration", 2.5),
     ("prefill_chunk_tokens", True), ("mixed_prefill_decode", 1),
-    ("iteration_interval_s", float("nan")), ("memory_components", ["kv"]),
+    ("memory_components", ["kv"]),
 ])
 def test_invalid_config_values_raise_a_typed_error_naming_the_field(field, value):
     with pytest.raises(SchedulerConfigError) as caught:
@@ -92,17 +92,12 @@ def test_sequence_builders_follow_the_replay_rules():
     assert sequence.with_admission_tokens(100).admission_tokens == 100
     restored = Sequence("r", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 99))
     assert restored.prefill_cursor == 3  # at least one token is replayed for logits
-    resumed = Sequence("g", [1, 2, 3], 10).with_prefilled_generation([7, 8, 9])
-    assert resumed.recompute_tokens() == [1, 2, 3, 7, 8]
-    assert (resumed.recompute_token_count(), resumed.prefill_cursor) == (5, 5)
-    assert resumed.pending_decode_token() == 9
-    assert resumed.replay_slice(2, 5) == (3, 7, 8)
     assert SequenceStatus.FAILED.is_finished() and not SequenceStatus.PREEMPTED.is_finished()
 
 
 def test_reset_for_recompute_restarts_at_the_restored_prefix():
     sequence = Sequence("s", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 2))
-    sequence.with_prefilled_generation([5, 6])
+    sequence.generated_tokens.extend([5, 6])
     sequence.reset_for_recompute()
     assert (sequence.status, sequence.prefill_cursor, sequence.admitted_at) == (
         SequenceStatus.PREEMPTED, 2, None)
@@ -134,14 +129,15 @@ def test_bad_sequences_are_rejected_without_changing_the_scheduler():
     assert scheduler.metrics().iterations == 0
 
 
-def test_submitted_sequence_is_copied_and_returned_copies_do_not_alias():
+def test_the_submitted_sequence_is_the_one_scheduled_and_returned_copies_do_not_alias():
     scheduler = make_scheduler()
     original = make_sequence("a", [1, 2, 3])
     scheduler.submit(original)
-    original.generated_tokens.append(99)
-    assert scheduler.sequence("a").generated_tokens == []
+    plan = scheduler.plan_iteration()
+    scheduler.complete_iteration(plan, [IterationPrediction(0, 9)])
+    assert original.generated_tokens == [9]  # the caller's record sees the policy's progress
     scheduler.sequence("a").generated_tokens.append(42)
-    assert scheduler.sequence("a").generated_tokens == []
+    assert scheduler.sequence("a").generated_tokens == [9]
     metrics = scheduler.metrics()
     metrics.finished = 1000
     assert scheduler.metrics().finished == 0

@@ -27,7 +27,6 @@ KV_CAPACITY = st.integers(MAX_PROMPT + MAX_OUTPUT, 200)
 
 configs = st.fixed_dictionaries({
     "max_active_sequences": st.integers(1, 6),
-    "reserved_sequence_ids": st.just(0),
     "max_waiting_sequences": st.integers(1, 12),
     "max_tokens_per_iteration": st.integers(1, 48),
     "prefill_chunk_tokens": st.integers(1, 32),
@@ -36,13 +35,13 @@ configs = st.fixed_dictionaries({
     "mixed_prefill_decode": st.booleans(),
     "cache_aging_cost_per_iteration": st.integers(1, 100),
     "group_waiting_prefixes": st.booleans(),
+    "target_step_us": st.just(0),
 })
 
 submit_ops = st.tuples(
     st.just("submit"),
     st.lists(st.integers(0, 3), min_size=1, max_size=MAX_PROMPT),  # few token values: shared runs
     st.integers(1, MAX_OUTPUT),
-    st.integers(0, 2),  # priority
     st.integers(0, MAX_PROMPT),  # restored prefix (0 = none)
     st.integers(0, 40),  # matched tokens for the cache affinity
 )
@@ -114,8 +113,8 @@ def _step(scheduler: Scheduler, run: Run, eos_every: int, elapsed_us: int) -> No
 def _apply(scheduler: Scheduler, run: Run, op: tuple, names: itertools.count) -> None:
     kind = op[0]
     if kind == "submit":
-        _, prompt, max_tokens, priority, restored, matched = op
-        sequence = Sequence(f"s{next(names)}", prompt, max_tokens, priority=priority)
+        _, prompt, max_tokens, restored, matched = op
+        sequence = Sequence(f"s{next(names)}", prompt, max_tokens)
         if restored:
             sequence.with_prefix_restore(PrefixRestore("page", restored))
         if matched:
