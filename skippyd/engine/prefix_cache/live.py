@@ -8,16 +8,15 @@ gets the lane's KV copied into its own. A lane with entries is only given to ano
 request after its longest entry was saved to host RAM (or dropped, when the host tier is
 off or the entry too short to be worth it).
 
-Every method but :meth:`stats` and :meth:`cached_prompt_tokens` runs on the worker thread
-(the only thread allowed to call the runtime); those two read values the worker replaces
-atomically, so the HTTP and control threads may call them at any time.
+Every method but :meth:`stats` runs on the worker thread (the only thread allowed to call
+the runtime); :meth:`stats` reads a value the worker replaces atomically, so the HTTP and
+control threads may call it at any time. A request's :class:`Lease` is kept by the
+request (the worker's record of it), not here: the cache only pins the entry.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,10 +34,10 @@ from skippyd.engine.prefix_cache.entries import (
 from skippyd.engine.prefix_cache.eviction import count_victims, host_victims
 from skippyd.engine.prefix_cache.settings import (
     HOST_RESTORE_COST_DIVISOR,
-    MAX_REMEMBERED_REQUESTS,
     PREFILL_COST_PER_TOKEN,
     PrefixCacheSettings,
 )
+from skippyd.engine.runtime.protocol import LanesBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +111,6 @@ class LivePrefixCache:
         self.stage_index = stage_index
         self.table = EntryTable(settings)
         self._publish_fn = publish
-        self._leases: dict[str, Lease] = {}
-        self._cached_tokens: OrderedDict[str, int] = OrderedDict()
-        self._cached_lock = threading.Lock()
         self._stats = PrefixCacheStats()
 
     # -- views (any thread) ---------------------------------------------------------------
@@ -122,11 +118,6 @@ class LivePrefixCache:
     def stats(self) -> PrefixCacheStats:
         """The latest counters (replaced by the worker after every change)."""
         return self._stats
-
-    def cached_prompt_tokens(self, req_id: str) -> int:
-        """Prompt tokens of ``req_id`` restored from the cache (0 if none or forgotten)."""
-        with self._cached_lock:
-            return self._cached_tokens.get(req_id, 0)
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -149,14 +140,13 @@ class LivePrefixCache:
     def lease(self, req_id: str, prompt: Sequence[int]) -> Lease | None:
         """Look ``prompt`` up for a request about to be queued, and pin the entry found.
 
-        Counts a hit or a miss and remembers the restored token count, which keeps the
-        last prompt token computed (its logits give the first generated token).
+        Counts a hit or a miss. The lease covers at most all but the last prompt token,
+        which stays computed (its logits give the first generated token). The caller
+        keeps the lease and hands it back to :meth:`release`.
         """
-        self.release(req_id)
         prompt = tuple(prompt)
         match = self._fresh_match(prompt)
         restored = min(match.num_tokens, max(0, len(prompt) - 1))
-        self._remember(req_id, restored)
         self.table.count_lookup(restored, len(prompt))
         if match.entry is None or restored == 0:
             self._refresh("lookup", tokens=0)
@@ -165,7 +155,6 @@ class LivePrefixCache:
         match.entry.hits += 1
         match.entry.pins.add(req_id)
         lease = Lease(req_id, match.entry.id, prompt[:restored])
-        self._leases[req_id] = lease
         self._refresh("lookup", tokens=restored, tier=match.entry.tier.value)
         return lease
 
@@ -184,29 +173,16 @@ class LivePrefixCache:
         held = self.runtime.lane_history(entry.lane)
         return len(held) >= entry.num_tokens and held[:entry.num_tokens] == entry.tokens
 
-    def lease_of(self, req_id: str) -> Lease | None:
-        return self._leases.get(req_id)
-
-    def release(self, req_id: str) -> None:
-        """Unpin the request's entry; idempotent."""
-        lease = self._leases.pop(req_id, None)
-        if lease is None:
-            return
+    def release(self, lease: Lease) -> None:
+        """Unpin the lease's entry; idempotent."""
         entry = self.table.entries.get(lease.entry_id)
         if entry is not None:
-            entry.pins.discard(req_id)
-
-    def _remember(self, req_id: str, restored: int) -> None:
-        with self._cached_lock:
-            self._cached_tokens[req_id] = restored
-            self._cached_tokens.move_to_end(req_id)
-            while len(self._cached_tokens) > MAX_REMEMBERED_REQUESTS:
-                self._cached_tokens.popitem(last=False)
+            entry.pins.discard(lease.req_id)
 
     # -- placing and restoring ----------------------------------------------------------
 
-    def place(self, req_id: str) -> Placement:
-        """Choose the idle lane a request's session starts in.
+    def place(self, lease: Lease | None) -> Placement:
+        """Choose the idle lane a request (holding ``lease``, if any) starts in.
 
         Always the lowest idle lane: busy lanes then stay contiguous, and llama.cpp runs
         a batch of consecutive lanes as one micro-batch (a gap costs a second graph run
@@ -216,13 +192,12 @@ class LivePrefixCache:
         prefix is then copied or loaded by :meth:`restore`).
 
         Raises:
-            RuntimeError: No lane is idle (the caller places only when one is).
+            LanesBusyError: No lane is idle.
         """
         idle = self.runtime.idle_lanes()
         if not idle:
-            raise RuntimeError("place() needs an idle lane")
+            raise LanesBusyError("no idle lane to place a request in")
         lowest = idle[0]
-        lease = self._leases.get(req_id)
         entry = None if lease is None else self.table.entries.get(lease.entry_id)
         if entry is not None and entry.lane == lowest and self._is_current(entry):
             self.table.touch(entry)
@@ -234,16 +209,13 @@ class LivePrefixCache:
         self._vacate(lowest)
         return Placement(lowest)
 
-    def restore(self, req_id: str, session_id: str) -> bool:
-        """Put the request's leased prefix into ``session_id``'s KV, unless it is there.
+    def restore(self, lease: Lease, session_id: str) -> bool:
+        """Put the leased prefix into ``session_id``'s KV, unless it is there.
 
         Returns:
             True when the session now holds exactly the lease's tokens; False when the
             entry is gone or could not be loaded (the caller recomputes the prefix).
         """
-        lease = self._leases.get(req_id)
-        if lease is None:
-            return False
         held = self.runtime.session_history(session_id)
         if held == lease.tokens:  # placed in the entry's own lane
             self._refresh("restore", tokens=len(lease.tokens), tier=Tier.RESIDENT.value)

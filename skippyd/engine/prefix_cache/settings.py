@@ -11,8 +11,6 @@ logger = logging.getLogger(__name__)
 PREFILL_COST_PER_TOKEN = 2
 #: Share of the prefill cost a host-RAM restore still costs (a state copy, not compute).
 HOST_RESTORE_COST_DIVISOR = 8
-#: Requests whose restored-token count ``StageEngine.cached_prompt_tokens`` remembers.
-MAX_REMEMBERED_REQUESTS = 4096
 
 
 @dataclass(frozen=True, slots=True)

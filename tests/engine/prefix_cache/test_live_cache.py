@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from cache_helpers import SETTINGS, greedy_continue, open_runtime, prefill, tokens
 
-from skippyd.engine.prefix_cache import PREFIX_CACHE_EVENT, LivePrefixCache, Tier
+from skippyd.engine.prefix_cache import PREFIX_CACHE_EVENT, Lease, LivePrefixCache, Tier
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 PREFIX = tokens(1, 96)
@@ -16,10 +16,22 @@ OTHER = tokens(5, 96)
 SUFFIX = tokens(2, 12)
 
 
-def make_cache(runtime, **overrides) -> tuple[LivePrefixCache, TelemetryHub]:
+class LeaseKeepingCache(LivePrefixCache):
+    """The live cache, keeping each request's lease the way the worker's record does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leases: dict[str, Lease | None] = {}
+
+    def lease(self, req_id, prompt):
+        self.leases[req_id] = lease = super().lease(req_id, prompt)
+        return lease
+
+
+def make_cache(runtime, **overrides) -> tuple[LeaseKeepingCache, TelemetryHub]:
     hub = TelemetryHub()
     settings = dataclasses.replace(SETTINGS, **overrides)
-    return LivePrefixCache(runtime, settings, namespace="tiny", publish=hub.publish), hub
+    return LeaseKeepingCache(runtime, settings, namespace="tiny", publish=hub.publish), hub
 
 
 def record_from_lane(runtime, cache: LivePrefixCache, session: str, prompt: list[int]):
@@ -31,11 +43,13 @@ def record_from_lane(runtime, cache: LivePrefixCache, session: str, prompt: list
     return entry
 
 
-def start(runtime, cache: LivePrefixCache, req: str):
-    """Bind a leased request the way the worker does: placed by the cache, then restored."""
-    placement = cache.place(req)
+def start(runtime, cache: LeaseKeepingCache, req: str):
+    """Bind a request the way the worker does: placed by the cache, then its lease (if it
+    holds one) restored."""
+    lease = cache.leases.get(req)
+    placement = cache.place(lease)
     runtime.ensure_session_active(req, lane=placement.lane, keep_tokens=placement.keep_tokens)
-    return placement, cache.restore(req, req)
+    return placement, lease is not None and cache.restore(lease, req)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +71,9 @@ def test_a_hit_starts_in_the_entry_lane_without_a_copy(runtime, expected):
         assert placement.lane == entry.lane and placement.keep_tokens == len(PREFIX)
         assert restored
         assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
-        cache.release("req")
+        cache.release(lease)
         assert entry.pins == set()
         names = [event.name for event in events.drain()]
-    assert cache.cached_prompt_tokens("req") == len(PREFIX)
-    assert cache.cached_prompt_tokens("unknown") == 0
     stats = cache.stats().as_dict()
     assert stats["hits"] == 1 and stats["misses"] == 0 and stats["matched_tokens"] == 96
     assert stats["hit_rate"] == 1.0
@@ -85,7 +97,6 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(runtime):
     record_from_lane(runtime, cache, "source", PREFIX)
     lease = cache.lease("again", PREFIX)
     assert lease is not None and len(lease.tokens) == len(PREFIX) - 1
-    assert cache.cached_prompt_tokens("again") == len(PREFIX) - 1
     assert cache.lease("short", PREFIX[:8] + SUFFIX) is None  # below min_tokens: a miss
     assert cache.stats().misses == 1
 
