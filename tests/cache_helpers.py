@@ -8,6 +8,7 @@ from skippyd.engine.prefix_cache import PrefixCacheSettings
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.worker.commands import (
+    AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
@@ -55,10 +56,15 @@ def prefill(runtime: LlamaRuntime, session: str, prompt: list[int]) -> None:
 
 
 class Collector:
-    """An ``on_event`` callback that answers every token with Continue and keeps them."""
+    """An ``on_event`` callback that answers every token with Continue and keeps them.
+
+    ``cached_tokens`` is what the admission event said was restored from the prefix cache
+    (None until the request is admitted).
+    """
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.error: WorkerError | None = None
         self.done = threading.Event()
@@ -67,6 +73,8 @@ class Collector:
         if isinstance(event, TokenEvent):
             self.tokens.append(event.token)
             event.ack.send(TokenControl.CONTINUE)
+        elif isinstance(event, AdmittedEvent):
+            self.cached_tokens = event.cached_tokens
         elif isinstance(event, CompleteEvent):
             self.finish_reason = event.finish_reason
             self.done.set()

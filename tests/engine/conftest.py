@@ -10,7 +10,7 @@ from cache_helpers import SETTINGS, open_runtime
 
 from skippyd.engine.prefix_cache import LivePrefixCache, PrefixCacheSettings
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 
@@ -22,9 +22,9 @@ def runtime(tiny_model_path) -> Iterator[LlamaRuntime]:
 
 
 @pytest.fixture
-def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[WorkerHandle, Any]]]:
+def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[GenerationHandle, Any]]]:
     """Build (worker, cache or None) over a fresh tiny runtime; closed after the test."""
-    opened: list[tuple[WorkerHandle, LlamaRuntime]] = []
+    opened: list[tuple[GenerationHandle, LlamaRuntime]] = []
 
     def build(*, cache: bool = True, settings: PrefixCacheSettings = SETTINGS, lanes: int = 4,
               ctx_size: int = 2048, queue_capacity: int = 8):
@@ -33,7 +33,7 @@ def make_stack(tiny_model_path) -> Iterator[Callable[..., tuple[WorkerHandle, An
         live = LivePrefixCache(runtime, settings, namespace="tiny:0-4",
                                publish=hub.publish) if cache else None
         settings = WorkerSettings.derive(runtime, queue_capacity=queue_capacity)
-        worker = WorkerHandle(runtime, settings, telemetry=hub, prefix_cache=live)
+        worker = GenerationHandle(runtime, settings, telemetry=hub, prefix_cache=live)
         opened.append((worker, runtime))
         return worker, live
 

@@ -73,18 +73,15 @@ class PipelineRuntime:
             ``on_error`` and ``on_down`` of this object.
         decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
             one per pipeline stage plus one, as the handshake reports the chain's length.
-        lookahead: Start the next decode step of a group as soon as its prediction
-            arrives (see the module docstring).
     """
 
     def __init__(self, local: Runtime, downstream: Downstream, *,
-                 decode_groups: int | None = None, lookahead: bool = True,
+                 decode_groups: int | None = None,
                  reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
         self.local = local
         self.counters = PipelineCounters()
         self._link = downstream
         self._decode_groups = decode_groups
-        self._lookahead = lookahead
         self._reply_timeout_s = reply_timeout_s
         self._cond = threading.Condition()
         self._steps: dict[str, InflightStep] = {}
@@ -349,11 +346,10 @@ class PipelineRuntime:
             pending = [s for s in steps if s.result is None]
             if not pending:
                 return None
-            if self._lookahead:
-                arrived = [s for s in steps if s.result is not None and not s.followed
-                           and not s.result.is_eog]
-                if arrived:
-                    return arrived
+            arrived = [s for s in steps if s.result is not None and not s.followed
+                       and not s.result.is_eog]
+            if arrived:
+                return arrived
             if not self._link.is_up or self._link.epoch != epoch:
                 raise ChainUnavailableError(
                     f"the downstream pipeline was lost: {self._link.down_reason()}")

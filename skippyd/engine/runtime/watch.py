@@ -50,7 +50,7 @@ class WatchedRuntime(RuntimeWrapper):
         self._seen = (-1, 0.0)  # (progress count, when it was first seen)
         self._seen_lock = threading.Lock()
         self._fault = fault if fault is not None else os.environ.get(FAULT_ENV)
-        if self._fault:
+        if self._fault == "hang-iteration":
             logger.warning("fault injection active: %s", self._fault)
 
     def busy_for(self) -> float:

@@ -1,6 +1,8 @@
-"""The iteration worker: one thread per stage that runs the policy's plans on a runtime.
+"""The iteration worker: one thread per stage, the only code that calls its runtime.
 
-Its thread is the only code that calls a llama.cpp context at run time. ``thread_*``
-modules run on the worker thread only; ``handle`` and ``caller`` run on callers' threads
-and reach the worker only through its bounded command queue; the rest are shared types.
+``handle`` is the callers' side (it reaches the worker only through its bounded command
+queue); ``command_loop`` is the thread every worker shares; ``generations`` (stage 0)
+and ``batches`` (a later stage) are the two roles a turn of that loop runs; ``record``
+is the one record a generation has on the worker thread. The rest are shared types and
+helpers.
 """

@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -102,6 +102,37 @@ class RuntimeCapacityError(WorkerError):
         super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
 
 
+class AdmissionTimeoutError(WorkerError):
+    """The request waited for a lane longer than ``runtime.admission_timeout_s``."""
+
+    kind = "overloaded"
+    status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=QUEUE_FULL_RETRY_AFTER_S)
+
+
+class StalledError(WorkerError):
+    """An admitted request made no progress for ``runtime.stall_timeout_s``."""
+
+    kind = "timeout"
+    status = 504
+
+
+class DeadlineExceededError(WorkerError):
+    """A direct iteration's deadline passed before (or while) it ran."""
+
+    kind = "timeout"
+    status = 504
+
+
+class RequestCancelledError(WorkerError):
+    """The request was cancelled (its consumer went away); nobody reads this error."""
+
+    kind = "cancelled"
+    status = 499
+
+
 class ServiceUnavailableError(WorkerError):
     """A part of the stage's runtime (the downstream pipeline) is unreachable; retry later."""
 
@@ -140,12 +171,6 @@ class GenerationRequest:
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingConfig | None = None
-    priority: int = 0
-    """Higher is more important."""
-    generated_tokens: list[int] = field(default_factory=list)
-    """Tokens already generated; non-empty resumes a generation."""
-    retain_runtime: bool = False
-    """The caller owns the runtime session: the worker never drops it."""
     fork_of: str | None = None
     """Another request with the same prompt, submitted just before this one (the first
     of ``n`` choices): this one copies that request's prompt KV once it is computed
@@ -155,9 +180,7 @@ class GenerationRequest:
         """Describe the request without its tokens (never log prompt text)."""
         return (
             f"GenerationRequest(id={self.request_id!r}, prompt_tokens={len(self.prompt_tokens)}, "
-            f"generated={len(self.generated_tokens)}, max_tokens={self.max_tokens}, "
-            f"priority={self.priority}, retain_runtime={self.retain_runtime}, "
-            f"fork_of={self.fork_of!r})"
+            f"max_tokens={self.max_tokens}, fork_of={self.fork_of!r})"
         )
 
 
@@ -223,6 +246,14 @@ class TokenAck:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmittedEvent:
+    """The request got a lane: its prompt is computed from now on (sent once)."""
+
+    cached_tokens: int
+    """Leading prompt tokens restored from the prefix cache instead of computed."""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """A generated token; the consumer must answer ``ack`` exactly once."""
 
@@ -253,12 +284,14 @@ class CompleteEvent:
 
 @dataclass(frozen=True, slots=True)
 class ErrorEvent:
-    """The generation failed; no further events follow."""
+    """The generation failed or was cancelled; no further events follow."""
 
     error: WorkerError
 
 
-GenerationEvent = TokenEvent | PromptLogprobsEvent | CompleteEvent | ErrorEvent
+FinalEvent = CompleteEvent | ErrorEvent
+"""The one event that ends every generation."""
+GenerationEvent = AdmittedEvent | TokenEvent | PromptLogprobsEvent | FinalEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,13 +371,33 @@ class WorkerStats:
 class SubmitCommand:
     request: GenerationRequest
     on_event: Callable[[GenerationEvent], None]
-    runtime_configured: bool = False
-    """The caller already owns an active runtime session (resume)."""
+    answered: bool = False
+    """Set once the generation's final event went out (the worker thread only)."""
+
+    def answer(self, event: FinalEvent) -> None:
+        """Send the generation's final event, unless it already has one."""
+        if self.answered:
+            return
+        self.answered = True
+        try:
+            self.on_event(event)
+        except Exception:  # the consumer's bug must not reach the worker
+            logger.exception("event callback of %s failed", self.request.request_id)
 
 
 @dataclass(slots=True)
 class CancelCommand:
     req_id: str
+    overflowed: bool = False
+    """It found the command queue full and went to the worker's inbox instead, so it
+    may overtake the Submit it cancels."""
+
+
+@dataclass(slots=True)
+class DropSessionCommand:
+    """Free a runtime session a later stage of a split pipeline no longer needs."""
+
+    session_id: str
 
 
 @dataclass(slots=True)

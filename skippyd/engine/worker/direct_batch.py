@@ -1,19 +1,20 @@
-"""Direct iterations: validation, batching and execution.
+"""Direct iterations: what they are, how they are checked and how they are batched.
 
 A direct iteration is caller-shaped work (explicit tokens or activation rows, explicit
 positions) that bypasses the planning policy: a later stage of a split pipeline runs
-what its upstream stage sends this way. The worker batches queued direct iterations into one runtime call per
-turn with :func:`take_direct_iteration_batch` and runs it with
-:func:`run_direct_iteration_batch`.
+what its upstream stage sends this way. The batch worker
+(:mod:`~skippyd.engine.worker.batches`) takes queued direct iterations into one runtime
+call per turn with :func:`take_direct_iteration_batch`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -21,22 +22,16 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from skippyd.engine.runtime.protocol import (
-    IterationOutput,
     IterationPhase,
     IterationRequest,
-    Runtime,
-    RuntimeFailure,
     SamplingConfig,
-    SessionAlignment,
 )
 from skippyd.engine.worker.commands import (
+    DeadlineExceededError,
     InvalidRequestError,
     IterationOutcome,
-    WorkerBackendError,
-    WorkerError,
-    worker_error_from_runtime,
+    RequestCancelledError,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_DIRECT_ITERATION
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +39,6 @@ logger = logging.getLogger(__name__)
 MAX_NATIVE_ITERATION_TOKENS = 2048
 #: How long the worker waits for peers of a lone direct iteration.
 DIRECT_ITERATION_COALESCE_WINDOW_S = 0.002
-
-Publish = Callable[[str, Mapping[str, Any]], None]
-
-
-def should_serve_direct(has_direct: bool, has_planned: bool, last_served_direct: bool) -> bool:
-    """Strictly alternate direct and planned work when both wait."""
-    if has_direct and has_planned:
-        return not last_served_direct
-    return has_direct
 
 
 def direct_coalesce_target(active_runtime_sessions: int, queued_direct: int, max_batch: int,
@@ -141,8 +127,40 @@ class DirectIteration:
     """Trim the session to this many tokens first if it is ahead."""
     group: DirectGroup | None = None
     """Run with exactly the other iterations of this group (see :class:`DirectGroup`)."""
+    deadline: float | None = None
+    """``time.monotonic()`` after which it must not run, and its caller stops waiting."""
+    cancelled: threading.Event | None = None
+    """Set by the caller when nobody wants the result any more (the link closed)."""
     enqueued_at: float = field(default_factory=time.monotonic)
     reply: Future[IterationOutcome] = field(default_factory=Future)
+
+    def ensure_active(self) -> None:
+        """Raise if it was cancelled or its deadline passed (cancellation first).
+
+        Raises:
+            RequestCancelledError: Its cancellation event is set.
+            DeadlineExceededError: Its deadline passed.
+        """
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RequestCancelledError("request cancelled during scheduler iteration")
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceededError("deadline exceeded during scheduler iteration")
+
+    def outcome(self) -> IterationOutcome:
+        """Wait for the worker's reply, no longer than the deadline.
+
+        A deadline that passed wins even over a reply that came in the meantime.
+
+        Raises:
+            WorkerError: The worker's error, or a deadline or cancellation one.
+        """
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        try:
+            result = self.reply.result(timeout)
+        except TimeoutError:
+            raise DeadlineExceededError("deadline exceeded during scheduler iteration") from None
+        self.ensure_active()
+        return result
 
     @property
     def num_tokens(self) -> int:
@@ -222,126 +240,3 @@ def resolve_future(future: Future[Any], value: Any = None, error: BaseException 
             future.set_result(value)
     except InvalidStateError:
         pass
-
-
-def _prepare(runtime: Runtime, batch: list[DirectIteration]) -> list[tuple[DirectIteration, SessionAlignment | None]]:
-    """Align sessions that are ahead; returns the requests that can run."""
-    runnable = []
-    for item in batch:
-        try:
-            alignment = None
-            if item.target_token_count is not None:
-                alignment = runtime.align_session_to_token_count_if_ahead(
-                    item.session_id, item.target_token_count
-                )
-        except RuntimeFailure as exc:
-            error = worker_error_from_runtime(f"align session {item.session_id}", exc)
-            resolve_future(item.reply, error=error)
-            continue
-        runnable.append((item, alignment))
-    return runnable
-
-
-def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:
-    """Index samples by request, rejecting malformed outputs."""
-    if output.output_rows and len(output.output_rows) != num_requests:
-        raise WorkerBackendError(
-            f"scheduler iteration returned {len(output.output_rows)} outputs "
-            f"for {num_requests} requests"
-        )
-    samples: dict[int, tuple[int, bool]] = {}
-    for sample in output.samples:
-        index = sample.request_index
-        if not 0 <= index < num_requests:
-            raise WorkerBackendError(
-                f"scheduler iteration sample references request {index}, "
-                f"but only {num_requests} requests ran"
-            )
-        if index in samples:
-            raise WorkerBackendError(
-                f"scheduler iteration returned duplicate sample for request {index}"
-            )
-        samples[index] = (sample.token, sample.is_eog)
-    return samples
-
-
-def run_direct_iteration_batch(
-    runtime: Runtime, batch: list[DirectIteration], publish: Publish
-) -> int:
-    """Run ``batch`` as one runtime call and reply to every caller.
-
-    Caller (the worker thread) has already removed ``batch`` from the queue. Every
-    request's future is completed, whatever happens. A :class:`RuntimeFailure` is sent
-    to every caller; any other exception is sent too and then re-raised (a bug: the
-    worker's panic containment takes over).
-
-    Returns:
-        The number of requests that reached the runtime.
-    """
-    runnable = _prepare(runtime, batch)
-    if not runnable:
-        return 0
-    started = time.monotonic()
-    requests = [item.make_runtime_request() for item, _ in runnable]
-    try:
-        output = runtime.iteration_batch_sampled(requests)
-        samples = _map_samples(output, len(requests))
-    except (RuntimeFailure, WorkerError) as exc:
-        error = exc if isinstance(exc, WorkerError) else worker_error_from_runtime(
-            "scheduler iteration", exc
-        )
-        for item, _ in runnable:
-            resolve_future(item.reply, error=error)
-        return len(runnable)
-    except BaseException:
-        for item, _ in runnable:
-            resolve_future(item.reply, error=WorkerBackendError("scheduler iteration crashed"))
-        raise
-    finished = time.monotonic()
-    _reply_outcomes(runnable, output, samples, started, finished)
-    publish_direct_iteration(publish, runnable, started, finished)
-    return len(runnable)
-
-
-def _reply_outcomes(
-    runnable: list[tuple[DirectIteration, SessionAlignment | None]],
-    output: IterationOutput,
-    samples: dict[int, tuple[int, bool]],
-    started: float,
-    finished: float,
-) -> None:
-    run_ms = (finished - started) * 1000.0
-    for index, (item, alignment) in enumerate(runnable):
-        token, is_eog = samples.get(index, (-1, False))
-        rows = output.output_rows[index] if output.output_rows else None
-        outcome = IterationOutcome(
-            predicted=token,
-            is_eog=is_eog,
-            output_rows=rows,
-            batch_size=len(runnable),
-            batch_wait_ms=max(0.0, started - item.enqueued_at) * 1000.0,
-            run_ms=run_ms,
-            session_alignment=alignment,
-        )
-        resolve_future(item.reply, outcome)
-
-
-def publish_direct_iteration(
-    publish: Publish,
-    runnable: list[tuple[DirectIteration, SessionAlignment | None]],
-    started: float,
-    finished: float,
-) -> None:
-    """Emit ``stage.scheduler_feature_iteration``."""
-    publish(
-        SCHEDULER_DIRECT_ITERATION,
-        {
-            "skippy.scheduler.batch_size": len(runnable),
-            "skippy.scheduler.token_count": sum(item.num_tokens for item, _ in runnable),
-            "skippy.scheduler.batch_wait_max_ms": max(
-                (started - item.enqueued_at) * 1000.0 for item, _ in runnable
-            ),
-            "skippy.scheduler.runtime_lock_wait_ms": 0.0,
-            "skippy.scheduler.runtime_lock_hold_ms": (finished - started) * 1000.0,
-        },
-    )

@@ -85,7 +85,6 @@ def build_scheduler_config(
         ))
     return SchedulerConfig(
         max_active_sequences=max(lanes, 1),
-        reserved_sequence_ids=0,
         max_waiting_sequences=max(queue_capacity, 1),
         max_tokens_per_iteration=max_tokens,
         prefill_chunk_tokens=min(max(n_ubatch, 1), max_tokens),
@@ -97,7 +96,6 @@ def build_scheduler_config(
         target_step_us=round(target_step_ms * 1000),
         cache_aging_cost_per_iteration=CACHE_AGING_COST_PER_ITERATION,
         group_waiting_prefixes=True,
-        iteration_interval_s=0.0,
         memory_components=tuple(components),
     ).normalized()
 
@@ -136,8 +134,11 @@ class WorkerSettings:
     """Commands the worker handles per turn at most."""
     command_queue_capacity: int
     """Bound of the command queue: queue capacity plus lanes, at least 8."""
-    iteration_interval_s: float = 0.0
-    """Pause between turns; 0 (the runtime call itself is the collection window)."""
+    admission_timeout_s: float = 0.0
+    """A request still waiting for a lane after this long ends with an error (0: never)."""
+    stall_timeout_s: float = 0.0
+    """An admitted request that makes no progress for this long ends with an error
+    (0: never)."""
 
     @classmethod
     def for_stage(cls, config: StageConfig, runtime: Runtime,
@@ -157,20 +158,27 @@ class WorkerSettings:
                           recurrent_bytes_per_seq=recurrent_bytes_per_seq,
                           exports=not config.is_final,
                           decode_groups=config.planned_decode_groups or 1,
-                          target_step_ms=rt.target_step_ms)
+                          target_step_ms=rt.target_step_ms,
+                          admission_timeout_s=rt.admission_timeout_s,
+                          stall_timeout_s=rt.stall_timeout_s)
 
     @classmethod
     def derive(cls, runtime: Runtime, *, queue_capacity: int, safe_mode: bool = False,
                continuous_batching: bool = True, recurrent_bytes_per_seq: int = 0,
                exports: bool = False, decode_groups: int = 1,
-               target_step_ms: float = 0.0) -> WorkerSettings:
+               target_step_ms: float = 0.0, admission_timeout_s: float = 0.0,
+               stall_timeout_s: float = 0.0) -> WorkerSettings:
         """The settings from explicit stage facts (:meth:`for_stage` reads them from a config).
 
         Raises:
-            ValueError: ``queue_capacity`` is below 1.
+            ValueError: ``queue_capacity`` is below 1, or a timeout is negative.
         """
         if queue_capacity < 1:
             raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
+        for name, value in (("admission_timeout_s", admission_timeout_s),
+                            ("stall_timeout_s", stall_timeout_s)):
+            if value < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {value})")
         lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
         policy = build_scheduler_config(
             lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq, runtime.max_batch_tokens,
@@ -186,5 +194,6 @@ class WorkerSettings:
                                             MAX_NATIVE_ITERATION_TOKENS),
             max_commands_per_turn=min(capacity, MAX_COMMANDS_PER_TURN),
             command_queue_capacity=capacity,
-            iteration_interval_s=policy.iteration_interval_s,
+            admission_timeout_s=admission_timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )

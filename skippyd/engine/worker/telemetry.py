@@ -22,6 +22,7 @@ from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from skippyd.engine.policy.telemetry import IterationTelemetry
     from skippyd.engine.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ SCHEDULER_RUNTIME_OPERATION = "stage.scheduler_feature_runtime"
 SCHEDULER_WORKER_PANIC = "stage.scheduler_worker_panic"
 #: Name of the cache-aware ordering, reported at scheduler start.
 CACHE_POLICY_NAME = "weighted_lpm_aging_dfs_waiting_prefix"
+#: Prefix of every attribute key the worker publishes.
+_PREFIX = "skippy.scheduler."
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +242,7 @@ class TelemetryHub:
 
 def publish_worker_start(hub: TelemetryHub, settings: WorkerSettings) -> None:
     """Publish ``stage.scheduler_start``: how the worker was sized."""
-    prefix = "skippy.scheduler."
+    prefix = _PREFIX
     hub.publish(SCHEDULER_START, {
         prefix + "safe_mode": settings.safe_mode,
         prefix + "command_queue_capacity": settings.command_queue_capacity,
@@ -249,3 +252,38 @@ def publish_worker_start(hub: TelemetryHub, settings: WorkerSettings) -> None:
         prefix + "mixed_prefill_decode": settings.policy.mixed_prefill_decode,
         prefix + "cache_policy": CACHE_POLICY_NAME,
     })
+
+
+#: (attribute key, IterationTelemetry field) of the counters every step reports.
+_STEP_FIELDS = tuple((_PREFIX + name, name) for name in (
+    "iteration", "admitted", "preempted", "prefill_tokens", "recompute_tokens",
+    "decode_tokens", "prefix_hits", "prefix_misses"))
+_COMPONENT_KEYS: dict[str, tuple[str, str, str]] = {}
+
+
+def _component_keys(name: str) -> tuple[str, str, str]:
+    keys = _COMPONENT_KEYS.get(name)
+    if keys is None:
+        component = f"{_PREFIX}component.{name}."
+        keys = _COMPONENT_KEYS[name] = (component + "used_bytes",
+                                        component + "available_bytes",
+                                        component + "free_bytes")
+    return keys
+
+
+def step_attributes(step: IterationTelemetry, step_ms: float,
+                    execution_ms: float) -> dict[str, Any]:
+    """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
+    attributes: dict[str, Any] = {key: getattr(step, name) for key, name in _STEP_FIELDS}
+    attributes[_PREFIX + "running"] = step.active_sequences
+    attributes[_PREFIX + "waiting"] = step.waiting_sequences
+    attributes[_PREFIX + "step_ms"] = step_ms
+    attributes[_PREFIX + "execution_ms"] = execution_ms
+    attributes[_PREFIX + "overhead_ms"] = max(0.0, step_ms - execution_ms)
+    available = dict(step.component_available_bytes)
+    for name, used in step.component_used_bytes:
+        used_key, available_key, free_key = _component_keys(name)
+        attributes[used_key] = used
+        attributes[available_key] = available.get(name, 0)
+        attributes[free_key] = max(0, available.get(name, 0) - used)
+    return attributes

@@ -24,7 +24,7 @@ from skippyd.engine.runtime.protocol import (
     LanesBusyError,
     SessionAlignment,
 )
-from skippyd.engine.worker.commands import GenerationEvent
+from skippyd.engine.worker.commands import AdmittedEvent, GenerationEvent
 
 GATE_TIMEOUT_S = 10.0
 
@@ -194,13 +194,21 @@ class FakeRuntime:
 
 
 class EventRecorder:
-    """An ``on_event`` callback that collects a generation's events for a test."""
+    """An ``on_event`` callback that collects a generation's events for a test.
+
+    Admission events are kept apart, in ``admitted`` (the order of the others is what
+    most tests look at).
+    """
 
     def __init__(self) -> None:
         self.events: queue.SimpleQueue[GenerationEvent] = queue.SimpleQueue()
+        self.admitted: list[AdmittedEvent] = []
 
     def __call__(self, event: GenerationEvent) -> None:
-        self.events.put(event)
+        if isinstance(event, AdmittedEvent):
+            self.admitted.append(event)
+        else:
+            self.events.put(event)
 
     def next(self, timeout_s: float = GATE_TIMEOUT_S) -> GenerationEvent:
         """The next event, waiting up to ``timeout_s`` (raises ``queue.Empty``)."""

@@ -26,8 +26,8 @@ def test_grouping_divides_the_lane_count_and_never_reaches_zero(lanes, groups):
     assert size <= max(lanes, 1)
 
 
-def test_worker_uses_the_group_size_for_direct_batches(make_handle):
-    worker = make_handle(FakeRuntime(lane_count=4), decode_groups=2)
-    settings = worker._shared.worker.settings
+def test_worker_uses_the_group_size_for_direct_batches(make_batch_handle):
+    worker = make_batch_handle(FakeRuntime(lane_count=4), decode_groups=2)
+    settings = worker.settings
     assert settings.max_direct_batch_size == 4
     assert settings.direct_group_batch_size == 2

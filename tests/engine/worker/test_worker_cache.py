@@ -22,12 +22,13 @@ def test_a_burst_sharing_a_prefix_prefills_it_once_with_the_same_output(make_sta
     expected = {req_id: c.result() for req_id, c in submit_all(without, BURST, 8).items()}
     worker, cache = make_stack()
     with worker.telemetry.subscribe(maxlen=4096) as events:
-        results = {req_id: c.result() for req_id, c in submit_all(worker, BURST, 8).items()}
+        collectors = submit_all(worker, BURST, 8)
+        results = {req_id: c.result() for req_id, c in collectors.items()}
         computed = prefill_tokens(events.drain())
     assert results == expected
     stats = cache.stats()
     assert (stats.hits, stats.misses) == (3, 1)
-    cached = sorted(cache.cached_prompt_tokens(req_id) for req_id in BURST)
+    cached = sorted(c.cached_tokens for c in collectors.values())
     assert cached == [0, len(SHARED), len(SHARED), len(SHARED)]
     # The shared prefix was computed once: one whole prompt plus three suffixes.
     assert computed == len(SHARED) + 4 * 6
@@ -43,7 +44,7 @@ def test_the_next_turn_of_a_conversation_restores_the_whole_first_turn(make_stac
     [turn2] = submit_all(worker, {"turn-2": second}, 4).values()
     turn2.result()
     # The last reply token was sampled but never decoded: the KV ends one before it.
-    assert cache.cached_prompt_tokens("turn-2") == len(first) + len(reply) - 1
+    assert turn2.cached_tokens == len(first) + len(reply) - 1
     without, _ = make_stack(cache=False)
     [reference] = submit_all(without, {"turn-2": second}, 4).values()
     assert turn2.result() == reference.result()

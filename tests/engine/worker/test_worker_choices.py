@@ -17,9 +17,10 @@ from skippyd.engine.runtime.protocol import RuntimeWrapper, SamplingConfig
 from skippyd.engine.worker.commands import (
     GenerationRequest,
     PromptLogprobsEvent,
+    RequestCancelledError,
     TokenEvent,
 )
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 
@@ -59,7 +60,7 @@ def stack(tiny_model_path):
         live = (LivePrefixCache(counting, SETTINGS, namespace="tiny:0-4", publish=hub.publish)
                 if cache else None)
         settings = WorkerSettings.derive(counting, queue_capacity=8)
-        worker = WorkerHandle(counting, settings, telemetry=hub, prefix_cache=live)
+        worker = GenerationHandle(counting, settings, telemetry=hub, prefix_cache=live)
         opened.append((worker, runtime))
         return worker, counting
 
@@ -138,7 +139,8 @@ def test_a_cancelled_leader_sets_its_waiting_followers_free(stack, blocked_worke
     assert [len(c.result()) for c in collectors[1:]] == [4, 4]
     assert runtime.computed["req-0"] == 0
     assert runtime.computed["req-1"] == runtime.computed["req-2"] == len(PROMPT) + 3
-    assert not runtime.forks and not collectors[0].done.is_set()
+    assert not runtime.forks
+    assert isinstance(collectors[0].error, RequestCancelledError)  # answered at once
     assert runtime.active_session_count() == 0
     assert worker.stats().num_waiting == 0
 

@@ -50,14 +50,12 @@ def test_planned_prefills_share_the_export_microbatch_budget(
 def test_server_scheduler_config_uses_runtime_lanes_and_native_batch_limits():
     config = build_scheduler_config(32, 131072, 1024, 4096, 128, 64)
     assert config.max_active_sequences == 32
-    assert config.reserved_sequence_ids == 0
     assert config.max_waiting_sequences == 64
     assert config.max_tokens_per_iteration == 2048
     assert config.prefill_chunk_tokens == 128
     assert config.max_consecutive_prefill_iterations == 1
     assert config.max_prefill_sequences_per_iteration == 1
     assert config.mixed_prefill_decode is False
-    assert config.iteration_interval_s == 0.0
     kv, recurrent = config.memory_components
     assert (kv.name, kv.capacity_bytes, kv.bytes_per_token, kv.bytes_per_sequence) == (
         "kv-cells", 131072, 1, 0)

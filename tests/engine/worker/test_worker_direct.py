@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -13,12 +15,16 @@ from skippyd.engine.runtime.protocol import (
     IterationPhase,
     IterationSample,
 )
-from skippyd.engine.worker.commands import InvalidRequestError, WorkerBackendError
+from skippyd.engine.worker.commands import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    RequestCancelledError,
+    WorkerBackendError,
+)
 from skippyd.engine.worker.direct_batch import (
     DirectGroup,
     DirectIteration,
     direct_coalesce_target,
-    should_serve_direct,
     take_direct_iteration_batch,
     validate_direct_iteration,
 )
@@ -46,8 +52,8 @@ def run(worker, session_id, token_ids, **fields):
 
 
 def test_a_malformed_direct_iteration_is_refused_before_queueing(runtime_factory,
-                                                                 make_handle):
-    worker = make_handle(runtime_factory())
+                                                                 make_batch_handle):
+    worker = make_batch_handle(runtime_factory())
     with pytest.raises(InvalidRequestError, match="at least one token"):
         worker.submit_iteration(DirectIteration("s", []))
     assert worker.stats().command_queue_depth == 0
@@ -55,7 +61,7 @@ def test_a_malformed_direct_iteration_is_refused_before_queueing(runtime_factory
 
 @pytest.mark.parametrize(("continuous_batching", "batch_size"), [(True, 2), (False, 1)])
 def test_continuous_batching_controls_multi_request_direct_iterations(
-    runtime_factory, make_handle, blocked_worker, continuous_batching, batch_size
+    runtime_factory, make_batch_handle, blocked_worker, continuous_batching, batch_size
 ):
     lanes = effective_lane_count(2, False, continuous_batching)
     queue = deque([Item("a", "a", 1), Item("b", "b", 1)])
@@ -63,7 +69,7 @@ def test_continuous_batching_controls_multi_request_direct_iterations(
     assert len(queue) == 2 - batch_size
 
     runtime = runtime_factory(lane_count=2)
-    worker = make_handle(runtime, continuous_batching=continuous_batching)
+    worker = make_batch_handle(runtime, continuous_batching=continuous_batching)
     _, release = blocked_worker(worker)
     replies = [worker.submit_iteration(DirectIteration(s, [1, 2], sample_last=True))
                for s in ("a", "b")]
@@ -141,22 +147,9 @@ def test_deferred_prefill_chunk_is_not_overtaken_by_its_own_session():
     assert names(queue) == ["same-256", "same-1"]
 
 
-@pytest.mark.parametrize(("has_direct", "has_planned", "last_direct", "expected"), [
-    (True, True, False, True),
-    (True, True, True, False),
-    (True, False, True, True),
-    (False, True, False, False),
-    (False, False, False, False),
-])
-def test_direct_and_planned_work_alternate_without_starvation(
-    has_direct, has_planned, last_direct, expected
-):
-    assert should_serve_direct(has_direct, has_planned, last_direct) is expected
-
-
-def test_a_direct_iteration_trims_a_session_that_is_ahead(runtime_factory, make_handle):
+def test_a_direct_iteration_trims_a_session_that_is_ahead(runtime_factory, make_batch_handle):
     runtime = runtime_factory()
-    worker = make_handle(runtime)
+    worker = make_batch_handle(runtime)
     first = run(worker, "s", [1, 2, 3, 4], sample_last=True)
     assert first.predicted == 104 and first.batch_size == 1 and first.session_alignment is None
     outcome = run(worker, "s", [7], positions=[2], sample_last=True,
@@ -191,10 +184,10 @@ class _MalformedRuntime:
     (lambda out: IterationOutput(out.output_rows, [*out.samples, out.samples[0]]),
      "duplicate sample for request 0"),
 ])
-def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_handle,
+def test_malformed_runtime_output_fails_every_caller(runtime_factory, make_batch_handle,
                                                     blocked_worker, corrupt, message):
     fake = runtime_factory()
-    worker = make_handle(_MalformedRuntime(fake, corrupt))
+    worker = make_batch_handle(_MalformedRuntime(fake, corrupt))
     _, release = blocked_worker(worker)
     replies = [worker.submit_iteration(DirectIteration(s, [1], sample_last=True))
                for s in ("a", "b")]
@@ -219,3 +212,57 @@ def test_a_link_group_runs_whole_and_alone():
 def test_coalescing_waits_for_a_group_to_be_complete_and_no_longer():
     assert direct_coalesce_target(8, 1, 4, DirectGroup("g", 3)) == 3
     assert direct_coalesce_target(8, 5, 4, DirectGroup("g", 2)) == 2
+
+
+def test_a_direct_iteration_already_past_its_deadline_is_refused_before_queueing(
+    runtime_factory, make_batch_handle
+):
+    runtime = runtime_factory()
+    worker = make_batch_handle(runtime)
+    with pytest.raises(DeadlineExceededError):
+        worker.submit_iteration(DirectIteration("s", [1], deadline=time.monotonic() - 1.0))
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(RequestCancelledError):
+        worker.submit_iteration(DirectIteration("s", [1], cancelled=cancelled))
+    assert worker.stats().command_queue_depth == 0 and runtime.calls == []
+
+
+def test_an_iteration_that_expires_behind_a_busy_worker_never_reaches_the_runtime(
+    runtime_factory, make_batch_handle, blocked_worker
+):
+    runtime = runtime_factory()
+    worker = make_batch_handle(runtime)
+    _, release = blocked_worker(worker)
+    late = DirectIteration("late", [1], sample_last=True, deadline=time.monotonic() + 0.05)
+    reply = worker.submit_iteration(late)
+    with pytest.raises(DeadlineExceededError):
+        late.outcome()  # the caller stops waiting at its deadline, the worker still holds it
+    release.set()
+    assert isinstance(reply.exception(timeout=WAIT_S), DeadlineExceededError)
+    assert run(worker, "next", [2], sample_last=True).predicted is not None
+    assert [request.session_id for call in runtime.calls for request in call] == ["next"]
+
+
+def test_a_deadline_that_passes_wins_over_a_reply_that_came_meanwhile(runtime_factory,
+                                                                    make_batch_handle):
+    worker = make_batch_handle(runtime_factory())
+    iteration = DirectIteration("s", [1], sample_last=True, deadline=time.monotonic() + 0.2)
+    worker.submit_iteration(iteration).result(timeout=WAIT_S)
+    iteration.deadline = time.monotonic() - 0.01  # as if the reply came after it
+    with pytest.raises(DeadlineExceededError):
+        iteration.outcome()
+
+
+def test_an_iteration_cancelled_while_queued_is_answered_without_running(
+    runtime_factory, make_batch_handle, blocked_worker
+):
+    runtime = runtime_factory()
+    worker = make_batch_handle(runtime)
+    _, release = blocked_worker(worker)
+    cancelled = threading.Event()
+    reply = worker.submit_iteration(DirectIteration("gone", [1], cancelled=cancelled))
+    cancelled.set()
+    release.set()
+    assert isinstance(reply.exception(timeout=WAIT_S), RequestCancelledError)
+    assert runtime.calls == []

@@ -54,12 +54,12 @@ def test_a_consumer_that_vanishes_is_stopped_within_a_turn(make_worker):
     runtime = FakeRuntime(lane_count=2)
     worker = make_worker(runtime)
     consumer = TerminalOnly()
-    worker.handle_command(SubmitCommand(GenerationRequest("r", [1, 2], max_tokens=500),
+    worker.handle(SubmitCommand(GenerationRequest("r", [1, 2], max_tokens=500),
                                         consumer))
-    worker.run_work_turn()  # prefill and the first token, dropped by the consumer
-    assert "r" in worker.planned.requests
-    worker.run_work_turn()  # its ack reads disconnected: the request ends here
-    assert "r" not in worker.planned.requests
+    worker.run_turn()  # prefill and the first token, dropped by the consumer
+    assert "r" in worker.requests
+    worker.run_turn()  # its ack reads disconnected: the request ends here
+    assert "r" not in worker.requests
     assert consumer.recorder.next(0) == CompleteEvent("stop")
     assert runtime.session_token_count("r") is None  # the lane is free again
     assert len(runtime.calls) <= 2
@@ -107,19 +107,19 @@ def test_isolated_re_runs_do_not_switch_mixed_batches_off(make_worker):
     runtime = SlowAfterInvalid(lane_count=3, invalid_tokens={999})
     worker = make_worker(runtime)
     running = EventRecorder()
-    worker.handle_command(SubmitCommand(GenerationRequest("a", [1, 2], max_tokens=50), running))
+    worker.handle(SubmitCommand(GenerationRequest("a", [1, 2], max_tokens=50), running))
     for _ in range(4):  # prefill, then decode-only steps: a baseline for 1 decoder
-        worker.run_work_turn()
+        worker.run_turn()
     bad = EventRecorder()
-    worker.handle_command(SubmitCommand(GenerationRequest("bad", [999, 5], max_tokens=5), bad))
-    worker.run_work_turn()
+    worker.handle(SubmitCommand(GenerationRequest("bad", [999, 5], max_tokens=5), bad))
+    worker.run_turn()
     # A mixed batch, refused, then each work re-run alone (the bad one fails again).
     assert runtime.failed_calls == [["a", "bad"], ["bad"]]
     assert isinstance(_terminal(bad), ErrorEvent)
-    assert worker.planned.scheduler.mixed_prefill_viable
-    worker.handle_command(SubmitCommand(GenerationRequest("c", [7, 8], max_tokens=2),
+    assert worker.scheduler.mixed_prefill_viable
+    worker.handle(SubmitCommand(GenerationRequest("c", [7, 8], max_tokens=2),
                                         EventRecorder()))
-    worker.run_work_turn()
+    worker.run_turn()
     assert {r.session_id for r in runtime.calls[-1]} == {"a", "c"}  # still mixing
 
 

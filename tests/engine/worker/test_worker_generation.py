@@ -8,13 +8,12 @@ from worker_support import barrier, generate, on_worker
 
 from skippyd.engine.runtime.protocol import DecodeFailedError
 from skippyd.engine.worker.commands import (
-    CancelCommand,
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
     InvalidRequestError,
     QueueFullError,
-    SubmitCommand,
+    RequestCancelledError,
     TokenControl,
     TokenEvent,
     WorkerBackendError,
@@ -58,7 +57,6 @@ def test_worker_batches_and_completes_default_generations(
     assert step.attributes["skippy.scheduler.finished"] == 2
     barrier(worker)
     assert runtime.sampled_sessions() == [["a", "b"]]
-    assert worker._shared.worker.planned.requests == {}
     stats = worker.stats()
     assert (stats.num_finished, stats.num_active, stats.num_waiting) == (2, 0, 0)
     assert runtime.active_session_count() == 0
@@ -70,47 +68,27 @@ def test_token_control_is_applied_without_blocking_the_scheduler_iteration(
     runtime = runtime_factory(lane_count=2)
     worker = make_worker(runtime)
     recorder = EventRecorder()
-    worker.handle_command(SubmitCommand(GenerationRequest("r", [1, 2], max_tokens=8), recorder))
-    worker.run_work_turn()
+    worker.submit(GenerationRequest("r", [1, 2], max_tokens=8), recorder)
+    worker.run_turn()
     first = recorder.next(0)
     assert isinstance(first, TokenEvent)
-    assert "r" in worker.planned.requests
+    assert "r" in worker.requests
 
-    worker.run_work_turn()  # the unanswered ack does not hold the next decode back
+    worker.run_turn()  # the unanswered ack does not hold the next decode back
     second = recorder.next(0)
     assert isinstance(second, TokenEvent)
-    assert "r" in worker.planned.requests
+    assert "r" in worker.requests
 
     first.ack.send(TokenControl.CONTINUE)
-    worker.planned.apply_pending_controls()
-    assert "r" in worker.planned.requests
+    worker.run_turn()  # answered acks are applied first: Continue keeps it running
+    assert isinstance(recorder.next(0), TokenEvent)
+    assert "r" in worker.requests
     second.ack.send(TokenControl.STOP)
-    worker.planned.apply_pending_controls()
-    assert "r" not in worker.planned.requests
-    assert "r" not in worker.planned.scheduler
+    worker.run_turn()
+    assert "r" not in worker.requests
+    assert "r" not in worker.scheduler
     assert recorder.next(0) == CompleteEvent("stop")
     assert runtime.session_token_count("r") is None
-
-
-def test_resumed_request_cancellation_leaves_runtime_for_caller_cleanup(
-    runtime_factory, make_worker
-):
-    runtime = runtime_factory(lane_count=2)
-    runtime.ensure_session_active("resume")
-    runtime.sessions["resume"] = 3  # the caller already computed the prompt
-    worker = make_worker(runtime)
-    request = GenerationRequest("resume", [1, 2, 3], max_tokens=8, generated_tokens=[4],
-                                retain_runtime=True)
-    worker.handle_command(SubmitCommand(request, EventRecorder(), runtime_configured=True))
-    worker.run_work_turn()
-    assert runtime.calls[0][0].positions == (3,)  # straight to decode, no replay
-
-    worker.handle_command(CancelCommand("resume"))
-    assert "resume" not in worker.planned.requests
-    assert "resume" not in worker.planned.scheduler
-    assert runtime.active_session_count() == 1
-    worker.handle_command(CancelCommand("resume"))  # idempotent
-    assert runtime.active_session_count() == 1
 
 
 def test_end_of_generation_stops_without_a_token_event(runtime_factory, make_handle):
@@ -156,7 +134,9 @@ def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, ma
     barrier(worker)
     assert worker.stats().num_cancelled == 1
     assert on_worker(worker, lambda rt: rt.session_token_count("c")) is None
-    assert all(isinstance(event, TokenEvent) for event in recorder.pending())  # no terminal
+    *tokens, final = recorder.pending()
+    assert all(isinstance(event, TokenEvent) for event in tokens)
+    assert isinstance(final, ErrorEvent) and isinstance(final.error, RequestCancelledError)
 
 
 def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, make_handle):
@@ -228,7 +208,6 @@ def test_full_waiting_queue_answers_with_overload(runtime_factory, make_handle,
     ({"prompt_tokens": []}, "prompt_tokens"),
     ({"prompt_tokens": [1, -4]}, "prompt_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"priority": -1}, "priority"),
     ({"prompt_tokens": [1] * 100}, "KV cache"),
 ])
 def test_malformed_generation_is_rejected_before_queueing(runtime_factory, make_handle,

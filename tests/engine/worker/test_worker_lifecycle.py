@@ -20,14 +20,14 @@ from skippyd.engine.worker.commands import (
     WorkerBackendError,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
 
 WAIT_S = 5.0
 
 
-def fill_command_queue(worker: WorkerHandle) -> int:
+def fill_command_queue(worker: GenerationHandle) -> int:
     """Queue no-op commands until the bounded queue is full; returns how many fit."""
     count = 0
     while True:
@@ -44,7 +44,7 @@ def test_safe_mode_from_the_environment_forces_one_lane(monkeypatch):
     settings = WorkerSettings.for_stage(parse_config({"runtime": {"lane_count": 4}}), runtime)
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    with WorkerHandle(runtime, settings, telemetry=hub) as worker:
+    with GenerationHandle(runtime, settings, telemetry=hub) as worker:
         assert worker.config.max_active_sequences == 1
     start = subscription.get(WAIT_S)
     assert start.name == SCHEDULER_START
@@ -58,7 +58,7 @@ def test_a_runtime_that_is_not_one_is_refused():
     runtime = FakeRuntime()
     settings = WorkerSettings.derive(runtime, queue_capacity=1)
     with pytest.raises(TypeError, match="does not implement Runtime"):
-        WorkerHandle(object(), settings)  # type: ignore[arg-type]
+        GenerationHandle(object(), settings)  # type: ignore[arg-type]
 
 
 def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_worker):
@@ -84,7 +84,7 @@ def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_w
 
 def test_dropping_the_last_handle_stops_the_worker():
     runtime = FakeRuntime()
-    worker = WorkerHandle(runtime, WorkerSettings.derive(runtime, queue_capacity=4))
+    worker = GenerationHandle(runtime, WorkerSettings.derive(runtime, queue_capacity=4))
     thread = worker.thread
     del worker
     gc.collect()
@@ -163,7 +163,7 @@ def test_detached_capture_unit_releases_on_completion_rejection_and_shutdown_dro
     # Dropped unexecuted at shutdown: queued behind a Shutdown command.
     _, release = blocked_worker(worker)
     releases.clear()
-    worker._shared.commands.put_nowait(ShutdownCommand())
+    worker._loop.commands.put_nowait(ShutdownCommand())
     operation, unit = capture_operation(releases)
     worker.execute_runtime_detached("capture", operation)
     del operation

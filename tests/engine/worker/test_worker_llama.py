@@ -85,8 +85,8 @@ def test_concurrent_generations_share_batched_decode_calls(llama_runtime, make_h
     assert llama_runtime.active_session_count() == 0
 
 
-def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_handle):
-    worker = make_handle(llama_runtime)
+def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_batch_handle):
+    worker = make_batch_handle(llama_runtime)
     first = worker.submit_iteration(DirectIteration(
         "s", PROMPTS["b"], sampling=GREEDY, sample_last=True)).result(timeout=WAIT_S)
     assert first.predicted >= 0 and first.batch_size == 1

@@ -56,8 +56,8 @@ def test_detached_runtime_operation_returns_before_work_completes(runtime_factor
 
 
 def test_runtime_operations_see_the_effect_of_earlier_iterations(runtime_factory,
-                                                                 make_handle):
+                                                                 make_batch_handle):
     runtime = runtime_factory()
-    worker = make_handle(runtime)
+    worker = make_batch_handle(runtime)
     worker.submit_iteration(DirectIteration("s", [1, 2, 3])).result(timeout=WAIT_S)
     assert on_worker(worker, lambda rt: rt.session_token_count("s")) == 3

@@ -101,9 +101,11 @@ def test_subscribe_rejects_an_empty_buffer():
         TelemetryHub().subscribe(maxlen=0)
 
 
-def test_worker_publishes_iteration_direct_and_runtime_events(make_handle):
-    worker = make_handle(FakeRuntime())
-    subscription = worker.telemetry.subscribe()
+def test_workers_publish_iteration_direct_and_runtime_events(make_handle, make_batch_handle):
+    hub = TelemetryHub()
+    worker = make_handle(FakeRuntime(), hub)
+    later_stage = make_batch_handle(FakeRuntime(), hub)
+    subscription = hub.subscribe()
     recorder = EventRecorder()
     worker.submit_generation(GenerationRequest("r", [1, 2], max_tokens=2), recorder)
     for _ in range(2):
@@ -111,9 +113,9 @@ def test_worker_publishes_iteration_direct_and_runtime_events(make_handle):
         assert isinstance(event, TokenEvent)
         event.ack.send(TokenControl.CONTINUE)
     assert recorder.next(WAIT_S) == CompleteEvent("length")
-    worker.submit_iteration(DirectIteration("direct", [1, 2, 3])).result(timeout=WAIT_S)
-    worker.execute_runtime_detached("probe", lambda _rt: None)
-    barrier(worker)
+    later_stage.submit_iteration(DirectIteration("direct", [1, 2, 3])).result(timeout=WAIT_S)
+    later_stage.execute_runtime_detached("probe", lambda _rt: None)
+    barrier(later_stage)
     events = subscription.drain()
     names = [event.name for event in events]
     assert names.count(SCHEDULER_ITERATION) == 2
@@ -134,10 +136,10 @@ def test_worker_publishes_iteration_direct_and_runtime_events(make_handle):
     assert runtime_op["skippy.scheduler.operation"] == "probe"
 
 
-def test_stats_snapshot_is_published_without_touching_the_worker(make_handle,
+def test_stats_snapshot_is_published_without_touching_the_worker(make_batch_handle,
                                                                  blocked_worker):
     runtime = FakeRuntime(lane_count=2)
-    worker = make_handle(runtime)
+    worker = make_batch_handle(runtime)
     _, release = blocked_worker(worker)
     worker.execute_runtime_detached("queued", lambda _rt: None)
     stats = worker.stats()  # the worker is busy; reading must not wait for it

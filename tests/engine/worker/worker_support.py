@@ -16,12 +16,14 @@ from fake_runtime import EventRecorder
 
 from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.engine.worker.commands import (
+    AdmittedEvent,
     CompleteEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     TokenControl,
     TokenEvent,
 )
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.handle import GenerationHandle, WorkerHandle
 
 WAIT_S = 10.0
 
@@ -63,7 +65,7 @@ class Generated:
 
 
 def generate(
-    worker: WorkerHandle,
+    worker: GenerationHandle,
     prompt_tokens: Sequence[int],
     max_tokens: int,
     *,
@@ -95,6 +97,8 @@ def generate(
             control = on_token(event.token) if on_token is not None else TokenControl.CONTINUE
             event.ack.send(control)
             stopped = control is TokenControl.STOP
+        elif isinstance(event, AdmittedEvent | PromptLogprobsEvent):
+            continue
         elif isinstance(event, CompleteEvent):
             return Generated(tokens, "stop" if stopped else event.finish_reason)
         else:

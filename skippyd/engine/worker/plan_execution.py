@@ -3,12 +3,16 @@
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
-  a victim chosen by the policy's preemption rule (lowest priority, latest admitted) gives its KV back, and the rest of the plan is retried. (With a KV
-  stream per lane a session can only run out of its own lane, which the HTTP layer's
-  context check prevents; the path stays for runtimes that share one pool.)
+  a victim chosen by the policy's preemption rule (the latest admitted) gives its KV
+  back, and the rest of the plan is retried. (With a KV stream per lane a session can
+  only run out of its own lane, which the HTTP layer's context check prevents; the path
+  stays for runtimes that share one pool.)
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
   only the bad one fails.
+
+The executor calls nobody back: what it preempted and which requests it could not run
+come back in :class:`Execution`, for the worker to apply to its records.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from skippyd.engine.policy import (
     IterationPhase,
@@ -26,13 +29,13 @@ from skippyd.engine.policy import (
     IterationWork,
     Scheduler,
 )
-from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationOutput,
     IterationRequest,
     KvSlotUnavailableError,
     Runtime,
+    RuntimeFailure,
     TokenLogprob,
 )
 from skippyd.engine.runtime.protocol import IterationPhase as RuntimePhase
@@ -41,6 +44,7 @@ from skippyd.engine.worker.commands import (
     RuntimeCapacityError,
     WorkerError,
 )
+from skippyd.engine.worker.faults import FaultSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -92,42 +96,6 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
     )
 
 
-_PREFIX = "skippy.scheduler."
-#: (attribute key, IterationTelemetry field) of the counters every step reports.
-_STEP_FIELDS = tuple((_PREFIX + name, name) for name in (
-    "iteration", "admitted", "preempted", "prefill_tokens", "recompute_tokens",
-    "decode_tokens", "prefix_hits", "prefix_misses"))
-_COMPONENT_KEYS: dict[str, tuple[str, str, str]] = {}
-
-
-def _component_keys(name: str) -> tuple[str, str, str]:
-    keys = _COMPONENT_KEYS.get(name)
-    if keys is None:
-        component = f"{_PREFIX}component.{name}."
-        keys = _COMPONENT_KEYS[name] = (component + "used_bytes",
-                                        component + "available_bytes",
-                                        component + "free_bytes")
-    return keys
-
-
-def step_attributes(step: IterationTelemetry, step_ms: float,
-                    execution_ms: float) -> dict[str, Any]:
-    """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
-    attributes: dict[str, Any] = {key: getattr(step, name) for key, name in _STEP_FIELDS}
-    attributes[_PREFIX + "running"] = step.active_sequences
-    attributes[_PREFIX + "waiting"] = step.waiting_sequences
-    attributes[_PREFIX + "step_ms"] = step_ms
-    attributes[_PREFIX + "execution_ms"] = execution_ms
-    attributes[_PREFIX + "overhead_ms"] = max(0.0, step_ms - execution_ms)
-    available = dict(step.component_available_bytes)
-    for name, used in step.component_used_bytes:
-        used_key, available_key, free_key = _component_keys(name)
-        attributes[used_key] = used
-        attributes[available_key] = available.get(name, 0)
-        attributes[free_key] = max(0, available.get(name, 0) - used)
-    return attributes
-
-
 def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSample]:
     """Samples by request index; out-of-range indices are ignored, duplicates dropped."""
     samples: dict[int, PlanSample] = {}
@@ -144,14 +112,25 @@ def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSamp
     return samples
 
 
+@dataclass(slots=True)
+class Execution:
+    """What running a plan did, for the worker to apply."""
+
+    result: PlanResult | None = None
+    """What ran and what it sampled; None when nothing ran."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests preempted (their KV already freed) to make room; they recompute later."""
+    failed: list[tuple[str, WorkerError]] = field(default_factory=list)
+    """Requests that cannot run, with the error each must end with."""
+
+
 class PlanExecutor:
     """Runs plans on the runtime; worker thread only.
 
     Args:
         runtime: The runtime.
         scheduler: The policy scheduler (for preemption under KV pressure).
-        on_preempted: Frees the runtime state of a preempted request.
-        fail_request: Fails one request with a typed error.
+        faults: The test fault switch (point ``execute``).
         before_model_call: Runs right before each runtime call (the worker's wait hooks).
     """
 
@@ -159,37 +138,39 @@ class PlanExecutor:
         self,
         runtime: Runtime,
         scheduler: Scheduler,
-        on_preempted: Callable[[str], None],
-        fail_request: Callable[[str, WorkerError], None],
+        faults: FaultSwitch,
         before_model_call: Callable[[], None] = lambda: None,
     ) -> None:
         self._runtime = runtime
         self._scheduler = scheduler
-        self._on_preempted = on_preempted
-        self._fail_request = fail_request
+        self._faults = faults
         self._before_model_call = before_model_call
 
-    def execute(self, plan: IterationPlan) -> PlanResult | None:
-        """Run ``plan``; None when nothing ran. Fatal runtime failures propagate.
+    def execute(self, plan: IterationPlan) -> Execution:
+        """Run ``plan``. Fatal runtime failures propagate.
 
         Raises:
             RuntimeFailure: The runtime failed for a reason no retry can fix.
         """
+        execution = Execution()
         while not plan.is_empty():
             try:
-                return self._run(plan)
+                execution.result = self._run(plan)
+                return execution
             except KvSlotUnavailableError as exc:
-                plan = self._relieve_kv_pressure(plan, exc)
+                plan = self._relieve_kv_pressure(plan, exc, execution)
             except InvalidIterationError as exc:
                 if len(plan.work) > 1:
-                    return self._run_isolated(plan)
-                self._fail_request(plan.work[0].sequence_id,
-                                   InvalidRequestError(f"scheduler iteration: {exc}"))
-                return None
-        return None
+                    execution.result = self._run_isolated(plan, execution)
+                    return execution
+                execution.failed.append((plan.work[0].sequence_id,
+                                         InvalidRequestError(f"scheduler iteration: {exc}")))
+                return execution
+        return execution
 
     def _run(self, plan: IterationPlan) -> PlanResult:
         requests = [make_runtime_request(work) for work in plan.work]
+        self._faults.reach("execute")
         self._before_model_call()
         started = time.monotonic()
         output = self._runtime.iteration_batch_sampled(requests)
@@ -197,21 +178,23 @@ class PlanExecutor:
         return PlanResult(plan, index_samples(output, len(requests)), elapsed,
                           dict(output.prompt_logprobs))
 
-    def _relieve_kv_pressure(
-        self, plan: IterationPlan, exc: KvSlotUnavailableError
-    ) -> IterationPlan:
+    def _relieve_kv_pressure(self, plan: IterationPlan, exc: KvSlotUnavailableError,
+                             execution: Execution) -> IterationPlan:
         """Preempt one victim and return the plan left to retry (maybe empty)."""
         victim = self._preempt_one()
         if victim is None:
             # Only one sequence holds KV and it still does not fit: retrying it later
             # would spin forever, so it fails with a retryable capacity error.
             for req_id in {work.sequence_id for work in plan.work}:
-                self._fail_request(req_id, RuntimeCapacityError(
-                    f"no KV cache room for request {req_id}: {exc}"
-                ))
+                execution.failed.append((req_id, RuntimeCapacityError(
+                    f"no KV cache room for request {req_id}: {exc}")))
             return IterationPlan()
         logger.info("KV slot unavailable (%s): preempted %s", exc, victim)
-        self._on_preempted(victim)
+        try:  # its KV: it replays from the start when admitted again
+            self._runtime.drop_session(victim)
+        except RuntimeFailure as drop_exc:
+            logger.warning("dropping the session of preempted %s failed: %s", victim, drop_exc)
+        execution.preempted.append(victim)
         return plan.without_sequences([victim])
 
     def _preempt_one(self) -> str | None:
@@ -220,7 +203,7 @@ class PlanExecutor:
             return None
         return self._scheduler.preempt_one()
 
-    def _run_isolated(self, plan: IterationPlan) -> PlanResult | None:
+    def _run_isolated(self, plan: IterationPlan, execution: Execution) -> PlanResult:
         """Run each work alone so one malformed request cannot fail the batch."""
         samples: dict[int, PlanSample] = {}
         prompt_logprobs: dict[int, list[tuple[int, TokenLogprob]]] = {}
@@ -230,13 +213,12 @@ class PlanExecutor:
             try:
                 result = self._run(single)
             except InvalidIterationError as exc:
-                self._fail_request(work.sequence_id,
-                                   InvalidRequestError(f"scheduler iteration: {exc}"))
+                execution.failed.append((work.sequence_id,
+                                         InvalidRequestError(f"scheduler iteration: {exc}")))
                 continue
             except KvSlotUnavailableError as exc:
-                self._fail_request(work.sequence_id, RuntimeCapacityError(
-                    f"no KV cache room for request {work.sequence_id}: {exc}"
-                ))
+                execution.failed.append((work.sequence_id, RuntimeCapacityError(
+                    f"no KV cache room for request {work.sequence_id}: {exc}")))
                 continue
             execution_s += result.execution_s
             if 0 in result.samples:
