@@ -11,6 +11,23 @@ from dataclasses import dataclass, field
 from skippyd.bench.lab_sim import RuntimeCostModel, SimRequest
 from skippyd.engine.policy import UNLIMITED, CacheAffinity, SchedulerConfig, StageCacheAffinity
 
+#: The policy knobs the lab's scenarios start from: many sequences, 256-token chunks,
+#: prefill and decode in separate iterations, no step-time budget (the policy's own
+#: rules, without the step-time sizing a stage adds).
+LAB_CONFIG: dict[str, object] = {
+    "max_active_sequences": 32,
+    "max_waiting_sequences": 256,
+    "prefill_chunk_tokens": 256,
+    "max_consecutive_prefill_iterations": UNLIMITED,
+    "mixed_prefill_decode": False,
+    "target_step_us": 0,
+}
+
+
+def lab_config(**overrides: object) -> SchedulerConfig:
+    """``SchedulerConfig`` over :data:`LAB_CONFIG` with ``overrides``."""
+    return SchedulerConfig(**{**LAB_CONFIG, **overrides})
+
 logger = logging.getLogger(__name__)
 
 #: Tokens each family of the locality fixture trace shares.
@@ -79,9 +96,9 @@ def apply_resident_radix_affinity(
 def _burst(name: str, count: int, prefix_tokens: int) -> LabScenario:
     requests = tuple(SimRequest(f"request-{i}", 0, 4096, 32, prefix_tokens=prefix_tokens)
                      for i in range(count))
-    config = SchedulerConfig(max_consecutive_prefill_iterations=UNLIMITED,
-                             mixed_prefill_decode=False, max_active_sequences=32,
-                             group_waiting_prefixes=True)
+    config = lab_config(max_consecutive_prefill_iterations=UNLIMITED,
+                        mixed_prefill_decode=False, max_active_sequences=32,
+                        group_waiting_prefixes=True)
     return LabScenario(name, config, requests)
 
 
@@ -96,7 +113,7 @@ def staggered_requests() -> tuple[SimRequest, ...]:
 
 
 def _staggered(name: str, **overrides: object) -> LabScenario:
-    return LabScenario(name, SchedulerConfig(**overrides), staggered_requests())
+    return LabScenario(name, lab_config(**overrides), staggered_requests())
 
 
 def radix_requests(cache_aware: bool, prompt_tokens: int = 4096, resident_tokens: int = 3072,
@@ -119,7 +136,7 @@ def radix_requests(cache_aware: bool, prompt_tokens: int = 4096, resident_tokens
 
 
 def _radix(name: str, cache_aware: bool) -> LabScenario:
-    config = SchedulerConfig(max_active_sequences=1, max_consecutive_prefill_iterations=1)
+    config = lab_config(max_active_sequences=1, max_consecutive_prefill_iterations=1)
     return LabScenario(name, config, radix_requests(cache_aware))
 
 
@@ -129,7 +146,7 @@ def _waiting_prefix(name: str, grouping: bool) -> LabScenario:
         SimRequest("b-shared", 0, 4096, 16),
         SimRequest("c-shared", 0, 4096, 16),
     )
-    config = SchedulerConfig(max_active_sequences=1, max_consecutive_prefill_iterations=1,
+    config = lab_config(max_active_sequences=1, max_consecutive_prefill_iterations=1,
                              group_waiting_prefixes=grouping)
     return LabScenario(name, config, requests)
 
@@ -150,7 +167,7 @@ def family_of(requests: Iterable[SimRequest]) -> dict[str, int]:
 
 def family_config(grouping: bool) -> SchedulerConfig:
     """One active sequence, so admission order is the family order."""
-    return SchedulerConfig(max_active_sequences=1, max_consecutive_prefill_iterations=1,
+    return lab_config(max_active_sequences=1, max_consecutive_prefill_iterations=1,
                            group_waiting_prefixes=grouping)
 
 

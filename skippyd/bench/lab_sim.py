@@ -40,7 +40,6 @@ class SimRequest:
     output_tokens: int
     prefix_tokens: int = 0
     """Leading prompt tokens restored from a cache instead of computed."""
-    priority: int = 0
     token_offset: int = 0
     cache_affinity: CacheAffinity = field(default_factory=CacheAffinity)
 
@@ -161,8 +160,7 @@ def validate_requests(requests: Iterable[SimRequest]) -> list[SimRequest]:
 
 def make_sequence(request: SimRequest) -> Sequence:
     """The policy sequence a simulated request submits."""
-    sequence = Sequence(request.id, request.prompt(), request.output_tokens,
-                        priority=request.priority)
+    sequence = Sequence(request.id, request.prompt(), request.output_tokens)
     if request.prefix_tokens:
         sequence.with_prefix_restore(PrefixRestore(
             f"sim-prefix-{request.id}", request.prefix_tokens, PrefixRestoreKind.RESIDENT_KV))

@@ -54,6 +54,9 @@ def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
         max_active_sequences=num_sequences,
         max_waiting_sequences=num_sequences,
         max_tokens_per_iteration=max(num_sequences * _PROMPT_TOKENS, num_sequences),
+        prefill_chunk_tokens=256,
+        mixed_prefill_decode=False,
+        target_step_us=0,
     )
     scheduler = Scheduler(config)
     horizon = samples + 2  # never finish inside the measurement

@@ -20,6 +20,7 @@ from skippyd.bench.lab_scenarios import (
     family_config,
     family_of,
     family_trace,
+    lab_config,
     radix_requests,
     staggered_requests,
 )
@@ -73,23 +74,23 @@ def _decoder_gap(config: SchedulerConfig, requests=None) -> tuple[int, object]:
 
 
 def test_staggered_prefill_exposes_decode_head_of_line_blocking():
-    solo_gap, _ = _decoder_gap(SchedulerConfig(), staggered_requests()[:1])
-    gap, report = _decoder_gap(SchedulerConfig())
+    solo_gap, _ = _decoder_gap(lab_config(), staggered_requests()[:1])
+    gap, report = _decoder_gap(lab_config())
     assert solo_gap > 0
     assert report.mixed_iterations == 0
     assert gap > 4 * solo_gap
 
 
 def test_bounded_prefill_iterations_reduce_decode_head_of_line_blocking():
-    unbounded_gap, _ = _decoder_gap(SchedulerConfig())
-    bounded_gap, report = _decoder_gap(SchedulerConfig(max_consecutive_prefill_iterations=1))
+    unbounded_gap, _ = _decoder_gap(lab_config())
+    bounded_gap, report = _decoder_gap(lab_config(max_consecutive_prefill_iterations=1))
     assert 4 * bounded_gap < unbounded_gap
     assert report.mixed_iterations == 0
 
 
 def test_mixed_iterations_fill_prefill_capacity_without_starving_decode():
-    bounded_gap, bounded = _decoder_gap(SchedulerConfig(max_consecutive_prefill_iterations=1))
-    mixed_gap, mixed = _decoder_gap(SchedulerConfig(max_consecutive_prefill_iterations=1,
+    bounded_gap, bounded = _decoder_gap(lab_config(max_consecutive_prefill_iterations=1))
+    mixed_gap, mixed = _decoder_gap(lab_config(max_consecutive_prefill_iterations=1,
                                                     mixed_prefill_decode=True))
     assert mixed.mixed_iterations > 0
     assert mixed.mean_token_occupancy > bounded.mean_token_occupancy
@@ -99,7 +100,7 @@ def test_mixed_iterations_fill_prefill_capacity_without_starving_decode():
 
 def test_concurrent_burst_uses_batches_and_completes_every_request():
     requests = [SimRequest(f"burst-{i}", 0, 128, 8, token_offset=1000 * i) for i in range(4)]
-    report = simulate(SchedulerConfig(), COST, requests)
+    report = simulate(lab_config(), COST, requests)
     assert report.mean_batch_size > 1
     assert sum(metrics.generated_tokens for metrics in report.requests) == 32
     assert [metrics.id for metrics in report.requests] == [r.id for r in requests]
@@ -107,7 +108,7 @@ def test_concurrent_burst_uses_batches_and_completes_every_request():
 
 
 def test_real_radix_affinity_prioritizes_the_high_value_prefix():
-    config = SchedulerConfig(max_active_sequences=1, max_consecutive_prefill_iterations=1)
+    config = lab_config(max_active_sequences=1, max_consecutive_prefill_iterations=1)
     fcfs = simulate(config, COST, radix_requests(False, prompt_tokens=1024, resident_tokens=768))
     aware = simulate(config, COST, radix_requests(True, prompt_tokens=1024, resident_tokens=768))
     assert aware.request("c-hot").ttft_us < fcfs.request("c-hot").ttft_us
@@ -163,13 +164,13 @@ def test_unknown_scenario_and_bad_workloads_raise_typed_errors():
     with pytest.raises(UnknownScenarioError, match="'nope'"):
         run_lab(["cold-burst-n1", "nope"])
     with pytest.raises(SimulationError, match="at least one request"):
-        simulate(SchedulerConfig(), COST, [])
+        simulate(lab_config(), COST, [])
     with pytest.raises(SimulationError, match="unique"):
-        simulate(SchedulerConfig(), COST, [SimRequest("x", 0, 4, 1), SimRequest("x", 5, 4, 1)])
+        simulate(lab_config(), COST, [SimRequest("x", 0, 4, 1), SimRequest("x", 5, 4, 1)])
     with pytest.raises(SimulationError, match="prefix_tokens"):
-        simulate(SchedulerConfig(), COST, [SimRequest("x", 0, 4, 1, prefix_tokens=5)])
+        simulate(lab_config(), COST, [SimRequest("x", 0, 4, 1, prefix_tokens=5)])
     with pytest.raises(SimulationError, match="refused"):
-        simulate(SchedulerConfig(max_waiting_sequences=1), COST,
+        simulate(lab_config(max_waiting_sequences=1), COST,
                  [SimRequest("a", 0, 4, 1), SimRequest("b", 0, 4, 1)])
 
 
@@ -181,7 +182,7 @@ def test_percentile_uses_the_ceil_index_rule():
 
 
 def test_idle_gaps_jump_to_the_next_arrival():
-    report = simulate(SchedulerConfig(), COST, [SimRequest("late", 5_000, 4, 1)])
+    report = simulate(lab_config(), COST, [SimRequest("late", 5_000, 4, 1)])
     metrics = report.request("late")
     assert metrics.first_scheduled_us == 5_000
     assert metrics.ttft_us == COST.iteration_us_for(prompt_tokens=4, decode_rows=0)
