@@ -130,6 +130,3 @@ class ServingBackend(Protocol):
         """Return the serving state and, when not ``"ok"``, a reason (or None)."""
         ...
 
-    def cached_prompt_tokens(self, request_id: str) -> int:
-        """Prompt tokens of a finished or running request served from the prefix cache."""
-        ...

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from skippyd.engine.runtime.protocol import SamplingConfig, TokenLogprob
 from skippyd.engine.worker.commands import (
+    AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
@@ -90,6 +91,8 @@ class GenerationStream:
         """``"stop"`` or ``"length"`` once finished (``"error"`` after an error)."""
         self.prompt_logprobs: dict[int, TokenLogprob] = {}
         """Log-probabilities of prompt tokens by position (when the sampling asks)."""
+        self.num_cached_tokens = 0
+        """Prompt tokens restored from the prefix cache (known once admitted)."""
         self.prompt_done = asyncio.Event()
         """Set once the prompt is computed (first token) or the generation ended."""
         self._new_logprobs: list[TokenLogprob] = []
@@ -139,8 +142,6 @@ class GenerationStream:
                 self._timer.on_refused(exc)
             raise api_error_from(exc) from exc
         self._submitted = True
-        if self._timer is not None:
-            self._timer.on_submitted()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("submitted %s", self._request.anon_repr())
 
@@ -199,8 +200,8 @@ class GenerationStream:
         return taken
 
     def cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache, per the backend."""
-        return self._backend.cached_prompt_tokens(self.request_id)
+        """Prompt tokens served from the prefix cache (0 until admitted)."""
+        return self.num_cached_tokens
 
     def close(self) -> None:
         """Release the generation. Idempotent; safe at any point after construction.
@@ -252,6 +253,9 @@ class GenerationStream:
             event.ack.send(TokenControl.STOP)
 
     def _handle(self, event: GenerationEvent) -> str:
+        if isinstance(event, AdmittedEvent):
+            self.num_cached_tokens = event.cached_tokens
+            return ""
         if isinstance(event, PromptLogprobsEvent):
             for position, entry in event.entries:  # a replayed prompt reports again
                 self.prompt_logprobs.setdefault(position, entry)

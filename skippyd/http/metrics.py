@@ -13,9 +13,8 @@ recorded per token or per worker turn goes to the cheap histograms and counters 
 ended request is handed to :class:`~skippyd.http.request_log.RequestLog` for its line.
 
 Every hook runs on the event loop thread. The worker thread only publishes to the hub;
-its events reach this object through ``loop.call_soon_threadsafe``, one callback per
-event, so they interleave with the token deliveries of the same worker turn in the order
-the worker produced them (that is how a request's admission turn is recognised).
+its events reach this object through the loop's event relay, in order with the token
+deliveries of the same worker turn.
 """
 
 from __future__ import annotations
@@ -122,7 +121,6 @@ class ServingMetrics:
         self.rejections: dict[str, int] = {}
         self.prefix = {"hits": 0, "misses": 0, "matched_tokens": 0}
         self._kv_event: tuple[int, int] | None = None
-        self._awaiting: dict[str, RequestTimer] = {}
         self._subscription: Subscription | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self._build_windows()
@@ -146,9 +144,7 @@ class ServingMetrics:
                 "version": __version__, "model": engine.model_id, "stage": stage.id,
                 "stage_index": stage.index, "layer_start": stage.layer_start,
                 "layer_end": "" if stage.layer_end is None else stage.layer_end})
-            kwargs.setdefault("request_log", RequestLog(
-                getattr(engine, "cached_prompt_tokens", None),
-                enabled=config.telemetry.log_requests))
+            kwargs.setdefault("request_log", RequestLog(enabled=config.telemetry.log_requests))
         return cls(stats, kv_cells_total=lambda: engine.kv_pool_tokens,
                    prefix_cache_stats=getattr(engine, "prefix_cache_stats", None),
                    link_status=getattr(engine, "link_status", None), **kwargs)
@@ -222,16 +218,9 @@ class ServingMetrics:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
         self._rejected.labels(reason=reason).inc()
 
-    def track_admission(self, timer: RequestTimer) -> None:
-        if self._subscription is not None:  # admission is only visible through events
-            self._awaiting[timer.request_id] = timer
-
     def untrack(self, timer: RequestTimer) -> None:
-        # A request that finished before its admission turn was seen keeps waiting
-        # for that turn's event, which comes right after it (and so does its log line).
-        if timer.outcome not in ("stop", "length"):
-            self._awaiting.pop(timer.request_id, None)
-        self.request_log.ended(timer, awaiting_admission=timer.request_id in self._awaiting)
+        """A followed request ended."""
+        self.request_log.ended(timer)
 
     def count_outcome(self, outcome: str, label: str | None = None) -> None:
         self.outcomes[outcome] += 1
@@ -251,9 +240,7 @@ class ServingMetrics:
 
         def notify() -> None:  # worker thread: must never block
             # Through the loop's relay, in order with the step's tokens: a fold that
-            # took the events published after it would run ahead of their tokens, and
-            # a request seen to end before its admission turn would wait for that turn
-            # for ever (its log line with it) once the worker goes idle.
+            # took the events published after it would run ahead of their tokens.
             seq = subscription.last_offered_seq if subscription is not None else sys.maxsize
             with contextlib.suppress(RuntimeError):  # loop closed: nobody reads metrics
                 relay.post(take_through, seq)
@@ -266,8 +253,6 @@ class ServingMetrics:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        self._awaiting.clear()
-        self.request_log.flush()
 
     def observe_event(self, event: TelemetryEvent) -> None:
         """Fold one telemetry event into the metrics (once per worker turn: keep it lean)."""
@@ -288,22 +273,6 @@ class ServingMetrics:
         prefix["misses"] = int(attrs.get(_PREFIX_MISSES, prefix["misses"]))
         if _KV_USED in attrs:
             self._kv_event = (int(attrs[_KV_USED]), int(attrs[_KV_AVAILABLE]))
-        if self._awaiting:
-            lag_s = max(0.0, time.time() - event.timestamp_s)
-            self._note_admissions(now - lag_s - step_s)
-
-    def _note_admissions(self, iteration_start: float) -> None:
-        """Requests seen running in this turn left the queue when it started (call only
-        while some are awaited)."""
-        stats = self._stats()
-        in_lanes = {lane.request_id for lane in getattr(stats, "lanes", ())}
-        for req_id, timer in list(self._awaiting.items()):
-            if timer.first_token_at is None and not timer.done and req_id not in in_lanes:
-                continue
-            del self._awaiting[req_id]
-            timer.admitted_at = max(timer.submitted_at, iteration_start)
-            self.queue.add(timer.admitted_at - timer.submitted_at)
-            self.request_log.admitted(timer)
 
     # -- readings -----------------------------------------------------------------------------
     def effective_window_s(self) -> float:

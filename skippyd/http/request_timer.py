@@ -1,8 +1,8 @@
 """One generation's lifecycle as the HTTP side sees it, reported to the serving metrics.
 
 Timestamps come from the metrics' clock on the event loop thread: submit, admission
-(seen through the worker's iteration events), first and last token, end. The request
-log line and the latency windows are computed from them.
+(the worker's admission event), first and last token, end. The request log line and
+the latency windows are computed from them.
 """
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from skippyd.engine.worker.commands import CompleteEvent, ErrorEvent, GenerationEvent, TokenEvent
+from skippyd.engine.worker.commands import (
+    AdmittedEvent,
+    CompleteEvent,
+    ErrorEvent,
+    GenerationEvent,
+    TokenEvent,
+)
 from skippyd.http.request_log import CLIENT_CLOSED
 
 if TYPE_CHECKING:
@@ -30,6 +36,8 @@ class RequestTimer:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens restored from the prefix cache, once admitted."""
         self.submitted_at = metrics.clock()
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
@@ -46,14 +54,12 @@ class RequestTimer:
     def done(self) -> bool:
         return self.outcome is not None
 
-    def on_submitted(self) -> None:
-        """The backend accepted the request: it now waits for a lane."""
-        self._metrics.track_admission(self)
-
     def on_event(self, event: GenerationEvent) -> None:
         """Record a worker event as it reaches the event loop."""
         if isinstance(event, TokenEvent):
             self.on_token()
+        elif isinstance(event, AdmittedEvent):
+            self.on_admitted(event.cached_tokens)
         elif isinstance(event, CompleteEvent):
             self.on_finished(event.finish_reason)
         elif isinstance(event, ErrorEvent):
@@ -63,6 +69,15 @@ class RequestTimer:
         """Submitting raised ``error``: the request never ran."""
         self.on_rejected(rejection_reason(error) or str(getattr(error, "kind", "error")),
                          _status_of(error))
+
+    def on_admitted(self, cached_tokens: int) -> None:
+        """The request got a lane (it restores ``cached_tokens`` prompt tokens)."""
+        if self.done or self.admitted_at is not None:
+            return
+        metrics = self._metrics
+        self.admitted_at = metrics.clock()
+        self.num_cached_tokens = cached_tokens
+        metrics.queue.add(self.admitted_at - self.submitted_at)
 
     def on_token(self) -> None:
         """A generated token arrived."""

@@ -39,6 +39,7 @@ from skippyd.link.wire import (
     LinkProtocolError,
     encode_drop,
     encode_iteration,
+    encode_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -231,6 +232,14 @@ class ChainLink:
 
     def send_drop(self, session_id: int) -> None:
         self._write(encode_drop(session_id))
+
+    def send_error(self, message: str) -> None:
+        """Tell the chain that stage 0 failed (an ERROR frame for no batch); never
+        raises: the chain may be down already."""
+        try:
+            self._write(encode_text(FrameKind.ERROR, message, request_id=0))
+        except ChainUnavailableError:
+            pass
 
     def reset(self, epoch: int, reason: str) -> None:
         self._mark_down(epoch, reason)

@@ -46,7 +46,7 @@ from skippyd.link.wire import (
 from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
-    from skippyd.engine.worker.handle import WorkerHandle
+    from skippyd.engine.worker.handle import BatchHandle
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,11 @@ class StageLinkServer:
 
     Args:
         facts: The stage's identity and limits.
-        worker: The stage's worker handle (None on stage 0: no chain roles).
+        worker: The stage's batch worker (None on stage 0: no chain roles).
         status: Returns the stage's counters for STATUS replies.
     """
 
-    def __init__(self, facts: StageFacts, worker: WorkerHandle | None,
+    def __init__(self, facts: StageFacts, worker: BatchHandle | None,
                  status: Callable[[], dict[str, Any]],
                  timeline: StageTimeline | None = None) -> None:
         self.facts = facts

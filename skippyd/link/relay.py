@@ -13,6 +13,10 @@ commands in order, so the freed lane is back before the next batch (perhaps a ne
 session stage 0 admitted into that very lane) asks for one. A session's runtime name
 carries an incarnation number that a DROP bumps, so a replay of the same session after
 a DROP always starts from a fresh runtime session.
+
+Every iteration carries a deadline (``runtime.stall_timeout_s`` from its submission)
+and the connection's closing event as its cancellation: the worker never runs one that
+nobody waits for any more, and the completer never waits past it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import QueueFullError, WorkerError
-from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration
+from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration, resolve_future
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, send_ack
@@ -68,7 +71,7 @@ class _Refusal(Exception):
 class _Pending:
     request_id: int
     entries: list[ChainEntry]
-    futures: list[Future]
+    iterations: list[DirectIteration]
     half_rows: bool
     """The rows came as float16: a middle stage forwards its own rows the same way."""
     submitted_at: float
@@ -109,7 +112,10 @@ class ChainConnection:
         self._names: dict[int, str] = {}
         self._incarnations: dict[int, int] = {}
         self._live: set[str] = set()
-        self._outstanding: dict[str, list[Future]] = {}
+        self._outstanding: dict[str, list[DirectIteration]] = {}
+        stall_s = server.worker.settings.stall_timeout_s if server.worker is not None else 0.0
+        self._iteration_timeout_s = stall_s if stall_s > 0 else None
+        """How long one iteration may take from its submission (None: no limit)."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._close_reason: str | None = None
@@ -284,6 +290,8 @@ class ChainConnection:
         if kind is FrameKind.DROP:
             self._drop(frame.header.session_id)
         elif kind is FrameKind.ERROR:
+            if frame.header.request_id == 0:  # for no batch: a stage upstream failed
+                logger.warning("the chain from %s reports: %s", self._peer, frame.payload)
             self._queue.put(_Relay(frame.header.request_id, str(frame.payload)))
         else:
             raise LinkProtocolError(f"unexpected {kind.name} frame on a chain connection")
@@ -291,7 +299,9 @@ class ChainConnection:
     def _submit_batch(self, request_id: int, entries: list[ChainEntry],
                       half_rows: bool) -> None:
         final = self._facts.is_final
-        futures = []
+        iterations = []
+        timeout_s = self._iteration_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # Stage 0's decode groups arrive as batches: each runs whole and alone here too.
         group = DirectGroup((self.chain_id, request_id), len(entries))
         for entry in entries:
@@ -304,12 +314,13 @@ class ChainConnection:
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
                 target_token_count=entry.first_position, group=group,
+                deadline=deadline, cancelled=self._closing,
             )
-            future = self._submit(iteration)
-            futures.append(future)
-            pending = [f for f in self._outstanding.get(name, []) if not f.done()]
-            self._outstanding[name] = [*pending, future]
-        self._queue.put(_Pending(request_id, entries, futures, half_rows, time.monotonic()))
+            self._submit(iteration)
+            iterations.append(iteration)
+            pending = [i for i in self._outstanding.get(name, []) if not i.reply.done()]
+            self._outstanding[name] = [*pending, iteration]
+        self._queue.put(_Pending(request_id, entries, iterations, half_rows, time.monotonic()))
 
     def _drop(self, wire_id: int) -> None:
         """Free a session on the worker before anything after the DROP is submitted."""
@@ -317,8 +328,13 @@ class ChainConnection:
         name = self._names.pop(wire_id, None)
         if name is not None:
             # Queued now, the drop could overtake the session's own queued iterations
-            # (runtime operations run as they are dequeued): wait for those first.
-            futures_wait(self._outstanding.pop(name, []))
+            # (the worker applies a drop as it dequeues it): wait for those first. Past
+            # their deadline none of them can run any more, so that wait is bounded.
+            outstanding = self._outstanding.pop(name, [])
+            deadlines = [i.deadline for i in outstanding]
+            timeout = (None if not deadlines or None in deadlines
+                       else max(0.0, max(deadlines) - time.monotonic()))  # type: ignore[type-var]
+            futures_wait([i.reply for i in outstanding], timeout=timeout)
             self._free(name)
         self._queue.put(_Drop(wire_id))  # forwarded downstream in order
 
@@ -330,17 +346,21 @@ class ChainConnection:
             self._live.add(name)
         return name
 
-    def _submit(self, iteration: DirectIteration) -> Future:
+    def _submit(self, iteration: DirectIteration) -> None:
+        """Queue ``iteration`` on the worker; a refusal becomes its reply."""
         deadline = time.monotonic() + SUBMIT_RETRY_S
         while True:
             try:
-                return self._worker.submit_iteration(iteration)
+                self._worker.submit_iteration(iteration)
+                return
             except QueueFullError as exc:
                 # Back-pressure: the worker drains its command queue every turn.
                 if time.monotonic() > deadline or self._closing.wait(0.001):
-                    return _failed(exc)
+                    resolve_future(iteration.reply, error=exc)
+                    return
             except WorkerError as exc:
-                return _failed(exc)
+                resolve_future(iteration.reply, error=exc)
+                return
 
     # -- completer -------------------------------------------------------------------------
 
@@ -368,9 +388,9 @@ class ChainConnection:
 
     def _finish_batch(self, pending: _Pending) -> None:
         outcomes, error = [], None
-        for future in pending.futures:
+        for iteration in pending.iterations:
             try:
-                outcomes.append(future.result())
+                outcomes.append(iteration.outcome())
             except WorkerError as exc:
                 error = error or f"{self._facts.stage_id}: {exc.message}"
                 outcomes.append(None)
@@ -431,27 +451,9 @@ class ChainConnection:
         self._return.write(data)
 
     def _free(self, name: str) -> None:
-        """Drop a runtime session on the worker.
+        """Drop a runtime session on the worker (never lost, even with its queue full).
 
-        Precondition: none of the session's iterations is still queued on the worker.
+        Precondition: none of the session's iterations can still run on the worker.
         """
         self._live.discard(name)
-        deadline = time.monotonic() + SUBMIT_RETRY_S
-        while True:
-            try:
-                self._worker.execute_runtime_detached(
-                    "link-drop-session", lambda runtime, n=name: runtime.drop_session(n))
-                return
-            except QueueFullError:
-                if time.monotonic() > deadline:
-                    logger.error("could not free session %s: the worker queue stays full", name)
-                    return
-                time.sleep(0.001)
-            except WorkerError:
-                return  # a stopped worker frees nothing more, and needs nothing more
-
-
-def _failed(error: BaseException) -> Future:
-    future: Future = Future()
-    future.set_exception(error)
-    return future
+        self._worker.drop_session(name)

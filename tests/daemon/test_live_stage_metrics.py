@@ -231,9 +231,6 @@ class FullBackend:
     def cancel(self, request_id: str) -> None:
         pass
 
-    def cached_prompt_tokens(self, request_id: str) -> int:
-        return 0
-
 
 async def test_refused_requests_are_counted_by_reason() -> None:
     metrics = ServingMetrics()

@@ -45,24 +45,25 @@ def engine(request, tiny_model_path):
     stage.close()
 
 
-def generate(engine: StageEngine, req_id: str, prompt: list[int]) -> list[int]:
+def generate(engine: StageEngine, req_id: str, prompt: list[int]) -> Collector:
     collector = Collector()
     engine.submit(GenerationRequest(req_id, prompt, 3), collector)
-    return collector.result()
+    collector.result()
+    return collector
 
 
 def test_the_engine_reports_cached_tokens_and_the_snapshot_counters(engine):
     shared = tokens(1, 64)
-    generate(engine, "first", shared + tokens(2, 5))
-    generate(engine, "second", shared + tokens(3, 5))
+    first = generate(engine, "first", shared + tokens(2, 5))
+    second = generate(engine, "second", shared + tokens(3, 5))
     stats = engine.prefix_cache_stats()
     assert set(stats) == STATS_KEYS
     if engine.config.kv_cache.mode == "disabled":
-        assert engine.cached_prompt_tokens("second") == 0
+        assert second.cached_tokens == 0
         assert stats["hits"] == stats["misses"] == 0 and stats["bytes_resident"] == 0
         return
-    assert engine.cached_prompt_tokens("first") == 0
-    assert engine.cached_prompt_tokens("second") == len(shared)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == len(shared)
     assert stats["hits"] == 1 and stats["misses"] == 1 and stats["hit_rate"] == 0.5
     assert stats["matched_tokens"] == len(shared) and stats["bytes_resident"] > 0
     assert stats["queried_tokens"] == 2 * (len(shared) + 5)  # every prompt token looked up

@@ -18,6 +18,7 @@ import pytest
 
 from skippyd.engine.runtime.protocol import TokenLogprob
 from skippyd.engine.worker.commands import (
+    AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
@@ -188,9 +189,6 @@ class FakeBackend:
     def health(self) -> tuple[str, str | None]:
         return self.health_state
 
-    def cached_prompt_tokens(self, request_id: str) -> int:
-        return self.cached_tokens
-
     # -- test helpers ------------------------------------------------------------------
 
     def only_generation(self) -> Generation:
@@ -211,6 +209,7 @@ class FakeBackend:
     def _drive(self, generation: Generation, on_event: Callable[[GenerationEvent], None]) -> str:
         request = generation.request
         sampling = request.sampling
+        on_event(AdmittedEvent(self.cached_tokens))
         if sampling is not None and sampling.prompt_logprobs is not None:
             on_event(PromptLogprobsEvent(tuple(
                 (position, fake_logprob(token, sampling.prompt_logprobs))

@@ -8,6 +8,7 @@ import pytest
 from http_support import wait_until
 
 from skippyd.engine.worker.commands import (
+    AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     QueueFullError,
@@ -63,7 +64,7 @@ def test_a_finished_request_feeds_every_window_and_counter() -> None:
     clock = FakeClock()
     metrics = ServingMetrics(clock=clock)
     timer = metrics.start_request("r1", 10)
-    timer.on_submitted()
+    timer.on_event(AdmittedEvent(0))
     for step in (0.1, 0.05, 0.1):
         clock.now += step
         timer.on_event(token())
@@ -75,7 +76,7 @@ def test_a_finished_request_feeds_every_window_and_counter() -> None:
                                "p99": pytest.approx(100.0), "count": 1}
     assert latency["itl"]["count"] == 2 and latency["itl"]["p50"] == pytest.approx(75.0)
     assert latency["e2e"]["p50"] == pytest.approx(300.0)
-    assert latency["queue"]["count"] == 0  # admission is only known from worker events
+    assert latency["queue"]["count"] == 1 and latency["queue"]["p50"] == pytest.approx(0.0)
     assert (metrics.num_prompt_tokens, metrics.num_generated_tokens) == (10, 3)
     assert metrics.outcomes == {"finished": 1, "failed": 0, "cancelled": 0}
     assert sample(metrics, "skippyd_requests_total", outcome="length") == 1
@@ -147,7 +148,7 @@ def test_failures_cancellations_and_rejections_are_told_apart() -> None:
     assert metrics.num_prompt_tokens == 0  # none of them was prefilled
 
 
-async def test_queue_time_ends_at_the_start_of_the_admitting_iteration() -> None:
+async def test_queue_time_ends_at_the_admission_event() -> None:
     clock = FakeClock()
     stats = FakeStats()
     hub = TelemetryHub()
@@ -155,22 +156,21 @@ async def test_queue_time_ends_at_the_start_of_the_admitting_iteration() -> None
     metrics.attach(hub)
     try:
         first, second = metrics.start_request("a", 5), metrics.start_request("b", 5)
-        first.on_submitted()
-        second.on_submitted()
-        clock.now += 2.0
-        first.on_event(token())  # "a" sampled its first token in this iteration
+        clock.now += 1.5
+        first.on_event(AdmittedEvent(0))
+        first.on_event(token())
         hub.publish(SCHEDULER_ITERATION, {"skippy.scheduler.step_ms": 500.0,
                                           "skippy.scheduler.overhead_ms": 50.0})
-        await wait_until(lambda: metrics.latency_ms()["queue"]["count"] == 1)
+        await wait_until(lambda: metrics.overhead_ratio() > 0)
+        assert metrics.latency_ms()["queue"]["count"] == 1
         assert metrics.latency_ms()["queue"]["p50"] == pytest.approx(1500.0, abs=50.0)
         assert metrics.overhead_ratio() == pytest.approx(0.1)
-        clock.now += 1.0
-        stats.lanes = (Lane(0, "b"),)  # "b" is prefilling (chunked): running, no token yet
-        hub.publish(SCHEDULER_ITERATION, {"skippy.scheduler.step_ms": 100.0})
-        await wait_until(lambda: metrics.latency_ms()["queue"]["count"] == 2)
+        clock.now += 1.4
+        second.on_event(AdmittedEvent(0))  # admitted, prefilling: no token yet
+        second.on_event(AdmittedEvent(0))  # a repeat changes nothing
+        assert metrics.latency_ms()["queue"]["count"] == 2
         assert sample(metrics, "skippyd_request_queue_time_seconds_sum") == pytest.approx(
             1.5 + 2.9, abs=0.1)
-        assert sample(metrics, "skippyd_iteration_step_seconds_count") == 2
     finally:
         metrics.detach()
 
