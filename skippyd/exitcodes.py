@@ -35,3 +35,7 @@ class ExitCode(enum.IntEnum):
     """A model file cannot be read or sliced."""
     UNREACHABLE = 6
     """No daemon answered on the control socket."""
+    WORKER_FAILED = 7
+    """``serve`` stopped because its worker failed (a bug it contained): every request
+    it held was answered with an error, then the daemon drained and exited so that a
+    supervisor restarts it (systemd's ``Restart=on-failure``)."""

@@ -221,6 +221,12 @@ class RuntimeSection:
     travelling). Also set by ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
+    admission_timeout_s: float = _setting(60.0, lo=0.0, hi=86_400.0)
+    """A generation still waiting for a lane after this many seconds ends with an error
+    (HTTP 503 with ``Retry-After``, or an error event on a stream); 0 waits forever."""
+    stall_timeout_s: float = _setting(120.0, lo=0.0, hi=86_400.0)
+    """A generation holding a lane that makes no progress (no prompt chunk computed, no
+    token) for this many seconds ends with an error; 0 never gives up."""
     slice_cache_dir: str | None = _setting(None, check=_check_non_empty)
     """Where sliced stage models are cached; ``None`` means the default cache dir."""
 

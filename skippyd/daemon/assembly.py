@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,8 @@ from skippyd.engine.runtime.tokenizer import (
 )
 from skippyd.engine.runtime.watch import WatchedRuntime
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
+from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.gguf.inspect import ModelInfo, inspect_model
@@ -182,6 +184,8 @@ class StageEngine:
         self._tokenizer: Tokenizer | None = None
         self._runtime: WatchedRuntime | None = None
         self._worker: WorkerHandle | None = None
+        self._generations: GenerationHandle | None = None
+        """Stage 0's worker (None on a later stage, whose worker runs the link's batches)."""
         self._split: SplitStage | None = None
         self._prefix_cache: LivePrefixCache | None = None
         self.hang_threshold_s = HANG_THRESHOLD_S
@@ -211,6 +215,7 @@ class StageEngine:
         options = runtime_options(self.config, path)
         local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
         self.startup.step("starting the worker")
+        faults = self._fault_switch()
         self._split = make_split(self.config, local)
         progress = local.compute_progress
         self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime,
@@ -219,15 +224,48 @@ class StageEngine:
         settings = WorkerSettings.for_stage(
             self.config, self._runtime,
             self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
-        self._worker = WorkerHandle(self._runtime, settings, telemetry=self.telemetry,
-                                    prefix_cache=self._prefix_cache)
-        self.ctx_size = self._worker.max_session_tokens
+        if self.config.is_first:
+            self._worker = self._generations = GenerationHandle(
+                self._runtime, settings, telemetry=self.telemetry,
+                prefix_cache=self._prefix_cache, faults=faults)
+            self.ctx_size = self._generations.max_session_tokens
+        else:
+            self._worker = BatchHandle(self._runtime, settings, telemetry=self.telemetry,
+                                       faults=faults)
+            self.ctx_size = self._runtime.max_session_tokens
+        self._worker.on_failure(self._worker_failed)
         self.kv_pool_tokens = self._runtime.kv_pool_tokens
         self._start_split()
         self._set_state("ok", None)
         logger.info("stage %s ready: %s layers %d:%s, %d lanes of %d tokens (%d KV cells)",
                     stage.id, self.model_id, stage.layer_start, stage.layer_end,
                     self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
+
+    @staticmethod
+    def _fault_switch() -> FaultSwitch:
+        """The test fault switch ``SKIPPYD_FAULT`` arms (none in production)."""
+        try:
+            return FaultSwitch.parse(os.environ.get(FAULT_ENV))
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+
+    def _worker_failed(self, reason: str) -> None:
+        """The worker died (its thread calls this): the stage is failed for good."""
+        self._set_state("failed", reason)
+
+    def on_worker_failure(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(reason)`` once if the worker dies, from the worker's thread
+        (at once if it already has). Quick, never blocking. Only once loaded."""
+        worker = self._worker
+        if worker is not None:
+            worker.on_failure(listener)
+
+    def announce_failure(self, reason: str) -> None:
+        """Tell the split chain's other stages that this stage failed (an ERROR frame
+        before the link closes); nothing for an unsplit stage. May block briefly."""
+        split = self._split
+        if split is not None:
+            split.announce_failure(reason)
 
     def _slice_progress(self, done: int, total: int) -> None:
         self.startup.advance(done / total if total else 1.0)
@@ -299,7 +337,7 @@ class StageEngine:
         """Stop the worker (failing what it still holds) and free llama.cpp. Idempotent."""
         with self._lock:
             worker, runtime, tokenizer = self._worker, self._runtime, self._tokenizer
-            self._worker = self._runtime = self._tokenizer = None
+            self._worker = self._runtime = self._tokenizer = self._generations = None
             split, self._split = self._split, None
         if split is not None:  # first: requests waiting on the pipeline fail promptly
             split.close()
@@ -424,20 +462,15 @@ class StageEngine:
         return self._require_tokenizer().detokenizer()
 
     def submit(self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]) -> None:
-        worker = self._worker
+        worker = self._generations
         if worker is None or self._state != "ok":
             raise WorkerStoppedError(f"stage is {self._state}: {self._reason}")
         worker.submit_generation(request, on_event)
 
     def cancel(self, request_id: str) -> None:
-        worker = self._worker
+        worker = self._generations
         if worker is not None:
             worker.cancel(request_id)
-
-    def cached_prompt_tokens(self, request_id: str) -> int:
-        """Prompt tokens of the request restored from the prefix cache (0 without one)."""
-        cache = self._prefix_cache
-        return 0 if cache is None else cache.cached_prompt_tokens(request_id)
 
     def prefix_cache_stats(self) -> dict[str, int | float]:
         """``hits, misses, hit_rate, matched_tokens, bytes_resident, bytes_host, evictions``."""

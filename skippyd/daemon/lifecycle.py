@@ -6,6 +6,11 @@ uvicorn's handlers) start a bounded drain: new generations get 503, running ones
 finish within ``http.drain_timeout_s``, then the worker is stopped, failing whatever it
 still holds with an error, and llama.cpp is freed.
 
+If the worker fails (a bug it contained: every request it held has already been
+answered with an error), ``/health`` turns 503 naming the failure, a split chain's other
+stages get an ERROR frame, and the daemon drains and exits with
+:attr:`ExitCode.WORKER_FAILED`, so a supervisor restarts it.
+
 A later stage of a split pipeline (no ``[http]``) runs as a :class:`LinkStageDaemon`:
 the same control socket, systemd notifications and watchdog, with the stage link in
 place of the HTTP port.
@@ -241,9 +246,14 @@ class Daemon:
             self.server.should_exit = True
             return
         wake_loop_while_worker_waits(self.engine)
+        stop_when_worker_fails(self.engine, self.notifier, self._worker_failed)
         self.notifier.ready(f"serving {self.engine.model_id} on {host}:{port}")
         print(f"skippyd serving {self.engine.model_id} on http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
+
+    def _worker_failed(self) -> None:
+        self.exit_code = ExitCode.WORKER_FAILED
+        self.server.should_exit = True  # uvicorn's drain, as after SIGTERM
 
 
 class LinkStageDaemon:
@@ -259,6 +269,8 @@ class LinkStageDaemon:
         self.config = config
         self.engine = StageEngine(config, progress=slice_progress())
         self.metrics = ServingMetrics.for_engine(self.engine)
+        self.exit_code = 0
+        self._stop = asyncio.Event()
         self.notifier = SystemdNotifier()
         if self.notifier.watchdog_s is not None:
             self.engine.hang_threshold_s = min(self.engine.hang_threshold_s,
@@ -266,10 +278,9 @@ class LinkStageDaemon:
 
     async def serve(self) -> int:
         """Run until SIGINT/SIGTERM; return the process exit code."""
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, self._stop.set)
         self.metrics.attach(self.engine.telemetry)
         control = await open_control(self.engine, self.metrics)
         listener: MetricsListener | None = None
@@ -280,12 +291,12 @@ class LinkStageDaemon:
             if not await self._load():
                 return STARTUP_FAILURE
             chores = start_chores(self.engine, self.notifier, self.metrics)
-            await stop.wait()
+            await self._stop.wait()
             logger.info("stage %s stopping", self.config.stage.id)
             self.notifier.stopping("stopping: closing the stage link")
             for chore in chores:
                 chore.cancel()
-            return 0
+            return self.exit_code
         except StartupError as exc:  # the metrics listener could not bind
             logger.error("startup failed: %s", exc)
             self.engine.fail(str(exc))
@@ -309,6 +320,7 @@ class LinkStageDaemon:
             self.engine.fail(str(exc))
             return False
         wake_loop_while_worker_waits(self.engine)
+        stop_when_worker_fails(self.engine, self.notifier, self._worker_failed)
         host, port = self.engine.link_address or ("?", 0)
         stage = self.config.stage
         self.notifier.ready(f"serving layers {stage.layer_start}:{stage.layer_end} of "
@@ -316,6 +328,10 @@ class LinkStageDaemon:
         print(f"skippyd stage {stage.id} serving layers {stage.layer_start}:"
               f"{stage.layer_end} on link {host}:{port}", file=sys.stderr, flush=True)
         return True
+
+    def _worker_failed(self) -> None:
+        self.exit_code = ExitCode.WORKER_FAILED
+        self._stop.set()
 
 
 def wake_loop_while_worker_waits(engine: StageEngine) -> None:
@@ -330,6 +346,37 @@ def wake_loop_while_worker_waits(engine: StageEngine) -> None:
     relay = relay_for(asyncio.get_running_loop())
     worker.add_wait_hook(relay.owed_wake)
     relay.defer_wakes_from(worker.thread)
+
+
+def stop_when_worker_fails(engine: StageEngine, notifier: SystemdNotifier,
+                           stop: Callable[[], None]) -> None:
+    """If the worker dies: tell the chain and systemd, then call ``stop`` (which drains
+    and exits with :attr:`ExitCode.WORKER_FAILED`), all on this event loop.
+
+    Call on the event loop, once the engine is loaded.
+    """
+    loop = asyncio.get_running_loop()
+
+    async def failed(reason: str) -> None:
+        logger.critical("the worker failed; draining, then exiting with code %d so "
+                        "that a supervisor restarts the stage: %s",
+                        ExitCode.WORKER_FAILED, reason)
+        notifier.status(f"failed: {reason}")
+        await asyncio.to_thread(engine.announce_failure, reason)
+        stop()
+
+    tasks: set[asyncio.Task] = set()
+
+    def start(reason: str) -> None:
+        task = loop.create_task(failed(reason))
+        tasks.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(tasks.discard)
+
+    def on_failure(reason: str) -> None:  # the worker's thread: hand over, never block
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(start, reason)
+
+    engine.on_worker_failure(on_failure)
 
 
 async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlServer | None:

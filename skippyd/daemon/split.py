@@ -23,7 +23,7 @@ from skippyd.engine.runtime.protocol import (
     Runtime,
     RuntimeWrapper,
 )
-from skippyd.engine.worker.handle import WorkerHandle
+from skippyd.engine.worker.handle import BatchHandle, WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink
 from skippyd.link.listener import (
     LISTENER_COUNTERS,
@@ -102,14 +102,17 @@ class SplitStage:
     def start(self, worker: WorkerHandle) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
 
+        ``worker`` is stage 0's generation worker, or a later stage's batch worker (the
+        one the link's batches run on).
+
         Raises:
             OSError: ``link.listen`` cannot be bound.
         """
         self._worker = worker
         listen = self.config.link.listen_address
         if listen is not None:
-            server = StageLinkServer(self._facts, None if self.config.is_first else worker,
-                                     self.status, self.timeline)
+            batches = worker if isinstance(worker, BatchHandle) else None
+            server = StageLinkServer(self._facts, batches, self.status, self.timeline)
             server.bind(listen)
             server.start()
             self._server = server
@@ -125,6 +128,15 @@ class SplitStage:
         if self.link is None or self.link.is_up:
             return None
         return f"pipeline degraded: {self.link.down_reason()}"
+
+    def announce_failure(self, reason: str) -> None:
+        """Stage 0's worker died: tell the chain with an ERROR frame (best effort).
+
+        A later stage needs nothing here: its failed batches already went on as ERROR
+        frames, and so does every batch it receives from now on.
+        """
+        if self.link is not None:
+            self.link.send_error(f"{self.config.stage.id}: {reason}")
 
     def close(self) -> None:
         if self.link is not None:

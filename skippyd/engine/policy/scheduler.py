@@ -381,23 +381,18 @@ class Scheduler:
         self._memory.release(sequence.admission_tokens)
         return sequence
 
-    def cancel(self, sequence_id: str, *, finished: bool = False) -> bool:
+    def cancel(self, sequence_id: str) -> bool:
         """Remove a waiting or active sequence and free its memory; idempotent.
 
-        Args:
-            sequence_id: The sequence.
-            finished: Its consumer ended it normally (a stop string matched): count it
-                as finished, not cancelled.
+        A sequence its consumer ended (a stop string, a client that left) is cancelled
+        too: only the policy's own retirements count as finished.
 
         Returns:
             True if the sequence existed.
         """
         if not self._remove(sequence_id):
             return False
-        if finished:
-            self._metrics.finished += 1
-        else:
-            self._metrics.cancelled += 1
+        self._metrics.cancelled += 1
         self._refresh_gauges()
         return True
 

@@ -289,8 +289,7 @@ class GenerationWorker:
         orphans: list[Generation] = []
         try:
             if gen.sequence is not None:
-                # A no-op once the policy retired it itself.
-                self.scheduler.cancel(gen.id, finished=isinstance(event, CompleteEvent))
+                self.scheduler.cancel(gen.id)  # a no-op once the policy retired it itself
             if self.prefix is not None:
                 if isinstance(event, CompleteEvent):
                     self.prefix.record_finished(gen)

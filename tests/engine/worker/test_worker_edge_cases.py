@@ -14,9 +14,11 @@ from fake_runtime import EventRecorder, FakeRuntime
 
 from skippyd.engine.runtime.protocol import InvalidIterationError
 from skippyd.engine.worker.commands import (
+    CancelCommand,
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
+    RequestCancelledError,
     SubmitCommand,
     TokenAck,
     TokenControl,
@@ -128,3 +130,17 @@ def _terminal(recorder: EventRecorder):
         if not isinstance(event, TokenEvent):
             return event
     return None
+
+
+def test_a_cancel_that_overtook_its_submit_cancels_it(make_worker):
+    runtime = FakeRuntime()
+    worker = make_worker(runtime)
+    worker.handle(CancelCommand("late", overflowed=True))  # from the inbox, first
+    recorder = EventRecorder()
+    worker.submit(GenerationRequest("late", [1, 2], max_tokens=4), recorder)
+    event = recorder.next(0)
+    assert isinstance(event, ErrorEvent) and isinstance(event.error, RequestCancelledError)
+    assert "late" not in worker.requests and runtime.calls == []
+    again = EventRecorder()  # the id is free again afterwards
+    worker.submit(GenerationRequest("late", [1, 2], max_tokens=1), again)
+    assert "late" in worker.requests

@@ -110,15 +110,18 @@ def test_a_generation_runs_to_max_tokens(runtime_factory, make_handle):
 
 
 def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_handle):
-    worker = make_handle(runtime_factory())
-    result = generate(worker, [1, 2], max_tokens=50, on_token=lambda _t: TokenControl.STOP)
+    worker = make_handle(runtime_factory(kv_pool_tokens=1 << 20))
+    # Far from max_tokens, so the consumer's Stop ends it, not the policy.
+    result = generate(worker, [1, 2], max_tokens=1 << 19,
+                      on_token=lambda _t: TokenControl.STOP)
     assert result.tokens == [102]
     assert result.finish_reason == "stop"
     barrier(worker)
     stats = worker.stats()
     assert stats.num_active == 0
-    # A stop string ends a request normally: it counts as finished, not cancelled.
-    assert (stats.num_finished, stats.num_cancelled) == (1, 0)
+    # The consumer ended it before the policy did: the policy counts it as cancelled
+    # (the client still gets its finish reason).
+    assert (stats.num_finished, stats.num_cancelled) == (0, 1)
 
 
 def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, make_handle):

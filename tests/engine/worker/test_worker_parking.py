@@ -9,6 +9,7 @@ from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.worker.commands import (
     CancelCommand,
     GenerationRequest,
+    InvalidRequestError,
     RequestCancelledError,
 )
 from skippyd.engine.worker.record import GenerationStatus
@@ -81,3 +82,17 @@ def test_followers_of_a_cancelled_leader_are_routed_again(worker):
     run_until(worker, lambda: follower.done.is_set())
     assert len(follower.result()) == 3
     assert follower.cached_tokens == 0
+
+
+def test_a_duplicate_id_never_replaces_a_parked_request(worker):
+    submit(worker, "blocker", tokens(7, 20), 3)
+    worker.run_turn()
+    submit(worker, "leader", SHARED + tokens(8, 10), 3)
+    follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
+    parked = worker.requests["follower"]
+    duplicate = submit(worker, "follower", tokens(4, 30), 3)
+    assert isinstance(duplicate.error, InvalidRequestError)
+    assert "already queued or active: follower" in str(duplicate.error)
+    assert worker.requests["follower"] is parked and num_parked(worker) == 1
+    run_until(worker, lambda: follower.done.is_set())
+    assert len(follower.result()) == 3 and follower.cached_tokens == len(SHARED)
