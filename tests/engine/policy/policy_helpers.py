@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
+from skippyd.bench.lab_scenarios import lab_config
 from skippyd.engine.policy import (
     IterationPlan,
     IterationPrediction,
@@ -13,26 +14,15 @@ from skippyd.engine.policy import (
     SchedulerConfig,
     Sequence,
 )
-from skippyd.engine.policy.config import UNLIMITED
 
 _counter = itertools.count(1000)
 
 
-#: The knobs the policy tests assume unless they say otherwise: many sequences, small
-#: chunks, prefill and decode in separate iterations, no step-time budget.
-TEST_CONFIG: dict[str, object] = {
-    "max_active_sequences": 32,
-    "max_waiting_sequences": 256,
-    "prefill_chunk_tokens": 256,
-    "max_consecutive_prefill_iterations": UNLIMITED,
-    "mixed_prefill_decode": False,
-    "target_step_us": 0,
-}
-
-
 def make_config(**overrides: object) -> SchedulerConfig:
-    """``SchedulerConfig`` over :data:`TEST_CONFIG` with ``overrides``."""
-    return SchedulerConfig(**{**TEST_CONFIG, **overrides})
+    """The policy's own rules without a stage's step-time sizing (the lab's starting
+    knobs: many sequences, 256-token chunks, prefill and decode apart), with
+    ``overrides``."""
+    return lab_config(**overrides)
 
 
 def make_scheduler(**overrides: object) -> Scheduler:
