@@ -8,8 +8,10 @@ still holds with an error, and llama.cpp is freed.
 
 If the worker fails (a bug it contained: every request it held has already been
 answered with an error), ``/health`` turns 503 naming the failure, a split chain's other
-stages get an ERROR frame, and the daemon drains and exits with
-:attr:`ExitCode.WORKER_FAILED`, so a supervisor restarts it.
+stages get an ERROR frame, and the daemon stays up for ``http.drain_timeout_s`` (new
+requests get 503, ``/health``, ``/metrics`` and ``skippyd status`` say why), then exits
+with :attr:`ExitCode.WORKER_FAILED`, so a supervisor restarts it. A signal in that
+window ends it at once, with the same exit code.
 
 A later stage of a split pipeline (no ``[http]``) runs as a :class:`LinkStageDaemon`:
 the same control socket, systemd notifications and watchdog, with the stage link in
@@ -246,13 +248,17 @@ class Daemon:
             self.server.should_exit = True
             return
         wake_loop_while_worker_waits(self.engine)
-        stop_when_worker_fails(self.engine, self.notifier, self._worker_failed)
+        stop_when_worker_fails(self.engine, self.notifier, failed=self._worker_failed,
+                               stop=self._stop_serving,
+                               linger_s=self.config.http.drain_timeout_s)
         self.notifier.ready(f"serving {self.engine.model_id} on {host}:{port}")
         print(f"skippyd serving {self.engine.model_id} on http://{host}:{port}/v1",
               file=sys.stderr, flush=True)
 
     def _worker_failed(self) -> None:
         self.exit_code = ExitCode.WORKER_FAILED
+
+    def _stop_serving(self) -> None:
         self.server.should_exit = True  # uvicorn's drain, as after SIGTERM
 
 
@@ -320,7 +326,10 @@ class LinkStageDaemon:
             self.engine.fail(str(exc))
             return False
         wake_loop_while_worker_waits(self.engine)
-        stop_when_worker_fails(self.engine, self.notifier, self._worker_failed)
+        # No drain time here: the chain's first stage already heard of the failure, and
+        # it is the one that reports it to clients.
+        stop_when_worker_fails(self.engine, self.notifier, failed=self._worker_failed,
+                               stop=self._stop.set, linger_s=0.0)
         host, port = self.engine.link_address or ("?", 0)
         stage = self.config.stage
         self.notifier.ready(f"serving layers {stage.layer_start}:{stage.layer_end} of "
@@ -331,7 +340,6 @@ class LinkStageDaemon:
 
     def _worker_failed(self) -> None:
         self.exit_code = ExitCode.WORKER_FAILED
-        self._stop.set()
 
 
 def wake_loop_while_worker_waits(engine: StageEngine) -> None:
@@ -348,27 +356,31 @@ def wake_loop_while_worker_waits(engine: StageEngine) -> None:
     relay.defer_wakes_from(worker.thread)
 
 
-def stop_when_worker_fails(engine: StageEngine, notifier: SystemdNotifier,
-                           stop: Callable[[], None]) -> None:
-    """If the worker dies: tell the chain and systemd, then call ``stop`` (which drains
-    and exits with :attr:`ExitCode.WORKER_FAILED`), all on this event loop.
+def stop_when_worker_fails(engine: StageEngine, notifier: SystemdNotifier, *,
+                           failed: Callable[[], None], stop: Callable[[], None],
+                           linger_s: float) -> None:
+    """If the worker dies: call ``failed`` (which sets the exit code), tell the chain and
+    systemd, go on answering 503 for ``linger_s`` so that health checks and
+    ``skippyd status`` can see why, then call ``stop``; all on this event loop.
 
     Call on the event loop, once the engine is loaded.
     """
     loop = asyncio.get_running_loop()
 
-    async def failed(reason: str) -> None:
-        logger.critical("the worker failed; draining, then exiting with code %d so "
-                        "that a supervisor restarts the stage: %s",
-                        ExitCode.WORKER_FAILED, reason)
+    async def on_failed(reason: str) -> None:
+        failed()
+        logger.critical("the worker failed: %s; answering 503 for %gs, then exiting with "
+                        "code %d so that a supervisor restarts the stage",
+                        reason, linger_s, ExitCode.WORKER_FAILED)
         notifier.status(f"failed: {reason}")
         await asyncio.to_thread(engine.announce_failure, reason)
+        await asyncio.sleep(linger_s)
         stop()
 
     tasks: set[asyncio.Task] = set()
 
     def start(reason: str) -> None:
-        task = loop.create_task(failed(reason))
+        task = loop.create_task(on_failed(reason))
         tasks.add(task)  # the loop keeps only a weak reference
         task.add_done_callback(tasks.discard)
 

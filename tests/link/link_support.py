@@ -79,9 +79,12 @@ def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: 
 @contextlib.contextmanager
 def tiny_chain(model, workdir: Path, *,
                n_batch: tuple[int, int] = (128, 128),
-               lanes: tuple[int, int] = (2, 2)) -> Iterator[tuple[ServeProcess, ...]]:
-    """Stages 0 (layers 0-2, HTTP) and 1 (layers 2-4) of the tiny model, both started;
-    yields (head, later) once each printed its ready line, stops both afterwards."""
+               lanes: tuple[int, int] = (2, 2),
+               env: tuple[dict[str, str] | None, dict[str, str] | None] = (None, None),
+               ) -> Iterator[tuple[ServeProcess, ...]]:
+    """Stages 0 (layers 0-2, HTTP) and 1 (layers 2-4) of the tiny model, both started
+    (``env``: each one's environment); yields (head, later) once each printed its ready
+    line, stops both afterwards."""
     ports = [free_port(), free_port()]
     procs = []
     try:
@@ -91,7 +94,7 @@ def tiny_chain(model, workdir: Path, *,
             procs.append(ServeProcess(tiny_stage(model, workdir, index=index, layers=layers,
                                                  n_batch=n_batch[index], ports=ports,
                                                  lanes=lanes[index]),
-                                      directory))
+                                      directory, env=env[index]))
         later, head = procs
         later.wait_for_line(STAGE_READY, timeout=60)
         head.wait_ready()
