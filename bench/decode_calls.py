@@ -41,7 +41,9 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -62,7 +64,6 @@ from vs_llama_server import (  # noqa: E402  (a sibling script, not a package)
 
 from skippyd.bench.process import ServerProcess, free_port, skippyd_process  # noqa: E402
 from skippyd.config import default_model_path  # noqa: E402
-from skippyd.engine.runtime.native_build import build_shared_library  # noqa: E402
 
 console = Console()
 
@@ -250,7 +251,17 @@ def account(calls: Sequence[Call], start: float, end: float, streams: int) -> di
 
 def build_shim(directory: Path) -> Path:
     """Compile the llama-server shim into ``directory``; OSError without a C compiler."""
-    return build_shared_library(SHIM_SOURCE, directory / "decode_trace.so", link=["-ldl"])
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc) found")
+    source, library = directory / "decode_trace.c", directory / "decode_trace.so"
+    source.write_text(SHIM_SOURCE, encoding="utf-8")
+    result = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(library),
+                             str(source), "-ldl"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0:
+        raise OSError(f"{compiler} failed: {result.stderr.strip()[:400]}")
+    return library
 
 
 def write_hook(directory: Path) -> Path:

@@ -26,6 +26,7 @@ from skippyd.engine.prefix_cache import (
     PrefixCacheStats,
     settings_from_config,
 )
+from skippyd.engine.runtime import native
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.schema import schema_to_grammar
 from skippyd.engine.runtime.tokenizer import (
@@ -240,6 +241,12 @@ class StageEngine:
         logger.info("stage %s ready: %s layers %d:%s, %d lanes of %d tokens (%d KV cells)",
                     stage.id, self.model_id, stage.layer_start, stage.layer_end,
                     self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
+        logger.info("stage %s fast paths: %s", stage.id, native.describe_fast_paths())
+        missing = native.helpers().missing
+        if missing is not None and not self.config.is_final:
+            logger.warning("stage %s captures its layer output with a Python callback (native "
+                           "helpers: %s): each step can take many times longer; reinstall "
+                           "skippyd where a C compiler is available", stage.id, missing)
 
     @staticmethod
     def _fault_switch() -> FaultSwitch:
@@ -416,6 +423,7 @@ class StageEngine:
             "layer_end": stage.layer_end or (info.n_layer if info else None),
             "n_layer": info.n_layer if info else None,
             "model_path": str(self.config.resolved_model_path),
+            "fast_paths": native.fast_paths(),
         }
         if tokenizer is not None:
             facts["bos_token"] = tokenizer.detokenize([tokenizer.bos_token_id])

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from skippyd.config import StageConfig
+from skippyd.engine.runtime.native import fast_paths
 from skippyd.engine.worker.commands import WorkerStats
 from skippyd.http.metrics import ServingMetrics
 
@@ -75,6 +76,7 @@ def build_snapshot(
                       "step_target_ms": stats.step_target_ms,
                       "overhead_ratio": metrics.overhead_ratio()},
         "link": engine.link_status(),
+        "fast_paths": fast_paths(),
     }
 
 

@@ -95,5 +95,6 @@ def props_body(backend: ServingBackend, sampling: SamplingConfig,
         "layer_start": facts.get("layer_start"),
         "layer_end": facts.get("layer_end"),
         "n_layer": facts.get("n_layer"),
+        "fast_paths": facts.get("fast_paths"),
         "build_info": "skippyd",
     }

@@ -146,6 +146,7 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
     q, kv, wave = section(snap, "queues"), section(snap, "kv"), section(snap, "wave")
     tp, c = section(snap, "throughput"), section(snap, "counters")
     pc, sch = section(snap, "prefix_cache"), section(snap, "scheduler")
+    fast = section(snap, "fast_paths")
 
     def n(mapping: Mapping[str, Any], key: str) -> int:
         return int(number(mapping.get(key)))
@@ -178,6 +179,8 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
                       + " · overhead "
                       f"{number(sch.get('last_overhead_ms')):.2f} ms · overhead ratio "
                       f"{fmt_percent(number(sch.get('overhead_ratio')))}"),
+        ("fast paths", " · ".join(f"{name.replace('_', ' ')} {how}"
+                                  for name, how in fast.items()) or "-"),
     ]
 
 

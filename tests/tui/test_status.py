@@ -111,8 +111,10 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
     assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
                          "kv", "prefix_cache", "throughput", "latency_ms", "counters",
-                         "scheduler", "link"}
+                         "scheduler", "link", "fast_paths"}
     assert snap["link"] is None
+    assert set(snap["fast_paths"]) == {"activation_capture", "wake_before_decode",
+                                       "greedy_pick"}
     assert snap["stage"] == {"id": "beta", "index": 0, "model": "some-model", "layer_start": 0,
                              "layer_end": 12, "is_first": True, "is_final": True}
     assert 5.0 <= snap["uptime_s"] < 60.0
@@ -161,6 +163,7 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
     assert "last step 3.00 ms (target 500 ms)" in text
+    assert "fast paths" in text and "greedy pick numpy" in text
 
 
 def test_snapshot_carries_the_link_of_a_split_stage() -> None:

@@ -36,17 +36,21 @@ import numpy as np
 from llama_cpp import llama_cpp as L
 
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
-from skippyd.engine.runtime import wake_decode
+from skippyd.engine.runtime import native, wake_decode
 from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.forks import SessionForkMixin
-from skippyd.engine.runtime.greedy_native import native_greedy
 from skippyd.engine.runtime.lane_cache import LaneCacheMixin, StateMappings
 from skippyd.engine.runtime.llama_ext import (
     ensure_backend,
     make_layer_capture,
     stream_split_order,
 )
-from skippyd.engine.runtime.logprobs import prompt_row_logprobs, row_logits, token_logprob
+from skippyd.engine.runtime.logprobs import (
+    output_logits,
+    prompt_row_logprobs,
+    row_logits,
+    token_logprob,
+)
 from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
@@ -62,7 +66,7 @@ from skippyd.engine.runtime.protocol import (
     SamplingConfig,
     SessionAlignment,
 )
-from skippyd.engine.runtime.sampling import SamplerChain
+from skippyd.engine.runtime.sampling import SamplerChain, is_plain_greedy
 from skippyd.gguf.inspect import inspect_model
 
 logger = logging.getLogger(__name__)
@@ -128,6 +132,21 @@ class _Lane:
     chunk brings (``prompt_logprobs`` sessions only)."""
 
 
+@dataclass(slots=True)
+class _BatchLayout:
+    """Where each request of one batch sits, as :meth:`LlamaRuntime._fill_batch` wrote it
+    (lists in request order)."""
+
+    first_rows: list[int]
+    """The batch row of each request's first token."""
+    sample_rows: list[int]
+    """The batch row to sample per request (its last)."""
+    sample_outputs: list[int]
+    """The output index of that row (its place among the rows that produce logits)."""
+    n_outputs: int = 0
+    """Rows that produce logits."""
+
+
 class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
     """Lanes and batched iterations over one llama.cpp context.
 
@@ -149,8 +168,6 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
-        if options.final_stage:
-            native_greedy()  # compiled now, not in the first request's time to first token
         # Counts computed graph nodes, so a long call that progresses is not "hung".
         self.compute_progress = make_compute_progress()
         if self.compute_progress is not None:
@@ -399,11 +416,11 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         for session, start in zip(sessions, starts, strict=True):
             if start < session.token_count:  # replaying from an earlier position
                 L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
-        sample_rows = self._fill_batch(requests, sessions, starts)
+        layout = self._fill_batch(requests, sessions, starts)
         started = time.perf_counter()
         self._decode(requests, sessions, starts, new_ids)
         compute_s = time.perf_counter() - started
-        return self._finish(requests, sessions, starts, sample_rows, compute_s)
+        return self._finish(requests, sessions, starts, layout, compute_s)
 
     def _validate(self, requests: Sequence[IterationRequest]) -> list[int]:
         seen: set[str] = set()
@@ -476,15 +493,15 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             )
         return start
 
-    def _fill_batch(self, requests, sessions, starts) -> list[int]:
+    def _fill_batch(self, requests, sessions, starts) -> _BatchLayout:
         """Write every row into the reusable batch, in lane order (see the module
-        docstring); returns the row to sample per request and records where each
-        request's rows start (``_row_starts``, in request order)."""
+        docstring); returns where each request's rows went."""
         batch = self._batch
-        all_outputs = self._capture is not None  # trap (a): llama.cpp drops non-output rows
+        # A non-final stage marks every row an output: llama.cpp drops the others' rows
+        # from the graph output it captures.
+        all_outputs = self._capture is not None
         row = 0
-        sample_rows = [0] * len(requests)
-        self._row_starts = [0] * len(requests)
+        layout = _BatchLayout([0] * len(requests), [0] * len(requests), [0] * len(requests))
         self._padding = self._padding_lanes(sessions, sum(r.num_tokens for r in requests))
         order: list[tuple[int, int | None]] = [(s.seq_id, i) for i, s in enumerate(sessions)]
         order.extend((lane.seq_id, None) for lane in self._padding)
@@ -518,11 +535,13 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                 batch.logits[row + i] = outputs
             if request.sample_last:
                 batch.logits[row + n - 1] = True
-            sample_rows[index] = row + n - 1
-            self._row_starts[index] = row
+            layout.n_outputs += n if outputs else int(request.sample_last)
+            layout.sample_rows[index] = row + n - 1
+            layout.sample_outputs[index] = layout.n_outputs - 1
+            layout.first_rows[index] = row
             row += n
         batch.n_tokens = row
-        return sample_rows
+        return layout
 
     def _padding_lanes(self, sessions, num_tokens: int) -> list[_Lane]:
         """Lanes left out between the batch's lanes that get one throw-away row.
@@ -556,7 +575,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
     def set_compute_hook(self, hook: ComputeHook | None) -> bool:
         """Call ``hook`` right before each ``llama_decode`` (see ``install_compute_hook``)."""
         if hook is not None:
-            wake_decode.COMPILED.get()  # now, not at the first request
+            native.helpers()  # loaded now, not at the first request
         self._compute_hook = hook
         return True
 
@@ -590,10 +609,11 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             )
         raise DecodeFailedError(f"llama_decode failed with code {ret}")
 
-    def _finish(self, requests, sessions, starts, sample_rows, compute_s) -> IterationOutput:
+    def _finish(self, requests, sessions, starts, layout: _BatchLayout,
+                compute_s: float) -> IterationOutput:
         output = IterationOutput(compute_s=compute_s)
         captured = self._captured_in_batch_order() if self._capture is not None else None
-        row = 0
+        argmax = self._greedy_argmax(requests, layout) if self.options.final_stage else {}
         for index, (request, session, start) in enumerate(zip(requests, sessions, starts, strict=True)):
             n = request.num_tokens
             session.token_count = start + n
@@ -603,17 +623,35 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                 session.history.extend(tokens)
                 if session.sampler is not None:
                     session.sampler.observe(tokens)
-            row = self._row_starts[index]
+            row = layout.first_rows[index]
             output.output_rows.append(None if captured is None else captured[row : row + n])
             if self.options.final_stage and _wants_prompt_logprobs(request):
                 output.prompt_logprobs[index] = self._prompt_logprobs(session, request, row, start)
             if request.sample_last:
-                output.samples.append(self._sample_row(index, session, request, sample_rows[index]))
+                output.samples.append(self._sample_row(index, session, request,
+                                                       layout.sample_rows[index],
+                                                       argmax.get(index)))
         return output
 
+    def _greedy_argmax(self, requests, layout: _BatchLayout) -> dict[int, int]:
+        """The argmax row of every plain-greedy request of the step, by request index,
+        from one numpy call over llama.cpp's logits buffer (a decode step's outputs are
+        usually exactly these rows)."""
+        greedy = [index for index, request in enumerate(requests)
+                  if request.sample_last and is_plain_greedy(request.sampling or _GREEDY)]
+        if not greedy:
+            return {}
+        logits = output_logits(self._ctx, layout.n_outputs, self.n_vocab)
+        outputs = [layout.sample_outputs[index] for index in greedy]
+        if len(outputs) == layout.n_outputs:
+            picked = logits.argmax(axis=1).tolist()
+            return {index: picked[out] for index, out in zip(greedy, outputs, strict=True)}
+        return {index: int(logits[out].argmax()) for index, out in zip(greedy, outputs,
+                                                                       strict=True)}
+
     def _sample_row(self, index: int, session: _Lane, request: IterationRequest,
-                    row: int) -> IterationSample:
-        token = self._sample(session, request, row)
+                    row: int, argmax: int | None) -> IterationSample:
+        token = self._sample(session, request, row, argmax)
         config = request.sampling
         logprob = None
         if config is not None and config.logprobs is not None:
@@ -642,7 +680,8 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         in_batch_order[order] = captured
         return in_batch_order
 
-    def _sample(self, session: _Lane, request: IterationRequest, row: int) -> int:
+    def _sample(self, session: _Lane, request: IterationRequest, row: int,
+                argmax: int | None = None) -> int:
         config = request.sampling or _GREEDY
         sampler = session.sampler
         # NOTE: identity first: a request keeps its config object, and comparing every
@@ -662,7 +701,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                 self._reset_sampler(session)
                 return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
-        return session.sampler.sample(self._ctx, row)
+        return session.sampler.sample(self._ctx, row, argmax)
 
 
 def _wants_prompt_logprobs(request: IterationRequest) -> bool:

@@ -15,7 +15,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.capture_native import NativeLayerCapture, native_library
+from skippyd.engine.runtime.native import NativeLayerCapture, helpers
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +106,10 @@ class LayerOutputCapture:
 
 def make_layer_capture(n_layer: int, n_embd: int, max_tokens: int, *,
                        native: bool = True) -> LayerOutputCapture | NativeLayerCapture:
-    """The capture of a non-final stage: the compiled callback when it can be built
-    (``capture_native``: no interpreter per graph node), else the Python one."""
-    library = native_library() if native else None
+    """The capture of a non-final stage: the native callback when the install built it
+    (:mod:`~skippyd.engine.runtime.native`: no interpreter per graph node), else the
+    Python one."""
+    library = helpers().library if native else None
     if library is None:
         return LayerOutputCapture(n_layer, n_embd)
     return NativeLayerCapture(library, _ggml_base(), n_layer, n_embd, max_tokens)

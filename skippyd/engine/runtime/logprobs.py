@@ -34,6 +34,29 @@ def row_logits(ctx: int, row: int, n_vocab: int) -> np.ndarray:
     return view
 
 
+def output_logits(ctx: int, n_outputs: int, n_vocab: int) -> np.ndarray:
+    """Every output row's logits of the last decode, ``(n_outputs, n_vocab)``, as one
+    read-only view (valid until the next decode).
+
+    Row ``j`` belongs to the ``j``-th batch row that asked for logits, in batch order
+    (llama.cpp puts them back in that order when they are read).
+    """
+    return _logits_view(ctypes.addressof(L.llama_get_logits(ctx).contents), n_outputs,
+                        n_vocab)
+
+
+@functools.lru_cache(maxsize=64)
+def _logits_view(address: int, n_outputs: int, n_vocab: int) -> np.ndarray:
+    # NOTE: cached: this runs once per step right after a decode, where building the
+    # view costs more than the argmax over it. A view stays valid for as long as the
+    # buffer is at that address with at least ``n_outputs`` rows, which is exactly
+    # when llama.cpp returns that address for a step with that many outputs.
+    flat = np.frombuffer(_logits_row_type(n_outputs * n_vocab).from_address(address),
+                         dtype=np.float32)
+    flat.flags.writeable = False
+    return flat.reshape(n_outputs, n_vocab)
+
+
 @functools.cache
 def _logits_row_type(n_vocab: int) -> type[ctypes.Array[ctypes.c_float]]:
     return ctypes.c_float * n_vocab

@@ -20,9 +20,14 @@ from skippyd.engine.runtime.constrained import (
     GrammarSampler,
     sample_constrained,
 )
-from skippyd.engine.runtime.greedy_native import greedy_picker
 from skippyd.engine.runtime.logprobs import row_logits
 from skippyd.engine.runtime.protocol import SamplingConfig
+
+
+def is_plain_greedy(config: SamplingConfig) -> bool:
+    """Whether the token is the argmax of the row's logits (no chain needed)."""
+    return (config.is_greedy and not _has_penalties(config) and not config.logit_bias
+            and config.grammar is None)
 
 
 def _has_penalties(config: SamplingConfig) -> bool:
@@ -58,11 +63,9 @@ class SamplerChain:
         # Plain greedy needs no chain: an argmax over the row's logits picks the same
         # token (the first highest, as llama.cpp's greedy sampler does) in a third of
         # the time, without filling a candidate array of the whole vocabulary.
-        self._argmax = (config.is_greedy and not self.tracks_history and not config.logit_bias
-                        and config.grammar is None)
+        self._argmax = is_plain_greedy(config)
         self._masked = np.array(sorted(eog_tokens) if config.ignore_eos else [], dtype=np.intp)
         self._masked_set = frozenset(self._masked.tolist())
-        self._pick = greedy_picker(n_vocab, self._masked.tolist()) if self._argmax else None
         self._eog_token = eog_tokens[0] if eog_tokens else 0
         pre = list(_adjusting_samplers(config, n_vocab=n_vocab, n_ctx=n_ctx,
                                        eog_tokens=eog_tokens))
@@ -103,10 +106,14 @@ class SamplerChain:
                     continue
             L.llama_sampler_accept(self._chain, int(token))
 
-    def sample(self, ctx: int, row: int) -> int:
-        """Sample from the logits of batch row ``row`` (that row must be an output)."""
+    def sample(self, ctx: int, row: int, argmax: int | None = None) -> int:
+        """Sample from the logits of batch row ``row`` (that row must be an output).
+
+        ``argmax``: the row's argmax when the caller already has it (the runtime picks
+        every plain-greedy row of a step in one numpy call).
+        """
         if self._argmax:
-            return self._greedy(ctx, row)
+            return self._greedy(ctx, row, argmax)
         if self._grammar is None:
             token = int(L.llama_sampler_sample(self._chain, ctx, row))
         else:
@@ -118,15 +125,12 @@ class SamplerChain:
         self._pending_sampled = token
         return token
 
-    def _greedy(self, ctx: int, row: int) -> int:
-        if self._pick is not None:
-            return self._pick(ctx, row)
-        logits = row_logits(ctx, row, self._n_vocab)
-        token = int(logits.argmax())
+    def _greedy(self, ctx: int, row: int, argmax: int | None) -> int:
+        token = int(row_logits(ctx, row, self._n_vocab).argmax()) if argmax is None else argmax
         # NOTE: a set, not ``in`` over the numpy array: right after a decode numpy's
         # dispatch costs more than the argmax itself.
         if token in self._masked_set:  # ignore_eos: never end
-            masked = logits.copy()
+            masked = row_logits(ctx, row, self._n_vocab).copy()
             masked[self._masked] = -np.inf
             token = int(masked.argmax())
         return token

@@ -1,8 +1,8 @@
-"""The compiled activation capture equals the Python one, bit for bit, and falls back.
+"""The native activation capture equals the Python one, bit for bit, and falls back.
 
-A non-final stage's rows come from a ``cb_eval`` callback; the compiled one must
-capture exactly what the Python one does (same rows, several micro-batches appended),
-and a machine without a C compiler must still serve with the Python callback.
+A non-final stage's rows come from a ``cb_eval`` callback; the native one must capture
+exactly what the Python one does (same rows, several micro-batches appended), and an
+install without the native helpers must still serve with the Python callback.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skippyd.engine.runtime import capture_native, llama_ext
+from skippyd.engine.runtime import llama_ext, native
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.gguf.slice import cached_slice
@@ -40,21 +40,22 @@ def stage_slice(tiny_model_path, tmp_path):
 
 
 def test_native_capture_equals_python_capture(stage_slice, monkeypatch):
-    if capture_native.native_library() is None:
-        pytest.skip("no C compiler on this machine")
-    native = _rows(stage_slice, monkeypatch, native=True)
+    if native.helpers().library is None:
+        pytest.skip("the install built no native helpers")
+    built = _rows(stage_slice, monkeypatch, native=True)
     python = _rows(stage_slice, monkeypatch, native=False)
-    assert [r.shape for r in native] == [(40, 64), (1, 64), (3, 64)]
-    for a, b in zip(native, python, strict=True):
+    assert [r.shape for r in built] == [(40, 64), (1, 64), (3, 64)]
+    for a, b in zip(built, python, strict=True):
         assert a.dtype == np.float32
         np.testing.assert_array_equal(a, b)
 
 
-def test_without_a_compiler_the_python_callback_serves(stage_slice, monkeypatch, request):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    capture_native.COMPILED.forget()
-    request.addfinalizer(capture_native.COMPILED.forget)
-    assert capture_native.native_library() is None
-    assert "cc" in (capture_native.COMPILED.unavailable or "")
-    rows = _rows(stage_slice, monkeypatch, native=True, expect="LayerOutputCapture")
+def test_without_the_native_helpers_the_python_callback_serves(stage_slice, monkeypatch):
+    monkeypatch.setenv(native.NATIVE_ENV, "off")
+    try:
+        assert native.reload().library is None
+        rows = _rows(stage_slice, monkeypatch, native=True, expect="LayerOutputCapture")
+    finally:
+        monkeypatch.delenv(native.NATIVE_ENV)
+        native.reload()
     assert rows[0].shape == (40, 64)

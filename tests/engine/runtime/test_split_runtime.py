@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skippyd.engine.runtime import capture_native, llama_ext
+from skippyd.engine.runtime import llama_ext, native
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
@@ -58,13 +58,13 @@ def _chain(smollm2_path, slice_dir, bounds):
 def capture(request, monkeypatch) -> str:
     """Which capture callback the non-final stages use: both must reorder their rows
     from llama.cpp's per-stream micro-batch order back to batch order."""
-    native = request.param == "native"
-    if native and capture_native.native_library() is None:
-        pytest.skip("no C compiler on this machine")
+    use_native = request.param == "native"
+    if use_native and native.helpers().library is None:
+        pytest.skip("the install built no native helpers")
     real = llama_ext.make_layer_capture
     monkeypatch.setattr("skippyd.engine.runtime.llama.make_layer_capture",
-                        lambda *a, **k: real(*a, native=native))
-    return "NativeLayerCapture" if native else "LayerOutputCapture"
+                        lambda *a, **k: real(*a, native=use_native))
+    return "NativeLayerCapture" if use_native else "LayerOutputCapture"
 
 
 def _step(stages, requests: list[IterationRequest]):

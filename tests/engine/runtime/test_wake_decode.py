@@ -8,8 +8,7 @@ import threading
 import pytest
 from test_runtime import generate, prompt, small_runtime, tokenizer  # noqa: F401 (fixture)
 
-from skippyd.engine.runtime import wake_decode
-from skippyd.engine.runtime.native_build import CompiledOnce
+from skippyd.engine.runtime import native, wake_decode
 
 
 @pytest.fixture
@@ -30,11 +29,10 @@ def read_count(fd: int) -> int:
 @pytest.fixture(params=["native", "python"])
 def mode(request, monkeypatch):
     if request.param == "native":
-        if wake_decode.COMPILED.get() is None:
-            pytest.skip("no C compiler: the native helper cannot be built")
+        if native.helpers().signal_decode is None:
+            pytest.skip("the install built no native helpers")
     else:
-        monkeypatch.setattr(wake_decode, "COMPILED",
-                            CompiledOnce(lambda: None, "never built", "waking from Python"))
+        monkeypatch.setattr(wake_decode, "helpers", lambda: native.NativeHelpers(None, "off"))
     return request.param
 
 
@@ -69,8 +67,8 @@ def test_a_failing_decode_call_still_signals(eventfds, monkeypatch):
         raise ctypes_error
 
     ctypes_error = TypeError("wrong argument")
-    monkeypatch.setattr(wake_decode, "COMPILED",
-                        CompiledOnce(lambda: broken, "broken helper", "waking from Python"))
+    monkeypatch.setattr(wake_decode, "helpers",
+                        lambda: native.NativeHelpers(None, signal_decode=broken))
     with pytest.raises(TypeError, match="wrong argument"):
         wake_decode.decode_signalling(eventfds[:1], None, None)
     assert read_count(eventfds[0]) == 1  # an extra wake-up is harmless, a lost one is not
