@@ -33,10 +33,15 @@ def tokens(seed: int, count: int) -> list[int]:
     return [3 + (seed * 31 + i * 7) % 290 for i in range(count)]
 
 
+def tiny_options(path, *, lanes: int = 4, ctx_size: int = 2048) -> RuntimeOptions:
+    """A tiny-model runtime's options; each lane holds ``ctx_size / lanes`` tokens."""
+    return RuntimeOptions(str(path), lane_count=lanes, ctx_size=ctx_size,
+                          n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=1)
+
+
 def open_runtime(path, *, lanes: int = 4, ctx_size: int = 2048) -> LlamaRuntime:
-    """A tiny-model runtime; each lane holds ``ctx_size / lanes`` tokens."""
-    return LlamaRuntime(RuntimeOptions(str(path), lane_count=lanes, ctx_size=ctx_size,
-                                       n_batch=N_BATCH, n_ubatch=N_UBATCH, threads=1))
+    """A tiny-model runtime (:func:`tiny_options`)."""
+    return LlamaRuntime(tiny_options(path, lanes=lanes, ctx_size=ctx_size))
 
 
 def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], count: int) -> list[int]:

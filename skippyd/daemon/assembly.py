@@ -28,6 +28,7 @@ from skippyd.engine.prefix_cache import (
 )
 from skippyd.engine.runtime import native
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.runtime.schema import schema_to_grammar
 from skippyd.engine.runtime.tokenizer import (
     IncrementalDetokenizer,
@@ -35,7 +36,7 @@ from skippyd.engine.runtime.tokenizer import (
     Tokenizer,
     TokenizerError,
 )
-from skippyd.engine.runtime.watch import WatchedRuntime
+from skippyd.engine.runtime.watch import CallWatch
 from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
@@ -183,7 +184,7 @@ class StageEngine:
         self.startup = StartupProgress()
         """What :meth:`load` is doing, for systemd's start-up timeout and STATUS."""
         self._tokenizer: Tokenizer | None = None
-        self._runtime: WatchedRuntime | None = None
+        self._runtime: Runtime | None = None
         self._worker: WorkerHandle | None = None
         self._generations: GenerationHandle | None = None
         """Stage 0's worker (None on a later stage, whose worker runs the link's batches)."""
@@ -219,9 +220,9 @@ class StageEngine:
         faults = self._fault_switch()
         self._split = make_split(self.config, local)
         progress = local.compute_progress
-        self._runtime = WatchedRuntime(local if self._split is None else self._split.runtime,
-                                       progress=None if progress is None else progress.count)
-        self._prefix_cache = self._make_prefix_cache(cache_settings, local)
+        self._runtime = local if self._split is None else self._split.runtime
+        self._runtime.watch = CallWatch(None if progress is None else progress.count)
+        self._prefix_cache = self._make_prefix_cache(cache_settings, self._runtime)
         settings = WorkerSettings.for_stage(
             self.config, self._runtime,
             self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
@@ -299,13 +300,13 @@ class StageEngine:
                                     reason=reason)
 
     def _make_prefix_cache(self, settings: PrefixCacheSettings | None,
-                           local: LlamaRuntime) -> LivePrefixCache | None:
-        """The cache over the stage's own context, whose lane operations it needs."""
-        if settings is None or self._split is not None:
+                           runtime: Runtime) -> LivePrefixCache | None:
+        """The cache over the worker's runtime, whose lanes hold its entries."""
+        if settings is None or not runtime.keeps_lane_kv:
             return None
         stage = self.config.stage
         return LivePrefixCache(
-            local, settings, stage_index=stage.index, publish=self.telemetry.publish,
+            runtime, settings, stage_index=stage.index, publish=self.telemetry.publish,
             namespace=f"{self.model_id}:{stage.layer_start}-{stage.layer_end}",
         )
 
@@ -367,12 +368,12 @@ class StageEngine:
     def runtime_busy_for(self) -> float:
         """Seconds the worker has been inside the current runtime call (0 when idle)."""
         runtime = self._runtime
-        return 0.0 if runtime is None else runtime.busy_for()
+        return 0.0 if runtime is None else runtime.watch.busy_for()
 
     def runtime_stalled_for(self) -> float:
         """Seconds the current runtime call has gone without computing (0 when idle)."""
         runtime = self._runtime
-        return 0.0 if runtime is None else runtime.stalled_for()
+        return 0.0 if runtime is None else runtime.watch.stalled_for()
 
     def is_alive(self, hang_threshold_s: float) -> bool:
         """The worker thread runs and no runtime call is stuck (the watchdog's question).

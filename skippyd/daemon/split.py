@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import StageTimeline
-from skippyd.engine.runtime.protocol import (
-    IterationOutput,
-    IterationRequest,
-    Runtime,
-    RuntimeWrapper,
-)
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.handle import BatchHandle, WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink
 from skippyd.link.listener import (
@@ -33,23 +28,6 @@ from skippyd.link.listener import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class MeteredRuntime(RuntimeWrapper):
-    """A runtime that adds up the time its iterations spend in llama.cpp (busy time)."""
-
-    def __init__(self, inner: Runtime, timeline: StageTimeline) -> None:
-        super().__init__(inner)
-        self.busy_s = 0.0
-        self.timeline = timeline
-
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
-        started = time.perf_counter()
-        output = self.inner.iteration_batch_sampled(requests)
-        self.busy_s += output.compute_s
-        self.timeline.compute_s += output.compute_s
-        self.timeline.runtime_s += time.perf_counter() - started - output.compute_s
-        return output
 
 
 def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
@@ -87,8 +65,10 @@ class SplitStage:
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
         self.pipeline: PipelineRuntime | None = None
-        self.timeline = StageTimeline()
-        """A later stage's per-batch timeline (stage 0's lives in its pipeline runtime)."""
+        self._local = local
+        self.timeline: StageTimeline = local.timeline
+        """A later stage's per-batch timeline (stage 0's lives in its pipeline runtime):
+        its runtime adds compute and the rest of each call, the link the rest."""
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.max_session_tokens,
@@ -97,7 +77,7 @@ class SplitStage:
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
             self.runtime: Runtime = self.pipeline
         else:
-            self.runtime = MeteredRuntime(local, self.timeline)
+            self.runtime = local
 
     def start(self, worker: WorkerHandle) -> None:
         """Open the link listener (if configured) and, on stage 0, start dialling.
@@ -154,9 +134,9 @@ class SplitStage:
         sessions = 0 if worker is None else worker.stats().active_runtime_sessions
         status: dict[str, Any] = {"uptime_s": time.monotonic() - self.started_at,
                                   "active_sessions": sessions}
-        if isinstance(self.runtime, MeteredRuntime):
-            status["busy_s"] = self.runtime.busy_s
-            status["timeline"] = self.runtime.timeline.as_dict()
+        if self.pipeline is None:
+            status["busy_s"] = self._local.busy_s
+            status["timeline"] = self.timeline.as_dict()
         if self.pipeline is not None and self.link is not None:
             counters = self.pipeline.counters
             status.update(busy_s=counters.local_compute_s, batches_sent=counters.batches_sent,

@@ -17,6 +17,7 @@ from link_support import SECRET, tiny_chain, wait_until
 
 from skippyd.config import parse_config
 from skippyd.daemon.split import make_split
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.worker.commands import WorkerStats
 from skippyd.link.dialer import query_status
 from skippyd.link.listener import LISTENER_COUNTERS
@@ -30,6 +31,8 @@ class FakeLocalRuntime:
     max_session_tokens = 256
     max_batch_tokens = 128
     info = SimpleNamespace(n_layer=2)
+    timeline = StageTimeline()
+    busy_s = 0.0
 
 
 class FakeWorker:

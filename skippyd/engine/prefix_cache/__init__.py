@@ -19,7 +19,6 @@ from skippyd.engine.prefix_cache.entries import (
 )
 from skippyd.engine.prefix_cache.live import (
     PREFIX_CACHE_EVENT,
-    LaneRuntime,
     Lease,
     LivePrefixCache,
     Placement,
@@ -37,7 +36,6 @@ __all__ = [
     "CacheEntry",
     "CacheMatch",
     "EntryTable",
-    "LaneRuntime",
     "Lease",
     "LivePrefixCache",
     "Placement",

@@ -17,9 +17,9 @@ request (the worker's record of it), not here: the cache only pins the entry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
 from skippyd.engine.prefix_cache.entries import (
@@ -37,7 +37,7 @@ from skippyd.engine.prefix_cache.settings import (
     PREFILL_COST_PER_TOKEN,
     PrefixCacheSettings,
 )
-from skippyd.engine.runtime.protocol import LanesBusyError
+from skippyd.engine.runtime.protocol import LanesBusyError, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -46,31 +46,6 @@ PREFIX_CACHE_EVENT = "stage.prefix_cache"
 _ATTR = "skippy.prefix_cache."
 
 Publish = Callable[[str, Mapping[str, Any]], None]
-
-
-class LaneRuntime(Protocol):
-    """What the cache needs from a runtime (``LlamaRuntime`` with its lane methods)."""
-
-    def session_history(self, session_id: str) -> tuple[int, ...]: ...
-
-    def lane_history(self, lane: int) -> tuple[int, ...]: ...
-
-    def lane_of(self, session_id: str) -> int | None: ...
-
-    def idle_lanes(self) -> list[int]: ...
-
-    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None: ...
-
-    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
-        """The lane's saved state; ``len()`` is its host RAM in bytes. ``size`` is the
-        lane's ``lane_state_bytes`` when just read."""
-
-    def lane_state_bytes(self, lane: int) -> int: ...
-
-    def load_session_state(self, session_id: str, state: Any,
-                           tokens: Sequence[int]) -> bool: ...
-
-    def trim_session(self, session_id: str, token_count: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +78,7 @@ class LivePrefixCache:
         publish: Telemetry sink (the worker's hub).
     """
 
-    def __init__(self, runtime: LaneRuntime, settings: PrefixCacheSettings, *,
+    def __init__(self, runtime: Runtime, settings: PrefixCacheSettings, *,
                  namespace: str, stage_index: int = 0, publish: Publish | None = None) -> None:
         self.runtime = runtime
         self.settings = settings

@@ -1,4 +1,4 @@
-"""RuntimeState over one llama.cpp context: lanes, sessions and batched iterations.
+"""One llama.cpp context: lanes, sessions and batched iterations.
 
 One model and one context with ``n_seq_max = lane_count`` and one KV stream per lane
 (``kv_unified = False``, as llama-server runs its slots): ``ctx_size`` cells split evenly
@@ -11,7 +11,7 @@ cell of every sequence (llama.cpp pads the span to the highest used cell), so 8 
 ~120 tokens each cost an 8-sequence decode step 14 % more than with a stream per lane,
 and cells a cache keeps around cost every step. In return a lane holds at most
 ``ctx_size / lane_count`` tokens, and a lane keeps its KV after its session ends: the
-prefix cache reuses it in place (see :mod:`skippyd.engine.runtime.lane_cache`).
+prefix cache reuses it in place (see :mod:`skippyd.engine.runtime.lanes`).
 
 llama.cpp keeps the rows of a batch in one micro-batch only for consecutive sequence ids
 taking equal token counts, so rows are written in lane order and new sessions take the
@@ -38,8 +38,8 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime import native, wake_decode
 from skippyd.engine.runtime.constrained import GrammarError
-from skippyd.engine.runtime.forks import SessionForkMixin
-from skippyd.engine.runtime.lane_cache import LaneCacheMixin, StateMappings
+from skippyd.engine.runtime.host_state import HostState, HostStates
+from skippyd.engine.runtime.lanes import Lane, LaneTable
 from skippyd.engine.runtime.llama_ext import (
     ensure_backend,
     make_layer_capture,
@@ -51,6 +51,7 @@ from skippyd.engine.runtime.logprobs import (
     row_logits,
     token_logprob,
 )
+from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.protocol import (
     LLAMA_MAX_SEQ,
@@ -67,6 +68,7 @@ from skippyd.engine.runtime.protocol import (
     SessionAlignment,
 )
 from skippyd.engine.runtime.sampling import SamplerChain, is_plain_greedy
+from skippyd.engine.runtime.watch import CallWatch, unwatched
 from skippyd.gguf.inspect import inspect_model
 
 logger = logging.getLogger(__name__)
@@ -117,22 +119,6 @@ class RuntimeOptions:
 
 
 @dataclass(slots=True)
-class _Lane:
-    """One sequence id and its KV stream; holds its KV after its session ends."""
-
-    seq_id: int
-    session_id: str | None = None
-    """The active session bound to the lane, or None while it is idle."""
-    token_count: int = 0
-    history: list[int] = field(default_factory=list)
-    """Token ids in KV order (first stage, or a token sideband on later stages)."""
-    sampler: SamplerChain | None = None
-    prompt_carry: tuple[int, np.ndarray] | None = None
-    """(position, logits) of a prefill chunk's last row, whose next token the following
-    chunk brings (``prompt_logprobs`` sessions only)."""
-
-
-@dataclass(slots=True)
 class _BatchLayout:
     """Where each request of one batch sits, as :meth:`LlamaRuntime._fill_batch` wrote it
     (lists in request order)."""
@@ -147,13 +133,14 @@ class _BatchLayout:
     """Rows that produce logits."""
 
 
-class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
+class LlamaRuntime:
     """Lanes and batched iterations over one llama.cpp context.
 
-    The prefix cache's lane operations (what an idle lane holds, copies between lanes,
-    host-RAM states) are the methods of
-    :class:`~skippyd.engine.runtime.lane_cache.LaneCacheMixin`.
-    Use as a context manager, or call :meth:`close`.
+    It owns the context and composes what acts on it: the lanes and their sessions
+    (:class:`~skippyd.engine.runtime.lanes.LaneTable`) and saved states in host memory
+    (:class:`~skippyd.engine.runtime.host_state.HostStates`); its methods are the
+    :class:`~skippyd.engine.runtime.protocol.Runtime` protocol, the prefix cache's lane
+    operations included. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, options: RuntimeOptions) -> None:
@@ -185,10 +172,13 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         self._batch = L.llama_batch_init(
             options.n_batch, 0 if options.first_stage else self.n_embd, 1
         )
-        self._lanes = [_Lane(seq_id) for seq_id in range(options.lane_count)]
-        self._padding: list[_Lane] = []
-        self._sessions: dict[str, _Lane] = {}
-        self.state_mappings = StateMappings()
+        self._host_states = HostStates(self._ctx)
+        self._lanes = LaneTable(self._mem, self._host_states, options.lane_count)
+        self._padding: list[Lane] = []
+        self.watch: CallWatch = unwatched()
+        """Marks each batched call (the daemon installs one that reports hangs)."""
+        self.timeline = StageTimeline()
+        """Seconds in llama_decode (``compute_s``) and in the rest of the calls."""
         self.decode_calls = 0
 
     # -- lifecycle -------------------------------------------------------------------
@@ -241,10 +231,8 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
     def close(self) -> None:
         if getattr(self, "_ctx", None) is None:
             return
-        for lane in self._lanes:
-            self._reset_sampler(lane)
-        self._sessions.clear()
-        self.state_mappings.clear()
+        self._lanes.close()
+        self._host_states.close()
         L.llama_batch_free(self._batch)
         L.llama_free(self._ctx)
         L.llama_model_free(self._model)
@@ -288,107 +276,110 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         """The raw llama_context pointer, for prefix-cache operations on the worker thread."""
         return self._ctx
 
+    @property
+    def state_mappings(self):
+        """Where saved states get their memory (kept mappings, for reuse)."""
+        return self._host_states.mappings
+
     def active_session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._lanes.sessions)
 
     def session_token_count(self, session_id: str) -> int | None:
-        session = self._sessions.get(session_id)
-        return None if session is None else session.token_count
+        lane = self._lanes.sessions.get(session_id)
+        return None if lane is None else lane.token_count
 
     def session_seq_id(self, session_id: str) -> int | None:
-        session = self._sessions.get(session_id)
-        return None if session is None else session.seq_id
+        lane = self._lanes.sessions.get(session_id)
+        return None if lane is None else lane.seq_id
 
     def kv_cells_used(self) -> int:
         """Cells held by active sessions (idle lanes' kept KV is the prefix cache's)."""
-        return sum(s.token_count for s in self._sessions.values())
+        return self._lanes.cells_used()
 
     # -- sessions --------------------------------------------------------------------
     def ensure_session_active(self, session_id: str, lane: int | None = None,
                               keep_tokens: int = 0) -> None:
-        """Bind a new session to an idle lane; an active one is left as it is.
-
-        Args:
-            session_id: The session.
-            lane: The idle lane to take; default: the lowest idle lane holding nothing,
-                else the lowest idle lane.
-            keep_tokens: Leading tokens of the lane's kept KV the session starts with
-                (the prefix cache restoring in place); the rest is cleared.
-
-        Raises:
-            LanesBusyError: No lane is idle.
-            InvalidIterationError: ``lane`` is not an idle lane, or it holds fewer than
-                ``keep_tokens`` tokens.
-        """
-        if session_id in self._sessions:
-            return
-        chosen = self._lanes[self._pick_lane()] if lane is None else self._idle_lane(lane)
-        if not 0 <= keep_tokens <= chosen.token_count:
-            raise InvalidIterationError(
-                f"lane {chosen.seq_id} holds {chosen.token_count} tokens, cannot keep {keep_tokens}")
-        L.llama_memory_seq_rm(self._mem, chosen.seq_id, keep_tokens, -1)
-        chosen.token_count = keep_tokens
-        del chosen.history[keep_tokens:]
-        self._reset_sampler(chosen)
-        chosen.prompt_carry = None  # a lane's last session may have left one
-        chosen.session_id = session_id
-        self._sessions[session_id] = chosen
-
-    def _pick_lane(self) -> int:
-        idle = [lane for lane in self._lanes if lane.session_id is None]
-        if not idle:
-            raise LanesBusyError("all execution lanes are busy")
-        empty = [lane for lane in idle if lane.token_count == 0]
-        return (empty or idle)[0].seq_id
-
-    def _idle_lane(self, seq_id: int) -> _Lane:
-        if not 0 <= seq_id < len(self._lanes) or self._lanes[seq_id].session_id is not None:
-            raise InvalidIterationError(f"lane {seq_id} is not an idle lane")
-        return self._lanes[seq_id]
+        """Bind a new session to an idle lane; an active one is left as it is (see
+        :meth:`~skippyd.engine.runtime.lanes.LaneTable.bind`)."""
+        self._lanes.bind(session_id, lane, keep_tokens)
 
     def drop_session(self, session_id: str) -> None:
         """End the session and free its lane; the lane keeps its KV until it is reused.
 
         Unknown ids are ignored.
         """
-        lane = self._sessions.pop(session_id, None)
-        if lane is None:
-            return
-        lane.session_id = None
-        self._reset_sampler(lane)
+        self._lanes.release(session_id)
 
     def trim_session(self, session_id: str, token_count: int) -> None:
         """Drop the session's KV from position ``token_count`` on."""
-        session = self._require(session_id)
         if token_count < 0:
             raise InvalidIterationError(f"trim_session: token_count must be >= 0 (got {token_count})")
-        L.llama_memory_seq_rm(self._mem, session.seq_id, token_count, -1)
-        session.token_count = min(session.token_count, token_count)
-        del session.history[token_count:]
-        self._reset_sampler(session)
+        self._lanes.remove_from(self._lanes.require(session_id), token_count)
 
     def align_session_to_token_count_if_ahead(
         self, session_id: str, target: int
     ) -> SessionAlignment | None:
         """Trim a session that is ahead of ``target``; never extend one."""
-        session = self._sessions.get(session_id)
-        if session is None or session.token_count <= target:
+        lane = self._lanes.sessions.get(session_id)
+        if lane is None or lane.token_count <= target:
             return None
-        before = session.token_count
-        self.trim_session(session_id, target)
+        before = lane.token_count
+        self._lanes.remove_from(lane, target)
         return SessionAlignment(before_token_count=before, after_token_count=target)
 
-    def _require(self, session_id: str) -> _Lane:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise InvalidIterationError(f"unknown session {session_id}")
-        return session
+    @property
+    def can_fork(self) -> bool:
+        return True
 
-    @staticmethod
-    def _reset_sampler(session: _Lane) -> None:
-        if session.sampler is not None:
-            session.sampler.close()
-            session.sampler = None
+    def fork_session(self, src_session_id: str, dst_session_id: str,
+                     num_tokens: int | None = None) -> None:
+        """Make ``dst`` hold ``src``'s first ``num_tokens`` tokens (all by default)."""
+        self._lanes.fork(src_session_id, dst_session_id, num_tokens)
+
+    # -- the prefix cache's lane operations ------------------------------------------
+    @property
+    def keeps_lane_kv(self) -> bool:
+        return True
+
+    def session_history(self, session_id: str) -> tuple[int, ...]:
+        """Token ids in the session's KV, in position order (empty if unknown)."""
+        lane = self._lanes.sessions.get(session_id)
+        return () if lane is None else tuple(lane.history)
+
+    def lane_history(self, lane: int) -> tuple[int, ...]:
+        """Token ids a lane's KV holds (its session's, or kept after it ended)."""
+        return tuple(self._lanes.lane(lane).history)
+
+    def lane_of(self, session_id: str) -> int | None:
+        """The lane an active session is bound to."""
+        return self.session_seq_id(session_id)
+
+    def idle_lanes(self) -> list[int]:
+        """Lanes no session is bound to, lowest first."""
+        return [lane.seq_id for lane in self._lanes.idle()]
+
+    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
+        """Make the session hold the first ``num_tokens`` tokens of lane ``source``."""
+        self._lanes.copy_prefix(source, session_id, num_tokens)
+
+    def clear_lane(self, lane: int) -> None:
+        """Forget what an idle lane kept."""
+        self._lanes.clear(lane)
+
+    def save_lane_state(self, lane: int, size: int | None = None) -> HostState:
+        """Serialize a lane's KV into host memory (``size``: its :meth:`lane_state_bytes`
+        when just read)."""
+        return self._host_states.save(self._lanes.lane(lane).seq_id, size)
+
+    def lane_state_bytes(self, lane: int) -> int:
+        """Size of a lane's saved state, without saving it."""
+        return self._host_states.size_of(self._lanes.lane(lane).seq_id)
+
+    def load_session_state(self, session_id: str, state: HostState,
+                           tokens: Sequence[int]) -> bool:
+        """Replace the session's KV with a saved state holding ``tokens``; False when
+        llama.cpp could not load it (the session is then empty)."""
+        return self._lanes.load(self._lanes.require(session_id), state, tokens)
 
     # -- iterations ------------------------------------------------------------------
     def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
@@ -402,9 +393,22 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         """
         if not requests:
             return IterationOutput()
+        started = time.perf_counter()
+        with self.watch:
+            output = self._iterate(requests)
+        self.timeline.compute_s += output.compute_s
+        self.timeline.runtime_s += time.perf_counter() - started - output.compute_s
+        return output
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent inside ``llama_decode`` since the runtime was made."""
+        return self.timeline.compute_s
+
+    def _iterate(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         starts = self._validate(requests)
-        new_ids = [r.session_id for r in requests if r.session_id not in self._sessions]
-        free = sum(1 for lane in self._lanes if lane.session_id is None)
+        new_ids = [r.session_id for r in requests if r.session_id not in self._lanes.sessions]
+        free = len(self._lanes.idle())
         if len(new_ids) > free:
             raise LanesBusyError(
                 f"iteration requires {len(new_ids)} new sessions but only {free}"
@@ -412,7 +416,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
             )
         for session_id in new_ids:
             self.ensure_session_active(session_id)
-        sessions = [self._sessions[r.session_id] for r in requests]
+        sessions = [self._lanes.sessions[r.session_id] for r in requests]
         for session, start in zip(sessions, starts, strict=True):
             if start < session.token_count:  # replaying from an earlier position
                 L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
@@ -470,7 +474,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                 raise InvalidIterationError(f"session {sid}: {exc}") from exc
 
     def _validate_positions(self, request: IterationRequest) -> int:
-        session = self._sessions.get(request.session_id)
+        session = self._lanes.sessions.get(request.session_id)
         current = 0 if session is None else session.token_count
         n = request.num_tokens
         start = current
@@ -508,7 +512,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         order.sort(key=lambda item: item[0])
         for seq_id, index in order:
             if index is None:  # a filler row: see _padding_lanes
-                lane = self._lanes[seq_id]
+                lane = self._lanes.lanes[seq_id]
                 batch.token[row] = lane.history[-1] if lane.history else 0
                 batch.pos[row] = lane.token_count
                 batch.n_seq_id[row] = 1
@@ -543,7 +547,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         batch.n_tokens = row
         return layout
 
-    def _padding_lanes(self, sessions, num_tokens: int) -> list[_Lane]:
+    def _padding_lanes(self, sessions, num_tokens: int) -> list[Lane]:
         """Lanes left out between the batch's lanes that get one throw-away row.
 
         llama.cpp puts rows of consecutive lanes only into one micro-batch (the module
@@ -559,7 +563,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         if self._capture is not None or not self.options.first_stage or not sessions:
             return []
         used = {session.seq_id for session in sessions}
-        holes = [self._lanes[seq_id] for seq_id in range(min(used), max(used) + 1)
+        holes = [self._lanes.lanes[seq_id] for seq_id in range(min(used), max(used) + 1)
                  if seq_id not in used]
         if (not holes or len(holes) * PAD_ROWS_PER_HOLE > len(used)
                 or num_tokens + len(holes) > self.options.n_batch
@@ -573,7 +577,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         self._padding = []
 
     def set_compute_hook(self, hook: ComputeHook | None) -> bool:
-        """Call ``hook`` right before each ``llama_decode`` (see ``install_compute_hook``)."""
+        """Call ``hook`` right before each ``llama_decode`` (see :data:`~skippyd.engine.runtime.protocol.ComputeHook`)."""
         if hook is not None:
             native.helpers()  # loaded now, not at the first request
         self._compute_hook = hook
@@ -649,7 +653,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         return {index: int(logits[out].argmax()) for index, out in zip(greedy, outputs,
                                                                        strict=True)}
 
-    def _sample_row(self, index: int, session: _Lane, request: IterationRequest,
+    def _sample_row(self, index: int, session: Lane, request: IterationRequest,
                     row: int, argmax: int | None) -> IterationSample:
         token = self._sample(session, request, row, argmax)
         config = request.sampling
@@ -659,7 +663,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                                     config.logprobs)
         return IterationSample(index, token, is_eog=token in self._eog_tokens, logprob=logprob)
 
-    def _prompt_logprobs(self, session: _Lane, request: IterationRequest, row: int,
+    def _prompt_logprobs(self, session: Lane, request: IterationRequest, row: int,
                          start: int) -> list:
         assert request.sampling is not None and request.sampling.prompt_logprobs is not None
         entries, session.prompt_carry = prompt_row_logprobs(
@@ -680,14 +684,14 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
         in_batch_order[order] = captured
         return in_batch_order
 
-    def _sample(self, session: _Lane, request: IterationRequest, row: int,
+    def _sample(self, session: Lane, request: IterationRequest, row: int,
                 argmax: int | None = None) -> int:
         config = request.sampling or _GREEDY
         sampler = session.sampler
         # NOTE: identity first: a request keeps its config object, and comparing every
         # field of two equal configs costs more than the greedy pick right after a decode.
         if sampler is None or (sampler.config is not config and sampler.config != config):
-            self._reset_sampler(session)
+            session.reset_sampler()
             try:
                 session.sampler = SamplerChain(
                     config, n_vocab=self.n_vocab, n_ctx=self.lane_capacity_tokens,
@@ -698,7 +702,7 @@ class LlamaRuntime(LaneCacheMixin, SessionForkMixin):
                 # The request was checked before it was queued; ending it beats aborting
                 # every other session of the batch.
                 logger.error("session %s: %s; ending its generation", request.session_id, exc)
-                self._reset_sampler(session)
+                session.reset_sampler()
                 return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
         return session.sampler.sample(self._ctx, row, argmax)

@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
+from typing import Any
 
 from skippyd.engine.runtime.pipeline_types import (
     ChainBatchError,
@@ -47,6 +48,8 @@ from skippyd.engine.runtime.pipeline_types import (
     split_token_groups,
 )
 from skippyd.engine.runtime.protocol import (
+    ComputeHook,
+    InvalidIterationError,
     IterationOutput,
     IterationPhase,
     IterationRequest,
@@ -55,6 +58,7 @@ from skippyd.engine.runtime.protocol import (
     RuntimeFailure,
     SessionAlignment,
 )
+from skippyd.engine.runtime.watch import CallWatch, unwatched
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ logger = logging.getLogger(__name__)
 MAX_INFLIGHT_BATCHES = 8
 #: A sampled batch with no reply for this long means the chain is stuck.
 REPLY_TIMEOUT_S = 30.0
+_NO_LANE_KV = "a split pipeline keeps no lane KV for a prefix cache"
 
 
 class PipelineRuntime:
@@ -91,6 +96,7 @@ class PipelineRuntime:
         self._shipped_epoch: dict[str, int] = {}
         self._next_wire_id = 1
         self._next_batch_id = 1
+        self.watch: CallWatch = unwatched()
 
     # -- facts (Runtime protocol) ------------------------------------------------------
 
@@ -141,6 +147,52 @@ class PipelineRuntime:
         """Free the local runtime (the link is closed by its owner)."""
         self.local.close()
 
+    def set_compute_hook(self, hook: ComputeHook | None) -> bool:
+        """False: a call's computations are spread over the chain, and the caller runs
+        the hook before each call."""
+        return False
+
+    # -- what a pipeline does not do ---------------------------------------------------
+    # Choices share a prompt by forking a session on every stage, and the prefix cache
+    # reuses a lane's KV on every stage: neither crosses the link yet.
+
+    @property
+    def can_fork(self) -> bool:
+        return False
+
+    def fork_session(self, src_session_id: str, dst_session_id: str,
+                     num_tokens: int | None = None) -> None:
+        raise InvalidIterationError("a split pipeline cannot fork sessions")
+
+    @property
+    def keeps_lane_kv(self) -> bool:
+        return False
+
+    def session_history(self, session_id: str) -> tuple[int, ...]:
+        return self.local.session_history(session_id)
+
+    def lane_history(self, lane: int) -> tuple[int, ...]:
+        return self.local.lane_history(lane)
+
+    def lane_of(self, session_id: str) -> int | None:
+        return self.local.lane_of(session_id)
+
+    def idle_lanes(self) -> list[int]:
+        return self.local.idle_lanes()
+
+    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
+        raise InvalidIterationError(_NO_LANE_KV)
+
+    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
+        raise InvalidIterationError(_NO_LANE_KV)
+
+    def lane_state_bytes(self, lane: int) -> int:
+        raise InvalidIterationError(_NO_LANE_KV)
+
+    def load_session_state(self, session_id: str, state: Any,
+                           tokens: Sequence[int]) -> bool:
+        raise InvalidIterationError(_NO_LANE_KV)
+
     # -- sessions ----------------------------------------------------------------------
 
     def drop_session(self, session_id: str) -> None:
@@ -190,6 +242,10 @@ class PipelineRuntime:
         """
         if not requests:
             return IterationOutput()
+        with self.watch:
+            return self._iterate(requests)
+
+    def _iterate(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         self._check_chain(requests)
         starts = [self._start_of(r) for r in requests]
         needed, fresh = self._match(requests, starts)

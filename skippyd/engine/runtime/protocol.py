@@ -1,20 +1,23 @@
 """The contract between the worker and a runtime.
 
-The worker (:mod:`skippyd.engine.worker`) drives any object that satisfies
-:class:`Runtime`: ``llama.LlamaRuntime`` over one llama.cpp context, stage 0's
-``pipeline.PipelineRuntime`` over a split pipeline, and wrappers built on
-:class:`RuntimeWrapper`; tests may use a scripted fake. Everything that crosses this
-boundary is a plain dataclass defined here, so the worker never imports llama.cpp.
+The worker (:mod:`skippyd.engine.worker`) and the prefix cache drive one object that
+satisfies :class:`Runtime`: ``llama.LlamaRuntime`` over one llama.cpp context, or stage
+0's ``pipeline.PipelineRuntime`` over a split pipeline; tests may use a scripted fake.
+Everything that crosses this boundary is a plain dataclass defined here, so the worker
+never imports llama.cpp.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from skippyd.engine.runtime.watch import CallWatch
 
 #: llama.cpp's hard cap on sequence ids per context (``LLAMA_MAX_SEQ``).
 LLAMA_MAX_SEQ = 256
@@ -329,125 +332,81 @@ class Runtime(Protocol):
     def close(self) -> None:
         """Free everything the runtime holds; idempotent. No call may follow."""
 
-
-ComputeHook = Callable[[], Sequence[int]]
-"""Run right before a model computation; returns the eventfds to signal as it starts."""
-
-
-def install_compute_hook(runtime: object, hook: ComputeHook | None) -> bool:
-    """Have ``runtime`` call ``hook`` right before each model computation; False when it
-    cannot (the caller then runs ``hook`` before each runtime call itself).
-
-    The hook runs on the calling thread after every other call into llama.cpp of the
-    iteration, so nothing between the hook and the computation releases the GIL. It
-    returns the eventfds of the threads to wake; the runtime signals them once the GIL
-    is released for the computation (``wake_decode``), so a woken thread runs while
-    llama.cpp computes and finds the GIL free, not in the middle of the caller's Python.
-    """
-    setter = getattr(runtime, "set_compute_hook", None)
-    return bool(setter is not None and setter(hook))
-
-
-class RuntimeWrapper:
-    """A :class:`Runtime` that passes every call to ``inner``.
-
-    Subclasses override what they add (timing, metering) and inherit the rest, so a
-    wrapper is a complete, typed runtime rather than an attribute forwarder.
-    """
-
-    def __init__(self, inner: Runtime) -> None:
-        self.inner = inner
+    # -- watching ----------------------------------------------------------------------
+    watch: CallWatch
+    """Marked by every batched call; the daemon reads it to tell a hung call from a
+    long one. Assign one to watch the runtime."""
 
     def set_compute_hook(self, hook: ComputeHook | None) -> bool:
-        """See :func:`install_compute_hook`."""
-        return install_compute_hook(self.inner, hook)
+        """Call ``hook`` right before each model computation (see :data:`ComputeHook`);
+        False when this runtime cannot, and the caller runs it before each call."""
 
+    # -- choices: n > 1 ----------------------------------------------------------------
     @property
-    def lane_count(self) -> int:
-        return self.inner.lane_count
-
-    @property
-    def kv_pool_tokens(self) -> int:
-        return self.inner.kv_pool_tokens
-
-    @property
-    def max_batch_tokens(self) -> int:
-        return self.inner.max_batch_tokens
-
-    @property
-    def micro_batch_tokens(self) -> int:
-        return self.inner.micro_batch_tokens
-
-    @property
-    def max_session_tokens(self) -> int:
-        return self.inner.max_session_tokens
-
-    def active_session_count(self) -> int:
-        return self.inner.active_session_count()
-
-    def kv_cells_used(self) -> int:
-        return self.inner.kv_cells_used()
-
-    def session_token_count(self, session_id: str) -> int | None:
-        return self.inner.session_token_count(session_id)
-
-    def session_seq_id(self, session_id: str) -> int | None:
-        return self.inner.session_seq_id(session_id)
-
-    def ensure_session_active(self, session_id: str, lane: int | None = None,
-                              keep_tokens: int = 0) -> None:
-        self.inner.ensure_session_active(session_id, lane, keep_tokens)
-
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
-        return self.inner.iteration_batch_sampled(requests)
-
-    def align_session_to_token_count_if_ahead(
-        self, session_id: str, target: int
-    ) -> SessionAlignment | None:
-        return self.inner.align_session_to_token_count_if_ahead(session_id, target)
-
-    def trim_session(self, session_id: str, token_count: int) -> None:
-        self.inner.trim_session(session_id, token_count)
-
-    def drop_session(self, session_id: str) -> None:
-        self.inner.drop_session(session_id)
-
-    def close(self) -> None:
-        self.inner.close()
+    def can_fork(self) -> bool:
+        """Whether :meth:`fork_session` copies sessions here."""
 
     def fork_session(self, src_session_id: str, dst_session_id: str,
                      num_tokens: int | None = None) -> None:
-        """Forward to the inner runtime (see :class:`ForkingRuntime`; check :func:`can_fork`).
-
-        Raises:
-            InvalidIterationError: The inner runtime cannot fork sessions.
-        """
-        fork = getattr(self.inner, "fork_session", None)
-        if fork is None:
-            raise InvalidIterationError(f"{type(self.inner).__name__} cannot fork sessions")
-        fork(src_session_id, dst_session_id, num_tokens)
-
-
-@runtime_checkable
-class ForkingRuntime(Runtime, Protocol):
-    """A runtime that can copy one session's KV into another (``n > 1`` choices)."""
-
-    def fork_session(
-        self, src_session_id: str, dst_session_id: str, num_tokens: int | None = None
-    ) -> None:
         """Make ``dst`` (taking a lane if new) hold ``src``'s first ``num_tokens`` tokens.
 
         ``None`` copies all of them. The source is unchanged.
 
         Raises:
-            InvalidIterationError: ``src`` is unknown or holds fewer tokens.
+            InvalidIterationError: ``src`` is unknown or holds fewer tokens, or the
+                runtime cannot fork (:attr:`can_fork` is False).
             LanesBusyError: ``dst`` is new and no lane is free.
         """
-        ...
+
+    # -- the prefix cache's lane operations (only where keeps_lane_kv) -----------------
+    @property
+    def keeps_lane_kv(self) -> bool:
+        """Whether a lane keeps its KV after its session ends, for the prefix cache to
+        reuse; without it the lane operations below raise InvalidIterationError."""
+
+    def session_history(self, session_id: str) -> tuple[int, ...]:
+        """Token ids in the session's KV, in position order (empty if unknown)."""
+
+    def lane_history(self, lane: int) -> tuple[int, ...]:
+        """Token ids a lane's KV holds (its session's, or kept after it ended)."""
+
+    def lane_of(self, session_id: str) -> int | None:
+        """The lane an active session is bound to."""
+
+    def idle_lanes(self) -> list[int]:
+        """Lanes no session is bound to, lowest first."""
+
+    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
+        """Make the session hold the first ``num_tokens`` tokens of lane ``source`` (its
+        lane's own KV is replaced).
+
+        Raises:
+            InvalidIterationError: Unknown session or lane, or a count the lane lacks.
+            DecodeFailedError: The state could not be copied.
+        """
+
+    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
+        """The lane's KV saved in host memory; ``len()`` is its size in bytes. ``size``
+        is the lane's :meth:`lane_state_bytes` when just read.
+
+        Raises:
+            DecodeFailedError: The state could not be saved.
+        """
+
+    def lane_state_bytes(self, lane: int) -> int:
+        """Size of a lane's saved state, without saving it."""
+
+    def load_session_state(self, session_id: str, state: Any,
+                           tokens: Sequence[int]) -> bool:
+        """Replace the session's KV with a saved state holding ``tokens``; False when it
+        could not be loaded (the session is then empty)."""
 
 
-def can_fork(runtime: object) -> bool:
-    """Whether ``runtime``, under any wrappers, copies sessions (:class:`ForkingRuntime`)."""
-    while isinstance(runtime, RuntimeWrapper):
-        runtime = runtime.inner
-    return callable(getattr(runtime, "fork_session", None))
+ComputeHook = Callable[[], Sequence[int]]
+"""Run right before a model computation; returns the eventfds to signal as it starts.
+
+The hook runs on the calling thread after every other call into llama.cpp of the
+iteration, so nothing between the hook and the computation releases the GIL. The
+runtime signals the eventfds once the GIL is released for the computation
+(``wake_decode``), so a woken thread runs while llama.cpp computes and finds the GIL
+free, not in the middle of the caller's Python."""

@@ -1,14 +1,14 @@
-"""A runtime wrapper that makes a hung llama.cpp call visible.
+"""A watch on the runtime's model calls that makes a hung llama.cpp call visible.
 
 The worker thread cannot report on itself while it is stuck inside ``llama_decode``, so
-the wrapper records when the current call started; ``/health`` and the systemd watchdog
-read :meth:`WatchedRuntime.stalled_for` from other threads. With a progress source (the
-count of graph nodes llama.cpp computed, :mod:`skippyd.engine.runtime.progress`) a call
-is judged by the time since it last made progress, not by its length: a prefill that
-runs for minutes on a CPU is busy, not hung.
+the runtime marks each batched call on its :class:`CallWatch` (``with watch:``);
+``/health`` and the systemd watchdog read :meth:`CallWatch.stalled_for` from other
+threads. With a progress source (the count of graph nodes llama.cpp computed,
+:mod:`skippyd.engine.runtime.progress`) a call is judged by the time since it last made
+progress, not by its length: a prefill that runs for minutes on a CPU is busy, not hung.
 
-Fault injection for tests: ``SKIPPYD_FAULT=hang-iteration`` makes every batched
-iteration block forever (the only way to produce a hung native call on demand).
+Fault injection for tests: ``SKIPPYD_FAULT=hang-iteration`` makes every watched call
+block forever (the only way to produce a hung native call on demand).
 """
 
 from __future__ import annotations
@@ -17,34 +17,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-
-from skippyd.engine.runtime.protocol import (
-    IterationOutput,
-    IterationRequest,
-    Runtime,
-    RuntimeWrapper,
-)
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "SKIPPYD_FAULT"
 
 
-class WatchedRuntime(RuntimeWrapper):
-    """A :class:`Runtime` that timestamps the batched iterations of ``inner``.
+class CallWatch:
+    """When the current model call started, and whether it still makes progress.
 
     Args:
-        inner: The runtime the worker drives.
-        fault: ``hang-iteration`` blocks every iteration forever (tests only); None
-            reads ``SKIPPYD_FAULT``.
         progress: Returns a count that grows while llama.cpp computes (graph nodes);
             None judges a call by its length.
+        fault: ``hang-iteration`` blocks every call forever (tests only); None reads
+            ``SKIPPYD_FAULT``.
     """
 
-    def __init__(self, inner: Runtime, *, fault: str | None = None,
-                 progress: Callable[[], int] | None = None) -> None:
-        super().__init__(inner)
+    def __init__(self, progress: Callable[[], int] | None = None, *,
+                 fault: str | None = None) -> None:
         self._started: float | None = None
         self._progress = progress
         self._seen = (-1, 0.0)  # (progress count, when it was first seen)
@@ -53,8 +44,17 @@ class WatchedRuntime(RuntimeWrapper):
         if self._fault == "hang-iteration":
             logger.warning("fault injection active: %s", self._fault)
 
+    def __enter__(self) -> CallWatch:
+        self._started = time.monotonic()
+        if self._fault == "hang-iteration":
+            threading.Event().wait()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._started = None
+
     def busy_for(self) -> float:
-        """Seconds the current runtime call has been running (0 when idle)."""
+        """Seconds the current call has been running (0 when idle)."""
         started = self._started
         return 0.0 if started is None else time.monotonic() - started
 
@@ -77,11 +77,8 @@ class WatchedRuntime(RuntimeWrapper):
                 self._seen = (count, now)
             return now - max(self._seen[1], started)
 
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
-        self._started = time.monotonic()
-        try:
-            if self._fault == "hang-iteration":
-                threading.Event().wait()
-            return self.inner.iteration_batch_sampled(requests)
-        finally:
-            self._started = None
+
+def unwatched() -> CallWatch:
+    """The watch of a runtime nobody watches (yet): it only timestamps, and no test
+    fault applies to it."""
+    return CallWatch(fault="")

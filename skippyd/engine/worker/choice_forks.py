@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore
-from skippyd.engine.runtime.protocol import Runtime, can_fork
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.prefix_admission import Admission, recompute
 from skippyd.engine.worker.record import Generation, GenerationStatus
 
@@ -32,14 +32,14 @@ class ChoiceForks:
     """The ``n > 1`` rules over the records; see the module docstring.
 
     Args:
-        runtime: The worker's runtime (forks when it has ``fork_session``).
+        runtime: The worker's runtime (forks when it can).
         chunk_tokens: Prefill chunk for recomputing a prompt no session holds.
     """
 
     def __init__(self, runtime: Runtime, chunk_tokens: int) -> None:
         self._runtime = runtime
         self._fork: Callable[..., None] | None = (
-            runtime.fork_session if can_fork(runtime) else None)  # type: ignore[attr-defined]
+            runtime.fork_session if runtime.can_fork else None)
         self._chunk_tokens = max(1, chunk_tokens)
 
     def hold(self, gen: Generation, first: Generation | None) -> bool:

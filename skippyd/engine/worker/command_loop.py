@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from skippyd.engine.runtime.protocol import Runtime, install_compute_hook
+from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.worker.commands import (
     WORKER_PANIC_MESSAGE,
     CancelCommand,
@@ -120,7 +120,7 @@ class CommandLoop:
         """Run before every wait: each model call and each wait for a command."""
         # Right before llama.cpp computes when the runtime can, else before each call.
         self.before_model_call: Callable[[], None] = (
-            _nothing if install_compute_hook(runtime, self.wait_hooks.run)
+            _nothing if runtime.set_compute_hook(self.wait_hooks.run)
             else self.wait_hooks.run_and_signal)
         self.role: WorkerRole | None = None
         self.failure: str | None = None

@@ -9,7 +9,7 @@ from cache_helpers import N_UBATCH, open_runtime, tokens
 
 from skippyd.engine.runtime import watch
 from skippyd.engine.runtime.protocol import IterationRequest, SamplingConfig
-from skippyd.engine.runtime.watch import WatchedRuntime
+from skippyd.engine.runtime.watch import CallWatch
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -42,16 +42,29 @@ class Clock:
 
 
 class SlowInner:
-    """A runtime whose one call runs until released, computing as the test says."""
+    """A model call that runs until released, computing as the test says."""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def iteration_batch_sampled(self, requests):
-        self.entered.set()
-        assert self.release.wait(30)
-        return "done"
+    def call_watched(self, call_watch: CallWatch) -> None:
+        with call_watch:
+            self.entered.set()
+            assert self.release.wait(30)
+
+
+def test_a_real_runtime_marks_its_calls_on_its_watch(tiny_model_path):
+    with open_runtime(tiny_model_path) as runtime:
+        seen: list[float] = []
+        watched = CallWatch(fault="")
+        runtime.watch = watched
+        hook = lambda: (seen.append(watched.busy_for()), ())[1]  # noqa: E731
+        runtime.set_compute_hook(hook)
+        runtime.iteration_batch_sampled(
+            [IterationRequest("one", tokens(1, 4), sampling=GREEDY, sample_last=True)])
+        assert len(seen) == 1 and seen[0] > 0.0  # inside the call
+        assert watched.busy_for() == 0.0  # and idle after it
 
 
 @pytest.fixture
@@ -63,36 +76,36 @@ def clock(monkeypatch) -> Clock:
 
 def test_a_long_call_that_computes_is_busy_but_not_stalled(clock):
     inner, nodes = SlowInner(), [0]
-    runtime = WatchedRuntime(inner, fault="", progress=lambda: nodes[0])
-    assert runtime.stalled_for() == 0.0
-    call = threading.Thread(target=runtime.iteration_batch_sampled, args=([],))
+    call_watch = CallWatch(progress=lambda: nodes[0], fault="")
+    assert call_watch.stalled_for() == 0.0
+    call = threading.Thread(target=inner.call_watched, args=(call_watch,))
     call.start()
     try:
         assert inner.entered.wait(30)
         for _ in range(10):  # ten minutes of prefill, a graph node now and then
             clock.now += 60.0
             nodes[0] += 500
-            assert runtime.stalled_for() == 0.0
-        assert runtime.busy_for() == pytest.approx(600.0)
+            assert call_watch.stalled_for() == 0.0
+        assert call_watch.busy_for() == pytest.approx(600.0)
         clock.now += 45.0  # then llama.cpp stops computing
-        assert runtime.stalled_for() == pytest.approx(45.0)
+        assert call_watch.stalled_for() == pytest.approx(45.0)
         nodes[0] += 1
-        assert runtime.stalled_for() == 0.0
+        assert call_watch.stalled_for() == 0.0
     finally:
         inner.release.set()
         call.join(30)
-    assert runtime.stalled_for() == 0.0  # idle
+    assert call_watch.stalled_for() == 0.0  # idle
 
 
 def test_without_a_progress_source_the_length_of_the_call_counts(clock):
     inner = SlowInner()
-    runtime = WatchedRuntime(inner, fault="")
-    call = threading.Thread(target=runtime.iteration_batch_sampled, args=([],))
+    call_watch = CallWatch(fault="")
+    call = threading.Thread(target=inner.call_watched, args=(call_watch,))
     call.start()
     try:
         assert inner.entered.wait(30)
         clock.now += 90.0
-        assert runtime.stalled_for() == pytest.approx(90.0)
+        assert call_watch.stalled_for() == pytest.approx(90.0)
     finally:
         inner.release.set()
         call.join(30)

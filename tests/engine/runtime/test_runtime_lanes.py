@@ -13,7 +13,7 @@ import pytest
 from cache_helpers import GREEDY, greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.lane_cache import HostState, StateMappings
+from skippyd.engine.runtime.host_state import HostState, StateMappings
 from skippyd.engine.runtime.protocol import (
     InvalidIterationError,
     IterationPhase,

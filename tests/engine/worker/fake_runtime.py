@@ -24,6 +24,7 @@ from skippyd.engine.runtime.protocol import (
     LanesBusyError,
     SessionAlignment,
 )
+from skippyd.engine.runtime.watch import unwatched
 from skippyd.engine.worker.commands import AdmittedEvent, GenerationEvent
 
 GATE_TIMEOUT_S = 10.0
@@ -71,6 +72,7 @@ class FakeRuntime:
         self.entered = threading.Event()
         self.dropped: list[str] = []
         self.invalid_tokens = set(invalid_tokens)
+        self.watch = unwatched()
 
     # -- facts -------------------------------------------------------------------------
 
@@ -108,6 +110,47 @@ class FakeRuntime:
 
     def close(self) -> None:
         self.closed = True
+
+    # -- what the fake does not do: forks, hooks, a prefix cache ------------------------
+
+    def set_compute_hook(self, hook) -> bool:
+        return False
+
+    @property
+    def can_fork(self) -> bool:
+        return False
+
+    def fork_session(self, src_session_id: str, dst_session_id: str,
+                     num_tokens: int | None = None) -> None:
+        raise InvalidIterationError("the fake runtime cannot fork")
+
+    @property
+    def keeps_lane_kv(self) -> bool:
+        return False
+
+    def session_history(self, session_id: str) -> tuple[int, ...]:
+        return ()
+
+    def lane_history(self, lane: int) -> tuple[int, ...]:
+        return ()
+
+    def lane_of(self, session_id: str) -> int | None:
+        return self.session_seq_id(session_id)
+
+    def idle_lanes(self) -> list[int]:
+        return list(range(len(self.sessions), self._lane_count))
+
+    def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
+        raise InvalidIterationError("the fake runtime keeps no lane KV")
+
+    def save_lane_state(self, lane: int, size: int | None = None):
+        raise InvalidIterationError("the fake runtime keeps no lane KV")
+
+    def lane_state_bytes(self, lane: int) -> int:
+        raise InvalidIterationError("the fake runtime keeps no lane KV")
+
+    def load_session_state(self, session_id: str, state, tokens) -> bool:
+        raise InvalidIterationError("the fake runtime keeps no lane KV")
 
     # -- sessions ----------------------------------------------------------------------
 

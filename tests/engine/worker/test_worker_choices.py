@@ -10,10 +10,11 @@ import dataclasses
 from collections import Counter
 
 import pytest
-from cache_helpers import GREEDY, SETTINGS, Collector, open_runtime, tokens
+from cache_helpers import GREEDY, SETTINGS, Collector, tiny_options, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import RuntimeWrapper, SamplingConfig
+from skippyd.engine.runtime.llama import LlamaRuntime
+from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.engine.worker.commands import (
     GenerationRequest,
     PromptLogprobsEvent,
@@ -27,26 +28,22 @@ from skippyd.engine.worker.telemetry import TelemetryHub
 PROMPT = tokens(5, 80)
 
 
-class CountingRuntime(RuntimeWrapper):
-    """The real runtime, counting the tokens each session computed."""
+class CountingRuntime(LlamaRuntime):
+    """The real runtime, counting the tokens each session computed and its forks."""
 
-    def __init__(self, inner) -> None:
-        super().__init__(inner)
+    def __init__(self, options) -> None:
+        super().__init__(options)
         self.computed: Counter[str] = Counter()
         self.forks: list[tuple[str, str, int | None]] = []
-
-    def __getattr__(self, name: str):
-        # The prefix cache's slot calls (copy_session_to_slot, session_history...).
-        return getattr(self.inner, name)
 
     def iteration_batch_sampled(self, requests):
         for request in requests:
             self.computed[request.session_id] += request.num_tokens
-        return self.inner.iteration_batch_sampled(requests)
+        return super().iteration_batch_sampled(requests)
 
     def fork_session(self, src, dst, num_tokens=None):
         self.forks.append((src, dst, num_tokens))
-        self.inner.fork_session(src, dst, num_tokens)
+        super().fork_session(src, dst, num_tokens)
 
 
 @pytest.fixture
@@ -54,8 +51,8 @@ def stack(tiny_model_path):
     opened = []
 
     def build(*, lanes: int = 4, cache: bool = False):
-        runtime = open_runtime(tiny_model_path, lanes=lanes, ctx_size=256 * lanes)
-        counting = CountingRuntime(runtime)
+        runtime = counting = CountingRuntime(
+            tiny_options(tiny_model_path, lanes=lanes, ctx_size=256 * lanes))
         hub = TelemetryHub()
         live = (LivePrefixCache(counting, SETTINGS, namespace="tiny:0-4", publish=hub.publish)
                 if cache else None)
