@@ -63,7 +63,7 @@ def error_message(code: str, text: str, req_id: Any = None) -> dict[str, Any]:
 
 def event_message(event: TelemetryEvent) -> dict[str, Any]:
     return {"v": PROTOCOL_VERSION, "type": "event",
-            "event": {"name": event.name, "ts": event.timestamp_s,
+            "event": {"name": event.name, "ts": event.timestamp_s, "level": event.level,
                       "attributes": dict(event.attributes)}}
 
 

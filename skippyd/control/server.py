@@ -41,6 +41,7 @@ from skippyd.control.protocol import (
     parse_request,
     read_lines,
 )
+from skippyd.engine.telemetry_events import EventLevel
 from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,8 @@ class _Subscriber:
         self._poked = False
         self._hub: Subscription | None = None
         if request.events:
-            self._hub = conn.server.telemetry.subscribe(HUB_BUFFER, self._notify)
+            self._hub = conn.server.telemetry.subscribe(HUB_BUFFER, self._notify,
+                                                        level=conn.server.event_level)
         self.task = self._loop.create_task(self._run())
 
     def _notify(self) -> None:
@@ -323,13 +325,17 @@ class ControlServer:
         snapshot: Builds the status snapshot (called on the event loop).
         telemetry: The worker's hub, for event subscriptions.
         group: Group given access to the socket (mode 0660); None keeps it owner-only.
+        event_level: The events subscribers get (``telemetry.level``).
     """
 
     def __init__(self, path: Path, *, stage_id: str, snapshot: Callable[[], dict[str, Any]],
-                 telemetry: TelemetryHub, group: str | None = None) -> None:
+                 telemetry: TelemetryHub, group: str | None = None,
+                 event_level: EventLevel = "summary") -> None:
         self.path = Path(path)
         self.stage_id = stage_id
         self.telemetry = telemetry
+        self.event_level: EventLevel = event_level
+        """The events subscribers get (``telemetry.level``): ``debug`` adds per-step ones."""
         self._snapshot = snapshot
         self._group = group
         self._server: asyncio.AbstractServer | None = None

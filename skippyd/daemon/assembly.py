@@ -218,7 +218,7 @@ class StageEngine:
         local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
         self.startup.step("starting the worker")
         faults = self._fault_switch()
-        self._split = make_split(self.config, local)
+        self._split = make_split(self.config, local, self.telemetry.publish)
         progress = local.compute_progress
         self._runtime = local if self._split is None else self._split.runtime
         self._runtime.watch = CallWatch(None if progress is None else progress.count)

@@ -400,7 +400,7 @@ async def open_control(engine: StageEngine, metrics: ServingMetrics) -> ControlS
     control = ControlServer(
         config.control.socket_path, stage_id=config.stage.id,
         snapshot=snapshot_source(engine, metrics), telemetry=engine.telemetry,
-        group=config.control.group,
+        group=config.control.group, event_level=config.telemetry.level,
     )
     try:
         await control.start()

@@ -18,6 +18,7 @@ from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.telemetry_events import TelemetryPayload
 from skippyd.engine.worker.handle import BatchHandle, WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink
 from skippyd.link.listener import (
@@ -55,7 +56,8 @@ class SplitStage:
         runtime: What the stage's worker drives.
     """
 
-    def __init__(self, config: StageConfig, local: LlamaRuntime) -> None:
+    def __init__(self, config: StageConfig, local: LlamaRuntime,
+                 publish: Callable[[TelemetryPayload], None] | None = None) -> None:
         if not config.link.secret:
             raise ValueError("link.secret: required on a stage of a split pipeline")
         self.config = config
@@ -72,7 +74,7 @@ class SplitStage:
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.max_session_tokens,
-                local.max_batch_tokens))
+                local.max_batch_tokens), publish)
             self.pipeline = PipelineRuntime(
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
             self.runtime: Runtime = self.pipeline
@@ -176,11 +178,13 @@ def _stage0_timeline(pipeline: StageTimeline, link: StageTimeline) -> dict[str, 
     return timeline
 
 
-def make_split(config: StageConfig, local: LlamaRuntime) -> SplitStage | None:
-    """The split part of a stage, or None for a stage serving the whole model."""
+def make_split(config: StageConfig, local: LlamaRuntime,
+               publish: Callable[[TelemetryPayload], None] | None = None) -> SplitStage | None:
+    """The split part of a stage, or None for a stage serving the whole model
+    (``publish``: where stage 0's chain tells of going up and down)."""
     if config.is_first and config.is_final:
         return None
-    return SplitStage(config, local)
+    return SplitStage(config, local, publish)
 
 
 def slice_progress() -> Callable[[int, int], None]:

@@ -2,8 +2,9 @@
 
 :class:`ServingMetrics` follows each HTTP generation through its life (submitted,
 admitted, first token, each token, finished / failed / cancelled / rejected) through a
-per-request :class:`RequestTimer`, and reads the worker's ``stage.scheduler_iteration``
-events for iteration times and prefix-cache counts. It keeps the last
+per-request :class:`RequestTimer`, and reads the worker's step events
+(:class:`~skippyd.engine.telemetry_events.StepFinished`) for iteration times and
+prefix-cache counts, and its admissions for the prompt tokens served from the cache. It keeps the last
 ``window_s`` seconds of samples for the control socket's snapshot (tok/s, p50/p95/p99)
 and feeds a private ``prometheus_client`` registry (scrape-time gauges, build info and
 the link live in :mod:`skippyd.http.prometheus`, served by its ``metrics_route``; the
@@ -34,15 +35,10 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from skippyd import __version__
+from skippyd.engine.telemetry_events import RequestAdmitted, StepFinished
 from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.settings import KV_COMPONENT
-from skippyd.engine.worker.telemetry import (
-    SCHEDULER_ITERATION,
-    SCHEDULER_RUNTIME_OPERATION,
-    Subscription,
-    TelemetryEvent,
-    TelemetryHub,
-)
+from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
 from skippyd.http.loop_metrics import LoopCounter, LoopHistogram
 from skippyd.http.prometheus import StageCollector, metrics_route
 from skippyd.http.relay import relay_for
@@ -58,12 +54,6 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 60.0
 #: Events buffered between the worker and the event loop before the oldest drop.
 EVENT_BUFFER = 4096
-_ATTR = "skippy.scheduler."
-_STEP_MS, _OVERHEAD_MS = _ATTR + "step_ms", _ATTR + "overhead_ms"
-_PREFIX_HITS, _PREFIX_MISSES = _ATTR + "prefix_hits", _ATTR + "prefix_misses"
-_MATCHED = _ATTR + "cache_matched_tokens"
-_KV_USED = _ATTR + f"component.{KV_COMPONENT}.used_bytes"
-_KV_AVAILABLE = _ATTR + f"component.{KV_COMPONENT}.available_bytes"
 # NOTE: a long generation on a CPU runs for minutes (4096 tokens at 2 tok/s is 34 min):
 # the buckets keep doubling up to an hour so TTFT and e2e never pile up in +Inf.
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -256,23 +246,24 @@ class ServingMetrics:
 
     def observe_event(self, event: TelemetryEvent) -> None:
         """Fold one telemetry event into the metrics (once per worker turn: keep it lean)."""
-        attrs = event.attributes
-        if event.name == SCHEDULER_RUNTIME_OPERATION:
-            self.prefix["matched_tokens"] += int(attrs.get(_MATCHED, 0))
-        if event.name != SCHEDULER_ITERATION:
+        step = event.payload
+        if isinstance(step, RequestAdmitted):
+            self.prefix["matched_tokens"] += step.cached_tokens
             return
-        step_s = float(attrs.get(_STEP_MS, 0.0)) / 1000.0
-        overhead_s = float(attrs.get(_OVERHEAD_MS, 0.0)) / 1000.0
+        if not isinstance(step, StepFinished):
+            return
+        step_s = step.step_ms / 1000.0
+        overhead_s = step.overhead_ms / 1000.0
         now = self.clock()
         self._steps.append((now, step_s, overhead_s))
         drop_before(self._steps, now - self.window_s)
         self._step.observe(step_s)
         self._overhead.observe(overhead_s)
-        prefix = self.prefix
-        prefix["hits"] = int(attrs.get(_PREFIX_HITS, prefix["hits"]))
-        prefix["misses"] = int(attrs.get(_PREFIX_MISSES, prefix["misses"]))
-        if _KV_USED in attrs:
-            self._kv_event = (int(attrs[_KV_USED]), int(attrs[_KV_AVAILABLE]))
+        self.prefix["hits"] = step.prefix_hits
+        self.prefix["misses"] = step.prefix_misses
+        for part in step.components:
+            if part.name == KV_COMPONENT:
+                self._kv_event = (part.used_bytes, part.available_bytes)
 
     # -- readings -----------------------------------------------------------------------------
     def effective_window_s(self) -> float:

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from skippyd.engine.runtime.pipeline_types import (
     ChainUnavailableError,
     StageTimeline,
 )
+from skippyd.engine.telemetry_events import ChainDown, ChainUp, TelemetryPayload
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
 from skippyd.link.probe import LinkPinger, link_view
@@ -165,8 +166,11 @@ class ChainLink:
     Implements ``skippyd.engine.runtime.pipeline.Downstream``.
     """
 
-    def __init__(self, identity: ChainIdentity) -> None:
+    def __init__(self, identity: ChainIdentity,
+                 publish: Callable[[TelemetryPayload], None] | None = None) -> None:
         self.identity = identity
+        self._publish = publish
+        """Where the chain's going up and down is told (the stage's telemetry)."""
         self._listener: ChainListener | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -356,6 +360,8 @@ class ChainLink:
                              name=f"skippyd-chain-{name}-{epoch}").start()
         logger.info("pipeline connected: %d stages, predictions return from %s at %s",
                     ack.num_stages + 1, ack.final_stage_id, ack.return_endpoint)
+        if self._publish is not None:
+            self._publish(ChainUp(epoch, ack.num_stages + 1))
 
     def _mark_down(self, epoch: int, reason: str) -> None:
         with self._lock:
@@ -373,6 +379,8 @@ class ChainLink:
             conn.close()
         if was_up and not self._closed.is_set():
             logger.warning("pipeline lost: %s; reconnecting", reason)
+            if self._publish is not None:
+                self._publish(ChainDown(epoch, reason))
         if self._listener is not None:
             self._listener.on_down(epoch, reason)
         self._down.set()

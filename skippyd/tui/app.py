@@ -68,6 +68,7 @@ class TopApp(App[None]):
         Binding("q", "quit", "Quit"),
         Binding("p", "toggle_pause", "Pause"),
         Binding("slash", "filter", "Filter"),
+        Binding("s", "toggle_steps", "Steps"),
         Binding("question_mark", "help", "Help"),
         Binding("escape", "clear_filter", "Clear filter", show=False),
     ]
@@ -77,6 +78,7 @@ class TopApp(App[None]):
     | q | Quit. |
     | p | Pause or resume the display (data keeps being read). |
     | / | Open the event filter input. |
+    | s | Show or hide the per-step events (with ``telemetry.level = "debug"``). |
     | ? | Show the help screen. |
     | escape | Clear the event filter and close its input. |
     """
@@ -101,6 +103,8 @@ class TopApp(App[None]):
     """A split stage's share of time in llama.cpp between its last two snapshots."""
     event_filter = var("")
     """The event log filter (see :func:`skippyd.tui.state.event_matches`)."""
+    show_steps = var(False)
+    """Whether the event log shows the per-step events too."""
     num_dropped = var(0)
     """Events lost because the daemon or the dashboard fell behind."""
 
@@ -153,7 +157,8 @@ class TopApp(App[None]):
             yield _titled(LanesTable(id="lanes", classes="panel").data_bind(TopApp.snapshot),
                           "lanes")
             yield _titled(self._event_log.data_bind(
-                TopApp.num_dropped, pattern=TopApp.event_filter), "events")
+                TopApp.num_dropped, pattern=TopApp.event_filter, detail=TopApp.show_steps),
+                "events")
         yield self._filter_input
         yield Footer()
 
@@ -204,6 +209,10 @@ class TopApp(App[None]):
         if action in ("filter", "clear_filter"):
             return not isinstance(self.screen, HelpScreen)
         return True
+
+    def action_toggle_steps(self) -> None:
+        """Show or hide the per-step events in the log."""
+        self.show_steps = not self.show_steps
 
     def action_filter(self) -> None:
         """Show the filter input and focus it."""

@@ -53,10 +53,12 @@ class EventReceived:
     """One telemetry event."""
 
     name: str
-    """Dotted event name, e.g. ``stage.scheduler_iteration``."""
+    """Dotted event name, e.g. ``request.finished``."""
     ts: float
     """Unix time of the event, in seconds."""
     attributes: Mapping[str, Any]
+    level: str = "summary"
+    """``summary`` (what an operator looks for) or ``debug`` (one per step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +134,8 @@ def to_item(message: Mapping[str, Any]) -> FeedItem | None:
         ts = event.get("ts")
         return EventReceived(str(event.get("name", "?")),
                              float(ts) if isinstance(ts, int | float) else 0.0,
-                             attributes if isinstance(attributes, Mapping) else {})
+                             attributes if isinstance(attributes, Mapping) else {},
+                             "debug" if event.get("level") == "debug" else "summary")
     if kind == "dropped":
         count = message.get("count")
         return Dropped(count if isinstance(count, int) else 0)

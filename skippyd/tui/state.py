@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 HISTORY_LEN = 120
 #: Events kept between two repaints (and while paused); older ones are dropped.
 MAX_PENDING_EVENTS = 2000
-#: Attribute key prefix the scheduler puts on its events; shortened in the log.
-_ATTRIBUTE_PREFIX = "skippy.scheduler."
-#: Event name prefix every stage event carries; shortened in the log.
-_NAME_PREFIX = "stage."
 _GLOB_CHARS = frozenset("*?[")
 #: Name of the dashboard's own log lines about its connection.
 CONNECTION_EVENT = "top.connection"
@@ -52,21 +48,15 @@ class EventLine:
     """Event name, matched by glob filters."""
     text: str
     """The whole line, matched by substring filters."""
+    detail: bool = False
+    """A per-step (debug) event, hidden unless asked for."""
 
 
 def format_event(event: EventReceived) -> EventLine:
-    """Format an event as ``HH:MM:SS.mmm name key=value ...``.
-
-    Args:
-        event: The event; ``stage.`` is stripped from the shown name and
-            ``skippy.scheduler.`` from attribute keys, to fit narrow terminals.
-    """
-    pairs = " ".join(
-        f"{key.removeprefix(_ATTRIBUTE_PREFIX)}={_short(value)}"
-        for key, value in event.attributes.items()
-    )
-    shown = event.name.removeprefix(_NAME_PREFIX)
-    return EventLine(event.name, f"{clock_text(event.ts)} {shown} {pairs}".rstrip())
+    """Format an event as ``HH:MM:SS.mmm name key=value ...``."""
+    pairs = " ".join(f"{key}={_short(value)}" for key, value in event.attributes.items())
+    return EventLine(event.name, f"{clock_text(event.ts)} {event.name} {pairs}".rstrip(),
+                     detail=event.level == "debug")
 
 
 def clock_text(ts: float) -> str:
@@ -81,16 +71,17 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-def event_matches(pattern: str, line: EventLine) -> bool:
+def event_matches(pattern: str, line: EventLine, *, detail: bool = False) -> bool:
     """Whether ``line`` passes the event filter ``pattern``.
 
-    An empty pattern passes everything. A pattern with glob characters (``*?[``) is
-    matched against the full event name (``stage.scheduler_*``); any other pattern is a
+    An empty pattern passes every event but the per-step ones, which show with
+    ``detail`` (or when a pattern names them). A pattern with glob characters (``*?[``)
+    is matched against the full event name (``request.*``); any other pattern is a
     case-insensitive substring of the full name or of the shown line.
     """
     pattern = pattern.strip()
     if not pattern:
-        return True
+        return detail or not line.detail
     if _GLOB_CHARS.intersection(pattern):
         return fnmatch.fnmatchcase(line.name, pattern)
     needle = pattern.lower()

@@ -113,6 +113,8 @@ class EventLog(Log):
 
     pattern = reactive("")
     """Filter: a glob on event names or a substring of the line (see ``event_matches``)."""
+    detail = reactive(False)
+    """Show the per-step events too (see ``event_matches``)."""
     num_dropped = reactive(0)
     """Events lost because the daemon or the dashboard fell behind."""
 
@@ -140,14 +142,24 @@ class EventLog(Log):
         """Keep ``events`` and show those that pass the filter."""
         events = list(events)
         self._events.extend(events)
-        matching = [event.text for event in events if event_matches(self.pattern, event)]
+        matching = [event.text for event in events
+                    if event_matches(self.pattern, event, detail=self.detail)]
         if matching:
             self.write_lines(matching)
 
     def watch_pattern(self, pattern: str) -> None:
-        self.border_title = f"events ~ {escape(pattern)}" if pattern.strip() else "events"
+        self._refilter()
+
+    def watch_detail(self, detail: bool) -> None:
+        self._refilter()
+
+    def _refilter(self) -> None:
+        pattern = self.pattern
+        title = "events + steps" if self.detail else "events"
+        self.border_title = f"{title} ~ {escape(pattern)}" if pattern.strip() else title
         self.clear()
-        self.write_lines([event.text for event in self._events if event_matches(pattern, event)])
+        self.write_lines([event.text for event in self._events
+                          if event_matches(pattern, event, detail=self.detail)])
 
     def watch_num_dropped(self, num_dropped: int) -> None:
         self.border_subtitle = f"dropped {num_dropped}" if num_dropped else ""

@@ -25,7 +25,8 @@ from skippyd.control.server import (
     ControlSocketError,
     ControlSocketInUse,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryHub
+from skippyd.engine.telemetry_events import RequestPreempted, StepFinished, WorkerFailed
+from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 10.0
 
@@ -274,15 +275,35 @@ async def test_twenty_subscribers_all_get_periodic_snapshots(server: ControlServ
 async def test_events_are_filtered_and_carry_their_attributes(server: ControlServer,
                                                               hub: TelemetryHub) -> None:
     async with await AsyncControlClient.connect(server.path) as client:
-        messages = await client.events(filter=["stage.scheduler_*"])
-        hub.publish("other.noise", {"x": 1})
-        hub.publish(SCHEDULER_ITERATION, {"skippy.scheduler.iteration": 3})
+        messages = await client.events(filter=["request.*"])
+        hub.publish(WorkerFailed("noise"))
+        hub.publish(RequestPreempted("r-1", 3))
         message = await asyncio.wait_for(anext(messages), WAIT_S)
     assert message["type"] == "event" and message["v"] == 1
     event = message["event"]
-    assert event["name"] == SCHEDULER_ITERATION
-    assert event["attributes"] == {"skippy.scheduler.iteration": 3}
+    assert event["name"] == "request.preempted" and event["level"] == "summary"
+    assert event["attributes"] == {"request_id": "r-1", "generated_tokens": 3}
     assert isinstance(event["ts"], float)
+
+
+async def test_per_step_events_reach_subscribers_only_at_the_debug_level(
+        sock_dir: Path, hub: TelemetryHub) -> None:
+    step = StepFinished(7, 1, 0, 0, 0, 0, 0, 1, 0, 0, 2.0, 1.5, 0, 0, 0, 0)
+    for level, expected in (("summary", ["worker.failed"]),
+                            ("debug", ["worker.step", "worker.failed"])):
+        control = ControlServer(sock_dir / f"{level}.sock", stage_id="s0",
+                                snapshot=FakeSnapshot(), telemetry=hub, event_level=level)
+        await control.start()
+        try:
+            async with await AsyncControlClient.connect(control.path) as client:
+                messages = await client.events()
+                hub.publish(step)
+                hub.publish(WorkerFailed("then this"))
+                names = [(await asyncio.wait_for(anext(messages), WAIT_S))["event"]["name"]
+                         for _ in expected]
+            assert names == expected
+        finally:
+            await control.close()
 
 
 async def test_subscribe_with_events_mixes_snapshots_and_events(server: ControlServer,
@@ -291,20 +312,20 @@ async def test_subscribe_with_events_mixes_snapshots_and_events(server: ControlS
         messages = await client.subscribe(interval_ms=60_000, events=True)
         first = await asyncio.wait_for(anext(messages), WAIT_S)
         assert first["type"] == "snapshot"  # one right away, then every interval_ms
-        hub.publish("stage.test", {"n": 1})
+        hub.publish(WorkerFailed("test"))
         second = await asyncio.wait_for(anext(messages), WAIT_S)
-        assert second["type"] == "event" and second["event"]["name"] == "stage.test"
+        assert second["type"] == "event" and second["event"]["name"] == "worker.failed"
 
 
 async def test_unsubscribe_stops_the_stream(server: ControlServer, hub: TelemetryHub) -> None:
     client = await RawClient.open(server.path)
     await client.send({"v": 1, "id": 1, "op": "events"})
     assert (await client.read())["type"] == "subscribed"
-    hub.publish("stage.before", {})
-    assert (await client.read())["event"]["name"] == "stage.before"
+    hub.publish(WorkerFailed("before"))
+    assert (await client.read())["event"]["attributes"]["failure"] == "before"
     await client.send({"v": 1, "id": 2, "op": "unsubscribe"})
     assert await client.read() == {"v": 1, "id": 2, "type": "unsubscribed"}
-    hub.publish("stage.after", {})
+    hub.publish(WorkerFailed("after"))
     await client.send({"v": 1, "id": 3, "op": "status"})
     reply = await client.read()
     assert (reply["type"], reply["id"]) == ("snapshot", 3)  # no event slipped in
@@ -322,7 +343,7 @@ async def test_a_slow_subscriber_never_blocks_the_publisher(server: ControlServe
 
     def worker() -> None:  # publishes like the worker thread, while the client never reads
         for index in range(num_events):
-            hub.publish("stage.flood", {"i": index, "pad": padding})
+            hub.publish(RequestPreempted(padding, index))
         published.set()
 
     thread = threading.Thread(target=worker, daemon=True)
@@ -335,8 +356,8 @@ async def test_a_slow_subscriber_never_blocks_the_publisher(server: ControlServe
             dropped += message["count"]
         else:
             assert message["type"] == "event"
-            assert message["event"]["attributes"]["i"] > last  # order is kept
-            last = message["event"]["attributes"]["i"]
+            assert message["event"]["attributes"]["generated_tokens"] > last  # in order
+            last = message["event"]["attributes"]["generated_tokens"]
             received += 1
     assert dropped > 0
     assert received + dropped == num_events
@@ -386,7 +407,7 @@ async def test_a_client_vanishing_mid_stream_is_cleaned_up(server: ControlServer
     assert (await client.read())["type"] == "subscribed"
     client.writer.transport.abort()
     for index in range(2000):
-        hub.publish("stage.after_close", {"i": index})
+        hub.publish(RequestPreempted("after-close", index))
 
     async def gone() -> None:
         while server.num_connections:

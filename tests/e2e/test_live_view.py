@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from skippyd.cli import app
+from skippyd.control.client import ControlClient
 
 pytestmark = pytest.mark.model
 runner = CliRunner()
@@ -54,3 +55,22 @@ def test_metrics_counters_move(server, client):
             >= metric_value(before, "skippyd_generation_tokens_total") + 6)
     assert (metric_value(after, "skippyd_time_to_first_token_seconds_count")
             > metric_value(before, "skippyd_time_to_first_token_seconds_count"))
+
+
+def test_the_event_stream_tells_a_requests_life(server, client):
+    # The shared daemon runs at the default telemetry.level: summary events only.
+    with ControlClient.connect(server.socket_path, timeout_s=30) as control:
+        messages = control.events()
+        client.completions.create(model="any", prompt="Colours: red,", max_tokens=4,
+                                  temperature=0)
+        seen: list[dict] = []
+        for message in messages:
+            seen.append(message["event"])
+            if message["event"]["name"] == "request.finished":
+                break
+    names = [event["name"] for event in seen]
+    assert "request.admitted" in names and names[-1] == "request.finished"
+    assert all(event["level"] == "summary" for event in seen)
+    assert not any(name.startswith("worker.step") for name in names)
+    finished = seen[-1]["attributes"]
+    assert finished["reason"] == "length" and finished["generated_tokens"] == 4

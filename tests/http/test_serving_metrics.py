@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 from http_support import wait_until
 
+from skippyd.engine.telemetry_events import ComponentBytes, RequestAdmitted, StepFinished
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
     CompleteEvent,
@@ -17,7 +18,7 @@ from skippyd.engine.worker.commands import (
     WorkerBackendError,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, TelemetryEvent, TelemetryHub
+from skippyd.engine.worker.telemetry import TelemetryEvent, TelemetryHub
 from skippyd.http.metrics import ServingMetrics
 
 
@@ -159,8 +160,7 @@ async def test_queue_time_ends_at_the_admission_event() -> None:
         clock.now += 1.5
         first.on_event(AdmittedEvent(0))
         first.on_event(token())
-        hub.publish(SCHEDULER_ITERATION, {"skippy.scheduler.step_ms": 500.0,
-                                          "skippy.scheduler.overhead_ms": 50.0})
+        hub.publish(step(step_ms=500.0, execution_ms=450.0))
         await wait_until(lambda: metrics.overhead_ratio() > 0)
         assert metrics.latency_ms()["queue"]["count"] == 1
         assert metrics.latency_ms()["queue"]["p50"] == pytest.approx(1500.0, abs=50.0)
@@ -175,13 +175,24 @@ async def test_queue_time_ends_at_the_admission_event() -> None:
         metrics.detach()
 
 
+def step(*, step_ms: float = 1.0, execution_ms: float = 1.0,
+         components: tuple[ComponentBytes, ...] = ()) -> StepFinished:
+    return StepFinished(1, 1, 0, 0, 0, 0, 0, 1, 0, 0, step_ms, execution_ms, 0, 0, 0, 0,
+                        components)
+
+
+def test_matched_prompt_tokens_add_up_from_admissions() -> None:
+    metrics = ServingMetrics(lambda: FakeStats())
+    for cached in (0, 96, 32):
+        metrics.observe_event(TelemetryEvent(RequestAdmitted("r", 128, cached, 1.0), 1, 0.0))
+    assert metrics.prefix_cache()["matched_tokens"] == 128
+
+
 def test_kv_cells_come_from_the_worker_or_else_from_the_policy_events() -> None:
     stats = FakeStats(num_active=1)
     metrics = ServingMetrics(lambda: stats, kv_cells_total=lambda: 256)
     assert metrics.kv_cells() == (0, 256)
-    event = TelemetryEvent(SCHEDULER_ITERATION, {
-        "skippy.scheduler.component.kv-cells.used_bytes": 100,
-        "skippy.scheduler.component.kv-cells.available_bytes": 512}, 1, 0.0)
+    event = TelemetryEvent(step(components=(ComponentBytes("kv-cells", 100, 512),)), 1, 0.0)
     metrics.observe_event(event)
     assert metrics.kv_cells() == (100, 512)
     stats.num_active = 0

@@ -11,6 +11,8 @@ import openai
 import pytest
 from link_support import STAGE_READY, Chain, wait_until
 
+from skippyd.control.client import ControlClient
+
 pytestmark = pytest.mark.model
 
 
@@ -24,6 +26,8 @@ def chain(tmp_path, slice_dir):
 
 
 def test_killed_downstream_fails_fast_and_the_chain_recovers(chain):
+    control = ControlClient.connect(chain.workdir / "stage0.sock", timeout_s=60)
+    chain_events = control.events(filter=["chain.*"])
     client = chain.client()
     stream = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=1500,
                                        temperature=0, stream=True)
@@ -52,3 +56,10 @@ def test_killed_downstream_fails_fast_and_the_chain_recovers(chain):
                                      max_tokens=4, temperature=0).choices[0].text
     assert "Paris" in text
     assert chain.status(0)["chain"]["epoch"] == 2
+    # The operator's event stream told both changes.
+    down, up = (next(chain_events)["event"] for _ in range(2))
+    control.close()
+    assert (down["name"], down["attributes"]["epoch"]) == ("chain.down", 1)
+    assert down["attributes"]["reason"]  # why it was lost, in the link's words
+    assert (up["name"], up["attributes"]["epoch"], up["attributes"]["num_stages"]) == (
+        "chain.up", 2, 2)

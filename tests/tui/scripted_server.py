@@ -133,9 +133,9 @@ class ScriptedServer:
         await wait_until(lambda: len(self.subscribers) >= count, timeout_s, "subscribers")
 
     async def send_event(self, name: str, attributes: Mapping[str, Any] | None = None,
-                         ts: float | None = None) -> None:
+                         ts: float | None = None, level: str = "summary") -> None:
         """Send a telemetry event to every client that asked for events and matches."""
-        event = {"name": name, "ts": time.time() if ts is None else ts,
+        event = {"name": name, "ts": time.time() if ts is None else ts, "level": level,
                  "attributes": dict(attributes or {})}
         for client in self._clients:
             if client.events and (not client.filter or any(

@@ -124,31 +124,49 @@ async def test_event_log_and_filter_keys(server: ScriptedServer) -> None:
     app = make_app(server.path)
     async with app.run_test() as pilot:
         await server.wait_subscribers()
-        await server.send_event("stage.scheduler_iteration", {"skippy.scheduler.batch": 4})
-        await server.send_event("stage.scheduler_start", {"policy": "fcfs"})
+        await server.send_event("request.admitted", {"request_id": "a"})
+        await server.send_event("worker.start", {"policy": "fcfs"})
         log = app.query_one(EventLog)
         await wait_for(pilot, lambda: len(log.shown) == 3, "two events in the log")
         assert "-- connected to stage-0 (skippyd scripted)" in log.shown[0]
-        assert "scheduler_iteration batch=4" in log.shown[1]
+        assert "request.admitted request_id=a" in log.shown[1]
         await pilot.press("slash")
         filter_input = app.query_one("#filter", Input)
         assert filter_input.display and filter_input.has_focus
-        await pilot.press("q", "u", "e")  # typed into the filter, not a quit
-        await wait_for(pilot, lambda: app.event_filter == "que", "filter typed")
+        await pilot.press("q", "u", "x")  # typed into the filter, not a quit
+        await wait_for(pilot, lambda: app.event_filter == "qux", "filter typed")
         assert app.is_running and log.shown == []
-        filter_input.value = "stage.scheduler_s*"  # a glob on the full event name
+        filter_input.value = "worker.s*"  # a glob on the full event name
         await wait_for(pilot, lambda: len(log.shown) == 1, "glob filter applied")
-        assert "scheduler_start policy=fcfs" in log.shown[0]
+        assert "worker.start policy=fcfs" in log.shown[0]
         await pilot.press("enter")
         await wait_for(pilot, lambda: not filter_input.display, "filter input hidden")
-        assert app.event_filter == "stage.scheduler_s*" and app.query_one(EventLog).has_focus
-        await server.send_event("stage.scheduler_start", {"policy": "lpm"})
-        await server.send_event("stage.scheduler_iteration", {"skippy.scheduler.batch": 5})
+        assert app.event_filter == "worker.s*" and app.query_one(EventLog).has_focus
+        await server.send_event("worker.start", {"policy": "lpm"})
+        await server.send_event("request.admitted", {"request_id": "b"})
         await wait_for(pilot, lambda: len(log.shown) == 2, "filtered live events")
         assert "policy=lpm" in log.shown[1]
         await pilot.press("escape")
         await wait_for(pilot, lambda: len(log.shown) == 5, "filter cleared")
         assert app.event_filter == "" and log.border_title == "events"
+
+
+async def test_per_step_events_hide_until_the_steps_key(server: ScriptedServer) -> None:
+    app = make_app(server.path)
+    async with app.run_test() as pilot:
+        await server.wait_subscribers()
+        await server.send_event("worker.step", {"decode_tokens": 8}, level="debug")
+        await server.send_event("request.finished", {"reason": "stop"})
+        log = app.query_one(EventLog)
+        await wait_for(pilot, lambda: len(log.shown) == 2, "the lifecycle event")
+        assert "request.finished reason=stop" in log.shown[1]
+        assert not any("worker.step" in line for line in log.shown)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: len(log.shown) == 3, "the steps shown")
+        assert "worker.step decode_tokens=8" in log.shown[1]
+        assert log.border_title == "events + steps"
+        await pilot.press("s")
+        await wait_for(pilot, lambda: len(log.shown) == 2, "the steps hidden again")
 
 
 async def test_pause_freezes_the_display_but_keeps_reading(server: ScriptedServer) -> None:
@@ -161,14 +179,14 @@ async def test_pause_freezes_the_display_but_keeps_reading(server: ScriptedServe
         log = app.query_one(EventLog)
         shown = list(log.shown)
         server.snapshot = make_snapshot(queues={"waiting": 9})
-        await server.send_event("stage.scheduler_iteration", {"n": 1})
+        await server.send_event("request.finished", {"n": 1})
         await wait_for(pilot, lambda: app.state.snapshot["queues"]["waiting"] == 9,
                        "data read while paused")
         app.repaint()  # a repaint tick while paused changes nothing on screen
         assert queue_shows(app, 3) and list(log.shown) == shown
         await pilot.press("p")
         assert not app.paused and queue_shows(app, 9)
-        assert log.shown[:-1] == shown and "scheduler_iteration n=1" in log.shown[-1]
+        assert log.shown[:-1] == shown and "request.finished n=1" in log.shown[-1]
         assert "PAUSED" not in header_text(app)
 
 
@@ -237,13 +255,13 @@ async def test_renders_every_panel_and_resizes(server: ScriptedServer, size, lin
     app = make_app(server.path)
     async with app.run_test(size=size) as pilot:
         await wait_for(pilot, lambda: queue_shows(app, 3), "first snapshot")
-        await server.send_event("stage.scheduler_iteration", {"skippy.scheduler.batch": 4})
-        await wait_for(pilot, lambda: "scheduler_iteration" in "".join(
+        await server.send_event("request.admitted", {"request_id": "a"})
+        await wait_for(pilot, lambda: "request.admitted" in "".join(
             app.query_one(EventLog).shown), "an event")
         assert_panels_fit(app, size)
         labels = ("queue", "wave", "kv", "prefix cache", "throughput", "latency", "lanes",
                   "events", "stage-7", "waiting 3", "hit 75.0%", "123.4", "12.5", "req-a",
-                  "scheduler_iteration", "Quit", "Help")
+                  "request.admitted", "Quit", "Help")
         if link is not None:
             labels += ("link", "active sessions 3", "received 5.0 MiB")
         # The footer fills in after the first focus change, hence a wait, not an assert.

@@ -15,6 +15,7 @@ from rich.console import Console
 from scripted_server import make_snapshot
 
 from skippyd.control.server import ControlServer
+from skippyd.engine.telemetry_events import RequestPreempted
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.tui.status import run_status
 from skippyd.tui.tables import EventLog, LatencyTable
@@ -56,10 +57,10 @@ async def test_dashboard_follows_the_real_control_server(stage: Stage) -> None:
         await wait_for(pilot, lambda: queue_shows(app, 2), "first snapshot")
         assert "stage-r" in header_text(app)
         assert app.query_one(LatencyTable).get_row("ttft") == ["ttft", "5.0", "6.0", "7.0", "4"]
-        stage.hub.publish("stage.scheduler_iteration", {"skippy.scheduler.batch_size": 3})
+        stage.hub.publish(RequestPreempted("r-9", 3))
         log = app.query_one(EventLog)
-        await wait_for(pilot, lambda: any("batch_size=3" in line for line in log.shown),
-                       "a hub event in the log")
+        await wait_for(pilot, lambda: any("request.preempted request_id=r-9" in line
+                                          for line in log.shown), "a hub event in the log")
         await stage.server.close()
         await wait_for(pilot, lambda: "disconnected" in header_text(app), "disconnected shown")
         stage.snapshot = make_snapshot(stage={"id": "stage-r"}, queues={"waiting": 5})

@@ -77,10 +77,9 @@ async def test_feed_subscribes_and_yields_items(server: ScriptedServer) -> None:
     assert snapshot.snapshot["queues"]["waiting"] == 7
     assert server.requests[0] == {"v": 1, "id": 1, "op": "subscribe", "interval_ms": 100,
                                   "events": True}
-    await server.send_event("stage.scheduler_iteration", {"skippy.scheduler.batch": 4}, ts=9.0)
+    await server.send_event("worker.step", {"batch": 4}, ts=9.0, level="debug")
     event = await next_of(items, EventReceived)
-    assert event == EventReceived("stage.scheduler_iteration", 9.0,
-                                  {"skippy.scheduler.batch": 4})
+    assert event == EventReceived("worker.step", 9.0, {"batch": 4}, "debug")
     await server.send_to_all({"type": "dropped", "count": 12})
     assert await next_of(items, Dropped) == Dropped(12)
     await items.aclose()

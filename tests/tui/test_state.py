@@ -21,27 +21,35 @@ from skippyd.tui.source import Connected, Disconnected, Dropped, EventReceived, 
 from skippyd.tui.state import DashboardState, EventLine, event_matches, format_event
 
 
-def test_format_event_shortens_scheduler_keys() -> None:
+def test_format_event_shows_the_name_and_its_attributes() -> None:
     ts = time.mktime((2024, 5, 1, 12, 3, 4, 0, 0, -1)) + 0.25
-    line = format_event(EventReceived("stage.scheduler_iteration", ts,
-                                      {"skippy.scheduler.batch_size": 4, "ratio": 0.123456}))
-    assert line.name == "stage.scheduler_iteration"
-    assert line.text == "12:03:04.250 scheduler_iteration batch_size=4 ratio=0.1235"
+    line = format_event(EventReceived("worker.step", ts, {"batch_size": 4, "ratio": 0.123456},
+                                      "debug"))
+    assert line.name == "worker.step" and line.detail
+    assert line.text == "12:03:04.250 worker.step batch_size=4 ratio=0.1235"
+    assert not format_event(EventReceived("request.finished", ts, {})).detail
 
 
 @pytest.mark.parametrize("pattern, expected", [
     ("", True),
     ("   ", True),
-    ("stage.scheduler_*", True),
-    ("stage.cache*", False),
-    ("ITERATION", True),
-    ("batch=4", True),
-    ("batch=5", False),
-    ("stage.sched", True),
+    ("request.*", True),
+    ("worker.*", False),
+    ("FINISHED", True),
+    ("reason=stop", True),
+    ("reason=length", False),
+    ("request.fin", True),
 ])
 def test_event_matches(pattern: str, expected: bool) -> None:
-    line = EventLine("stage.scheduler_iteration", "12:00:00.000 scheduler_iteration batch=4")
+    line = EventLine("request.finished", "12:00:00.000 request.finished reason=stop")
     assert event_matches(pattern, line) is expected
+
+
+def test_per_step_events_show_on_request_or_when_a_filter_names_them() -> None:
+    line = EventLine("worker.step", "12:00:00.000 worker.step decode_tokens=8", detail=True)
+    assert not event_matches("", line)
+    assert event_matches("", line, detail=True)
+    assert event_matches("worker.*", line) and not event_matches("request.*", line)
 
 
 def test_state_keeps_bounded_histories() -> None:

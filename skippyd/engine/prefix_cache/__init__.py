@@ -18,7 +18,6 @@ from skippyd.engine.prefix_cache.entries import (
     Tier,
 )
 from skippyd.engine.prefix_cache.live import (
-    PREFIX_CACHE_EVENT,
     Lease,
     LivePrefixCache,
     Placement,
@@ -32,7 +31,6 @@ from skippyd.engine.prefix_cache.radix import (
 from skippyd.engine.prefix_cache.settings import PrefixCacheSettings, settings_from_config
 
 __all__ = [
-    "PREFIX_CACHE_EVENT",
     "CacheEntry",
     "CacheMatch",
     "EntryTable",

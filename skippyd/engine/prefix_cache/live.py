@@ -17,9 +17,8 @@ request (the worker's record of it), not here: the cache only pins the entry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
 from skippyd.engine.prefix_cache.entries import (
@@ -38,14 +37,12 @@ from skippyd.engine.prefix_cache.settings import (
     PrefixCacheSettings,
 )
 from skippyd.engine.runtime.protocol import LanesBusyError, Runtime
+from skippyd.engine.telemetry_events import PrefixCacheChanged, TelemetryPayload
 
 logger = logging.getLogger(__name__)
 
-#: Telemetry event published for every cache operation.
-PREFIX_CACHE_EVENT = "stage.prefix_cache"
-_ATTR = "skippy.prefix_cache."
 
-Publish = Callable[[str, Mapping[str, Any]], None]
+Publish = Callable[[TelemetryPayload], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +309,5 @@ class LivePrefixCache:
         self._stats = stats = self.table.stats()
         if self._publish_fn is None:
             return
-        attributes: dict[str, Any] = {_ATTR + "operation": operation, _ATTR + "tokens": tokens,
-                                      _ATTR + "tier": tier, _ATTR + "epoch": self.table.epoch}
-        attributes.update({_ATTR + key: value for key, value in stats.telemetry().items()})
-        self._publish_fn(PREFIX_CACHE_EVENT, attributes)
+        self._publish_fn(PrefixCacheChanged(operation, tokens, tier, self.table.epoch,
+                                            tuple(stats.telemetry().items())))

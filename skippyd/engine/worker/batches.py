@@ -23,6 +23,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from skippyd.engine.runtime.protocol import IterationOutput, RuntimeFailure, SessionAlignment
+from skippyd.engine.telemetry_events import DirectBatchFinished
 from skippyd.engine.worker.commands import (
     DropSessionCommand,
     IterationOutcome,
@@ -38,7 +39,6 @@ from skippyd.engine.worker.direct_batch import (
     resolve_future,
     take_direct_iteration_batch,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_DIRECT_ITERATION
 
 if TYPE_CHECKING:
     from skippyd.engine.worker.command_loop import CommandLoop
@@ -176,15 +176,16 @@ class BatchWorker:
             resolve_future(item.reply, error=error)
 
     def _publish(self, runnable: _Runnable, started: float, finished: float) -> None:
-        """Emit ``stage.scheduler_feature_iteration``."""
-        self._loop.telemetry.publish(SCHEDULER_DIRECT_ITERATION, {
-            "skippy.scheduler.batch_size": len(runnable),
-            "skippy.scheduler.token_count": sum(item.num_tokens for item, _ in runnable),
-            "skippy.scheduler.batch_wait_max_ms": max(
-                (started - item.enqueued_at) * 1000.0 for item, _ in runnable),
-            "skippy.scheduler.runtime_lock_wait_ms": 0.0,
-            "skippy.scheduler.runtime_lock_hold_ms": (finished - started) * 1000.0,
-        })
+        """Publish :class:`DirectBatchFinished` (debug: only when someone listens)."""
+        telemetry = self._loop.telemetry
+        if not telemetry.wants("debug"):
+            return
+        telemetry.publish(DirectBatchFinished(
+            batch_size=len(runnable),
+            token_count=sum(item.num_tokens for item, _ in runnable),
+            batch_wait_max_ms=max((started - item.enqueued_at) * 1000.0
+                                  for item, _ in runnable),
+            runtime_ms=(finished - started) * 1000.0))
 
 
 def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:

@@ -17,7 +17,7 @@ pipeline a :class:`~skippyd.engine.worker.batches.BatchWorker`. ::
 A command taken off the queue is always answered: if handling it raises, it gets the
 error before the failure is contained. A failure anywhere else in the loop is a bug the
 loop cannot see the extent of, so it is *fatal*: the thread publishes
-``stage.scheduler_worker_panic``, answers everything the role holds and everything still
+:class:`~skippyd.engine.telemetry_events.WorkerFailed`, answers everything the role holds and everything still
 queued with an error, records :attr:`CommandLoop.failure`, tells its failure listeners
 and stops. Commands put afterwards are answered at once.
 """
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.telemetry_events import RuntimeOperationFinished, WorkerFailed
 from skippyd.engine.worker.commands import (
     WORKER_PANIC_MESSAGE,
     CancelCommand,
@@ -49,8 +50,6 @@ from skippyd.engine.worker.direct_batch import DirectIteration, resolve_future
 from skippyd.engine.worker.faults import FaultSwitch
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import (
-    SCHEDULER_RUNTIME_OPERATION,
-    SCHEDULER_WORKER_PANIC,
     TelemetryHub,
 )
 from skippyd.engine.worker.wait_hooks import WaitHooks
@@ -220,10 +219,9 @@ class CommandLoop:
         except Exception as exc:  # the caller's error: nobody waits for it, so log it
             logger.warning("runtime operation %s failed: %s", operation.label, exc)
         self.num_runtime_operations += 1
-        self.telemetry.publish(SCHEDULER_RUNTIME_OPERATION, {
-            "skippy.scheduler.operation": operation.label,
-            "skippy.scheduler.operation_ms": (time.monotonic() - started) * 1000.0,
-        })
+        if self.telemetry.wants("debug"):
+            self.telemetry.publish(RuntimeOperationFinished(
+                operation.label, (time.monotonic() - started) * 1000.0))
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -250,10 +248,7 @@ class CommandLoop:
         logger.critical("iteration scheduler worker failed", exc_info=exc)
         self.failure = f"{WORKER_PANIC_MESSAGE}: {exc!r}"
         try:
-            self.telemetry.publish(SCHEDULER_WORKER_PANIC, {
-                "skippy.scheduler.failure_contained": True,
-                "skippy.scheduler.failure": repr(exc),
-            })
+            self.telemetry.publish(WorkerFailed(repr(exc)))
         finally:
             self._close(WorkerBackendError(self.failure))
 

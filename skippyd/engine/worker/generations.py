@@ -38,6 +38,7 @@ from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
 from skippyd.engine.policy.telemetry import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.protocol import RuntimeFailure
+from skippyd.engine.telemetry_events import RequestAdmitted, RequestFinished, RequestPreempted
 from skippyd.engine.worker.choice_forks import ChoiceForks
 from skippyd.engine.worker.commands import (
     IDLE_POLL_INTERVAL_S,
@@ -65,7 +66,7 @@ from skippyd.engine.worker.plan_execution import PlanExecutor, PlanResult
 from skippyd.engine.worker.prefix_admission import NO_CACHE, Admission, PrefixAdmission
 from skippyd.engine.worker.record import NOT_ADMITTED, Generation, GenerationStatus
 from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION, step_attributes
+from skippyd.engine.worker.telemetry import step_finished
 
 if TYPE_CHECKING:
     from skippyd.engine.worker.command_loop import CommandLoop
@@ -74,7 +75,6 @@ logger = logging.getLogger(__name__)
 
 #: How often the deadlines of held requests are checked while the worker is busy.
 DEADLINE_CHECK_INTERVAL_S = 0.1
-_LIFECYCLE = ("finished", "failed", "cancelled", "rejected_overload")
 _S = GenerationStatus
 
 
@@ -103,7 +103,6 @@ class GenerationWorker:
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         """Ids cancelled from the overflow inbox before their Submit was seen."""
         self._next_deadline_check = 0.0
-        self._last_lifecycle = (0, 0, 0, 0)
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
 
@@ -303,6 +302,7 @@ class GenerationWorker:
             if self.requests.get(gen.id) is gen:
                 del self.requests[gen.id]
             gen.end(event)
+            self._loop.telemetry.publish(finished_event(gen, event))
         for orphan in orphans:
             orphan.parked_behind = None
             self._route(orphan)
@@ -405,12 +405,16 @@ class GenerationWorker:
             if gen.admitted_at is None:
                 gen.admitted_at = now
                 gen.emit(AdmittedEvent(gen.cached_tokens))
+                self._loop.telemetry.publish(RequestAdmitted(
+                    gen.id, len(gen.prompt), gen.cached_tokens,
+                    (now - gen.submitted_at) * 1000.0))
 
     def _note_preempted(self, req_id: str) -> None:
         gen = self.requests.get(req_id)
         if gen is not None:
             gen.has_session = False
             gen.move_to(_S.PREEMPTED)
+            self._loop.telemetry.publish(RequestPreempted(gen.id, gen.num_generated))
 
     def _prepare_sessions(self, plan: IterationPlan) -> IterationPlan:
         """Bind a runtime session to every newly planned request; one that cannot be
@@ -500,14 +504,18 @@ class GenerationWorker:
 
     def _publish_step(self, step: IterationTelemetry, total_s: float,
                       execution_s: float) -> None:
-        """Publish ``stage.scheduler_iteration``."""
+        """Publish :class:`StepFinished` (debug: only when someone listens)."""
         self.last_step_ms = total_s * 1000.0
         self.last_execution_ms = execution_s * 1000.0
-        attributes = step_attributes(step, self.last_step_ms, self.last_execution_ms)
-        lifecycle = (step.finished, step.failed, step.cancelled, step.rejected_overload)
-        if lifecycle != self._last_lifecycle:
-            # Counters only when they changed since the last emission.
-            self._last_lifecycle = lifecycle
-            for name, value in zip(_LIFECYCLE, lifecycle, strict=True):
-                attributes["skippy.scheduler." + name] = value
-        self._loop.telemetry.publish(SCHEDULER_ITERATION, attributes)
+        telemetry = self._loop.telemetry
+        if telemetry.wants("debug"):
+            telemetry.publish(step_finished(step, self.last_step_ms, self.last_execution_ms))
+
+
+def finished_event(gen: Generation, event: FinalEvent) -> RequestFinished:
+    """The :class:`RequestFinished` of a generation that ends with ``event``."""
+    if isinstance(event, CompleteEvent):
+        reason, message = event.finish_reason, ""
+    else:
+        reason, message = event.error.kind, event.error.message
+    return RequestFinished(gen.id, reason, len(gen.prompt), gen.num_generated, message)

@@ -1,4 +1,4 @@
-"""In-process telemetry hub: the worker publishes, observers subscribe.
+"""In-process telemetry hub: the engine publishes typed events, observers subscribe.
 
 The worker must never wait on an observer (the
 worker thread owns every runtime call, so a slow dashboard must not slow decoding). A
@@ -6,7 +6,9 @@ worker thread owns every runtime call, so a slow dashboard must not slow decodin
 deque; when a deque is full its oldest event is dropped and counted. Subscribers read
 at their own pace, from any thread, with :meth:`Subscription.get`, :meth:`wait_for` or
 :meth:`drain`, and may ask for a cheap wake-up callback (for example
-``loop.call_soon_threadsafe``) to avoid polling.
+``loop.call_soon_threadsafe``) to avoid polling. Each subscription has a level
+(:mod:`skippyd.engine.telemetry_events`): a ``summary`` subscriber never sees debug
+events, and a debug event nobody wants is not built (:meth:`TelemetryHub.wants`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
+from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
+
+from skippyd.engine.telemetry_events import (
+    LEVELS,
+    ComponentBytes,
+    EventLevel,
+    StepFinished,
+    TelemetryPayload,
+    WorkerStarted,
+    level_of,
+)
 
 if TYPE_CHECKING:
     from skippyd.engine.policy.telemetry import IterationTelemetry
@@ -30,30 +42,30 @@ logger = logging.getLogger(__name__)
 #: Default per-subscriber buffer, in events.
 DEFAULT_SUBSCRIPTION_MAXLEN = 1024
 
-# Event names the worker publishes: wire names, as in the original.
-SCHEDULER_START = "stage.scheduler_start"
-SCHEDULER_ITERATION = "stage.scheduler_iteration"
-SCHEDULER_DIRECT_ITERATION = "stage.scheduler_feature_iteration"
-SCHEDULER_RUNTIME_OPERATION = "stage.scheduler_feature_runtime"
-SCHEDULER_WORKER_PANIC = "stage.scheduler_worker_panic"
 #: Name of the cache-aware ordering, reported at scheduler start.
 CACHE_POLICY_NAME = "weighted_lpm_aging_dfs_waiting_prefix"
-#: Prefix of every attribute key the worker publishes.
-_PREFIX = "skippy.scheduler."
 
 
 @dataclass(frozen=True, slots=True)
 class TelemetryEvent:
-    """One published event."""
+    """One published event: what happened, and when."""
 
-    name: str
-    """Dotted event name, e.g. ``stage.scheduler_iteration``."""
-    attributes: Mapping[str, Any]
-    """Read-only attribute map (``skippy.scheduler.*`` keys)."""
+    payload: TelemetryPayload
     seq: int
     """Hub-wide publication counter, starting at 1."""
     timestamp_s: float
     """Wall-clock time of publication (``time.time()``)."""
+    level: EventLevel = field(default="summary")
+
+    @property
+    def name(self) -> str:
+        """The wire name, e.g. ``request.finished``."""
+        return self.payload.NAME
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        """The payload's fields as the control socket sends them."""
+        return self.payload.wire_attributes()
 
 
 class Subscription:
@@ -68,8 +80,11 @@ class Subscription:
         hub: TelemetryHub,
         maxlen: int,
         notify: Callable[[], None] | None = None,
+        level: EventLevel = "debug",
     ) -> None:
         self._hub = hub
+        self.level = level
+        """The most detailed level this subscriber receives."""
         self._events: deque[TelemetryEvent] = deque()
         self._maxlen = maxlen
         self._notify = notify
@@ -186,6 +201,7 @@ class TelemetryHub:
 
     def __init__(self) -> None:
         self._subscribers: tuple[Subscription, ...] = ()
+        self._debug = False
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._num_published = 0
@@ -195,27 +211,26 @@ class TelemetryHub:
         """Events published since the hub was created."""
         return self._num_published
 
-    def publish(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-        """Deliver an event to every current subscriber, never blocking.
+    def wants(self, level: EventLevel) -> bool:
+        """Whether any subscriber receives events of ``level`` (build none otherwise)."""
+        return level == "summary" or self._debug
 
-        Args:
-            name: Event name.
-            attributes: Attribute map; copied, so the caller may reuse it.
-        """
-        event = TelemetryEvent(
-            name=name,
-            attributes=MappingProxyType(dict(attributes or {})),
-            seq=next(self._seq),
-            timestamp_s=time.time(),
-        )
+    def publish(self, payload: TelemetryPayload) -> None:
+        """Deliver an event to every subscriber of its level, never blocking."""
+        level = level_of(payload)
+        if level == "debug" and not self._debug:
+            return
+        event = TelemetryEvent(payload, next(self._seq), time.time(), level)
         self._num_published += 1
         for subscription in self._subscribers:
-            subscription.offer(event)
+            if level == "summary" or subscription.level == "debug":
+                subscription.offer(event)
 
     def subscribe(
         self,
         maxlen: int = DEFAULT_SUBSCRIPTION_MAXLEN,
         notify: Callable[[], None] | None = None,
+        level: EventLevel = "debug",
     ) -> Subscription:
         """Start receiving events published from now on.
 
@@ -223,67 +238,50 @@ class TelemetryHub:
             maxlen: Events buffered before the oldest are dropped; at least 1.
             notify: Optional callback run (on the publisher's thread, so it must be
                 quick and non-blocking) after each delivery.
+            level: ``summary`` receives the events an operator looks for; ``debug`` also
+                the per-step ones.
 
         Raises:
-            ValueError: ``maxlen`` is below 1.
+            ValueError: ``maxlen`` is below 1, or an unknown level.
         """
         if maxlen < 1:
             raise ValueError(f"maxlen: must be >= 1 (got {maxlen})")
-        subscription = Subscription(self, maxlen, notify)
+        if level not in LEVELS:
+            raise ValueError(f"level: one of {', '.join(LEVELS)} (got {level!r})")
+        subscription = Subscription(self, maxlen, notify, level)
         with self._lock:
             self._subscribers = (*self._subscribers, subscription)
+            self._debug = any(s.level == "debug" for s in self._subscribers)
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
         """Stop delivering to ``subscription``. Idempotent."""
         with self._lock:
             self._subscribers = tuple(s for s in self._subscribers if s is not subscription)
+            self._debug = any(s.level == "debug" for s in self._subscribers)
 
 
 def publish_worker_start(hub: TelemetryHub, settings: WorkerSettings) -> None:
-    """Publish ``stage.scheduler_start``: how the worker was sized."""
-    prefix = _PREFIX
-    hub.publish(SCHEDULER_START, {
-        prefix + "safe_mode": settings.safe_mode,
-        prefix + "command_queue_capacity": settings.command_queue_capacity,
-        prefix + "max_active_sequences": settings.policy.max_active_sequences,
-        prefix + "max_consecutive_prefill_iterations":
-            settings.policy.max_consecutive_prefill_iterations,
-        prefix + "mixed_prefill_decode": settings.policy.mixed_prefill_decode,
-        prefix + "cache_policy": CACHE_POLICY_NAME,
-    })
+    """Publish :class:`WorkerStarted`: how the worker was sized."""
+    policy = settings.policy
+    hub.publish(WorkerStarted(
+        safe_mode=settings.safe_mode, command_queue_capacity=settings.command_queue_capacity,
+        max_active_sequences=policy.max_active_sequences,
+        max_consecutive_prefill_iterations=policy.max_consecutive_prefill_iterations,
+        mixed_prefill_decode=policy.mixed_prefill_decode, cache_policy=CACHE_POLICY_NAME))
 
 
-#: (attribute key, IterationTelemetry field) of the counters every step reports.
-_STEP_FIELDS = tuple((_PREFIX + name, name) for name in (
-    "iteration", "admitted", "preempted", "prefill_tokens", "recompute_tokens",
-    "decode_tokens", "prefix_hits", "prefix_misses"))
-_COMPONENT_KEYS: dict[str, tuple[str, str, str]] = {}
-
-
-def _component_keys(name: str) -> tuple[str, str, str]:
-    keys = _COMPONENT_KEYS.get(name)
-    if keys is None:
-        component = f"{_PREFIX}component.{name}."
-        keys = _COMPONENT_KEYS[name] = (component + "used_bytes",
-                                        component + "available_bytes",
-                                        component + "free_bytes")
-    return keys
-
-
-def step_attributes(step: IterationTelemetry, step_ms: float,
-                    execution_ms: float) -> dict[str, Any]:
-    """``stage.scheduler_iteration`` attributes but the lifecycle counters."""
-    attributes: dict[str, Any] = {key: getattr(step, name) for key, name in _STEP_FIELDS}
-    attributes[_PREFIX + "running"] = step.active_sequences
-    attributes[_PREFIX + "waiting"] = step.waiting_sequences
-    attributes[_PREFIX + "step_ms"] = step_ms
-    attributes[_PREFIX + "execution_ms"] = execution_ms
-    attributes[_PREFIX + "overhead_ms"] = max(0.0, step_ms - execution_ms)
+def step_finished(step: IterationTelemetry, step_ms: float,
+                  execution_ms: float) -> StepFinished:
+    """The :class:`StepFinished` event of one planned step."""
     available = dict(step.component_available_bytes)
-    for name, used in step.component_used_bytes:
-        used_key, available_key, free_key = _component_keys(name)
-        attributes[used_key] = used
-        attributes[available_key] = available.get(name, 0)
-        attributes[free_key] = max(0, available.get(name, 0) - used)
-    return attributes
+    return StepFinished(
+        iteration=step.iteration, running=step.active_sequences,
+        waiting=step.waiting_sequences, admitted=step.admitted, preempted=step.preempted,
+        prefill_tokens=step.prefill_tokens, recompute_tokens=step.recompute_tokens,
+        decode_tokens=step.decode_tokens, prefix_hits=step.prefix_hits,
+        prefix_misses=step.prefix_misses, step_ms=step_ms, execution_ms=execution_ms,
+        finished=step.finished, failed=step.failed, cancelled=step.cancelled,
+        rejected_overload=step.rejected_overload,
+        components=tuple(ComponentBytes(name, used, available.get(name, 0))
+                         for name, used in step.component_used_bytes))

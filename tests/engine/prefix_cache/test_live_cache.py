@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 from cache_helpers import SETTINGS, greedy_continue, open_runtime, prefill, tokens
 
-from skippyd.engine.prefix_cache import PREFIX_CACHE_EVENT, Lease, LivePrefixCache, Tier
+from skippyd.engine.prefix_cache import Lease, LivePrefixCache, Tier
+from skippyd.engine.telemetry_events import PrefixCacheChanged
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 PREFIX = tokens(1, 96)
@@ -73,11 +74,13 @@ def test_a_hit_starts_in_the_entry_lane_without_a_copy(runtime, expected):
         assert greedy_continue(runtime, "req", SUFFIX, 8) == expected
         cache.release(lease)
         assert entry.pins == set()
-        names = [event.name for event in events.drain()]
+        published = events.drain()
+        names = [event.name for event in published]
+        operations = {event.payload.operation for event in published}
     stats = cache.stats().as_dict()
     assert stats["hits"] == 1 and stats["misses"] == 0 and stats["matched_tokens"] == 96
     assert stats["hit_rate"] == 1.0
-    assert set(names) == {PREFIX_CACHE_EVENT}
+    assert set(names) == {PrefixCacheChanged.NAME} and "lookup" in operations
 
 
 def test_a_hit_on_a_busy_lane_copies_it_into_another(runtime, expected):

@@ -6,15 +6,15 @@ import dataclasses
 
 from cache_helpers import SETTINGS, submit_all, tokens
 
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
+from skippyd.engine.telemetry_events import StepFinished
 
 SHARED = tokens(1, 200)
 BURST = {f"r{i}": SHARED + tokens(10 + i, 6) for i in range(4)}
 
 
 def prefill_tokens(events) -> int:
-    return sum(event.attributes["skippy.scheduler.prefill_tokens"] for event in events
-               if event.name == SCHEDULER_ITERATION)
+    return sum(event.payload.prefill_tokens for event in events
+               if isinstance(event.payload, StepFinished))
 
 
 def test_a_burst_sharing_a_prefix_prefills_it_once_with_the_same_output(make_stack):

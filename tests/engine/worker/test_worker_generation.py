@@ -7,6 +7,12 @@ from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
 
 from skippyd.engine.runtime.protocol import DecodeFailedError
+from skippyd.engine.telemetry_events import (
+    RequestAdmitted,
+    RequestFinished,
+    RequestPreempted,
+    StepFinished,
+)
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     ErrorEvent,
@@ -18,7 +24,7 @@ from skippyd.engine.worker.commands import (
     TokenEvent,
     WorkerBackendError,
 )
-from skippyd.engine.worker.telemetry import SCHEDULER_ITERATION
+from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 5.0
 
@@ -51,10 +57,10 @@ def test_worker_batches_and_completes_default_generations(
         assert isinstance(event, TokenEvent) and event.token == token
         event.ack.send(TokenControl.CONTINUE)
         assert recorder.next(WAIT_S) == CompleteEvent("length")
-    step = subscription.wait_for(lambda e: e.name == SCHEDULER_ITERATION, WAIT_S)
+    step = subscription.wait_for(lambda e: isinstance(e.payload, StepFinished), WAIT_S)
     assert step is not None
-    assert step.attributes["skippy.scheduler.admitted"] == 2
-    assert step.attributes["skippy.scheduler.finished"] == 2
+    assert step.payload.admitted == 2
+    assert step.payload.finished == 2
     barrier(worker)
     assert runtime.sampled_sessions() == [["a", "b"]]
     stats = worker.stats()
@@ -126,7 +132,9 @@ def test_consumer_stop_ends_generation_with_stop(runtime_factory, make_handle):
 
 def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, make_handle):
     runtime = runtime_factory()
-    worker = make_handle(runtime)
+    hub = TelemetryHub()
+    subscription = hub.subscribe(level="summary")
+    worker = make_handle(runtime, hub)
     recorder = EventRecorder()
     worker.submit_generation(GenerationRequest("c", [1, 2], max_tokens=1000), recorder)
     first = recorder.next(WAIT_S)
@@ -140,11 +148,16 @@ def test_cancel_ends_a_running_generation_and_frees_its_lane(runtime_factory, ma
     *tokens, final = recorder.pending()
     assert all(isinstance(event, TokenEvent) for event in tokens)
     assert isinstance(final, ErrorEvent) and isinstance(final.error, RequestCancelledError)
+    finished = [e.payload for e in subscription.drain() if isinstance(e.payload, RequestFinished)]
+    assert [(f.request_id, f.reason) for f in finished] == [("c", "cancelled")]
+    assert finished[0].generated_tokens >= 1 and finished[0].message
 
 
 def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, make_handle):
     runtime = runtime_factory(lane_count=3, kv_pool_tokens=64)
-    worker = make_handle(runtime)
+    hub = TelemetryHub()
+    subscription = hub.subscribe(level="summary")
+    worker = make_handle(runtime, hub)
     # Another user of the context (a direct session) holds 30 cells the policy cannot see.
     on_worker(worker, lambda rt: rt.sessions.__setitem__("other", 30))
     recorders = {name: EventRecorder() for name in ("a", "b")}
@@ -158,6 +171,13 @@ def test_kv_exhaustion_preempts_a_victim_instead_of_failing(runtime_factory, mak
     barrier(worker)
     assert worker.stats().num_preempted >= 1
     assert worker.stats().num_failed == 0
+    events = [e.payload for e in subscription.drain()]
+    preempted = [e for e in events if isinstance(e, RequestPreempted)]
+    assert len(preempted) == worker.stats().num_preempted
+    admitted = [e.request_id for e in events if isinstance(e, RequestAdmitted)]
+    assert sorted(admitted) == ["a", "b"]  # once each: a readmission is no admission
+    assert sorted((e.request_id, e.reason) for e in events
+                  if isinstance(e, RequestFinished)) == [("a", "length"), ("b", "length")]
 
 
 def test_malformed_request_in_a_batch_fails_alone(runtime_factory, make_handle,

@@ -12,6 +12,7 @@ from worker_support import barrier
 
 from skippyd.config import parse_config
 from skippyd.config.environment import SAFE_MODE_ENV
+from skippyd.engine.telemetry_events import WorkerFailed, WorkerStarted
 from skippyd.engine.worker.commands import (
     ErrorEvent,
     GenerationRequest,
@@ -22,7 +23,7 @@ from skippyd.engine.worker.commands import (
 )
 from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
-from skippyd.engine.worker.telemetry import SCHEDULER_START, SCHEDULER_WORKER_PANIC, TelemetryHub
+from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 5.0
 
@@ -47,11 +48,10 @@ def test_safe_mode_from_the_environment_forces_one_lane(monkeypatch):
     with GenerationHandle(runtime, settings, telemetry=hub) as worker:
         assert worker.config.max_active_sequences == 1
     start = subscription.get(WAIT_S)
-    assert start.name == SCHEDULER_START
-    assert start.attributes["skippy.scheduler.safe_mode"] is True
-    assert start.attributes["skippy.scheduler.command_queue_capacity"] == 65  # 64 + 1 lane
-    assert start.attributes["skippy.scheduler.cache_policy"] == (
-        "weighted_lpm_aging_dfs_waiting_prefix")
+    assert isinstance(start.payload, WorkerStarted)
+    assert start.payload.safe_mode is True
+    assert start.payload.command_queue_capacity == 65  # 64 + 1 lane
+    assert start.payload.cache_policy == "weighted_lpm_aging_dfs_waiting_prefix"
 
 
 def test_a_runtime_that_is_not_one_is_refused():
@@ -112,8 +112,8 @@ def test_worker_panic_is_contained_and_fails_active_requests(make_handle):
     assert not worker.thread.is_alive()
     assert "worker panicked" in worker.failure
     assert worker.stats().failure == worker.failure
-    panic = subscription.wait_for(lambda e: e.name == SCHEDULER_WORKER_PANIC, WAIT_S)
-    assert panic.attributes["skippy.scheduler.failure_contained"] is True
+    panic = subscription.wait_for(lambda e: isinstance(e.payload, WorkerFailed), WAIT_S)
+    assert panic is not None and panic.payload.failure
     with pytest.raises(WorkerStoppedError):
         worker.submit_generation(GenerationRequest("late", [1], max_tokens=1), queued)
 

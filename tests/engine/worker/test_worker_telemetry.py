@@ -8,6 +8,16 @@ import pytest
 from fake_runtime import EventRecorder, FakeRuntime
 from worker_support import barrier
 
+from skippyd.engine.telemetry_events import (
+    KINDS,
+    DirectBatchFinished,
+    RequestAdmitted,
+    RequestFinished,
+    RequestPreempted,
+    RuntimeOperationFinished,
+    StepFinished,
+    WorkerFailed,
+)
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     GenerationRequest,
@@ -17,9 +27,6 @@ from skippyd.engine.worker.commands import (
 )
 from skippyd.engine.worker.direct_batch import DirectIteration
 from skippyd.engine.worker.telemetry import (
-    SCHEDULER_DIRECT_ITERATION,
-    SCHEDULER_ITERATION,
-    SCHEDULER_RUNTIME_OPERATION,
     Subscription,
     TelemetryHub,
 )
@@ -27,9 +34,19 @@ from skippyd.engine.worker.telemetry import (
 WAIT_S = 5.0
 
 
+def note(text: str) -> WorkerFailed:
+    """A summary event that carries ``text``."""
+    return WorkerFailed(text)
+
+
+def step(iteration: int) -> StepFinished:
+    """A debug event."""
+    return StepFinished(iteration, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1.0, 0.5, 0, 0, 0, 0)
+
+
 def test_publish_without_subscribers_is_a_no_op():
     hub = TelemetryHub()
-    hub.publish("x", {"a": 1})
+    hub.publish(note("x"))
     assert hub.num_published == 1
 
 
@@ -37,40 +54,38 @@ def test_full_subscription_drops_the_oldest_and_counts_it():
     hub = TelemetryHub()
     subscription = hub.subscribe(maxlen=2)
     for index in range(5):
-        hub.publish("tick", {"index": index})
+        hub.publish(note(str(index)))
     assert subscription.num_dropped == 3
-    assert [event.attributes["index"] for event in subscription.drain()] == [3, 4]
+    assert [event.attributes["failure"] for event in subscription.drain()] == ["3", "4"]
     assert subscription.drain() == []
 
 
-def test_events_are_immutable_copies():
+def test_events_are_frozen():
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    attributes = {"a": 1}
-    hub.publish("x", attributes)
-    attributes["a"] = 2
+    hub.publish(note("a"))
     event = subscription.get(0)
-    assert event.attributes["a"] == 1
-    with pytest.raises(TypeError):
-        event.attributes["a"] = 3  # type: ignore[index]
+    assert event.attributes == {"failure": "a"} and event.name == "worker.failed"
+    with pytest.raises(AttributeError):
+        event.payload.failure = "b"  # type: ignore[misc]
 
 
 def test_wait_for_skips_unmatched_events_and_times_out():
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    hub.publish("a")
-    hub.publish("b", {"n": 1})
-    event = subscription.wait_for(lambda e: e.name == "b", WAIT_S)
-    assert event is not None and event.attributes["n"] == 1
-    assert subscription.wait_for(lambda e: e.name == "c", 0.01) is None
+    hub.publish(note("a"))
+    hub.publish(RequestPreempted("r", 1))
+    event = subscription.wait_for(lambda e: e.name == "request.preempted", WAIT_S)
+    assert event is not None and event.payload == RequestPreempted("r", 1)
+    assert subscription.wait_for(lambda e: e.name == "request.finished", 0.01) is None
 
 
 def test_get_wakes_up_for_an_event_from_another_thread():
     hub = TelemetryHub()
     subscription = hub.subscribe()
-    threading.Thread(target=hub.publish, args=("late",), daemon=True).start()
+    threading.Thread(target=hub.publish, args=(note("late"),), daemon=True).start()
     event = subscription.get(WAIT_S)
-    assert event is not None and event.name == "late"
+    assert event is not None and event.attributes["failure"] == "late"
 
 
 def test_notify_callback_runs_and_its_failure_never_reaches_the_publisher():
@@ -82,18 +97,45 @@ def test_notify_callback_runs_and_its_failure_never_reaches_the_publisher():
         raise RuntimeError("observer bug")
 
     hub.subscribe(notify=broken)
-    hub.publish("x")
+    hub.publish(note("x"))
     assert notified.is_set()
 
 
 def test_closed_subscription_receives_nothing():
     hub = TelemetryHub()
     with hub.subscribe() as subscription:
-        hub.publish("before")
-    hub.publish("after")
-    assert [event.name for event in subscription.drain()] == ["before"]
+        hub.publish(note("before"))
+    hub.publish(note("after"))
+    assert [event.attributes["failure"] for event in subscription.drain()] == ["before"]
     assert subscription.closed
     assert subscription.get(0) is None
+
+
+def test_a_summary_subscriber_gets_no_debug_event_and_none_is_built_for_it():
+    hub = TelemetryHub()
+    assert not hub.wants("debug") and hub.wants("summary")
+    summary = hub.subscribe(level="summary")
+    assert not hub.wants("debug")
+    hub.publish(step(1))  # nobody wants it: dropped before it is an event
+    assert hub.num_published == 0
+    debug = hub.subscribe(level="debug")
+    assert hub.wants("debug")
+    hub.publish(step(2))
+    hub.publish(note("x"))
+    assert [e.name for e in summary.drain()] == ["worker.failed"]
+    assert [(e.name, e.level) for e in debug.drain()] == [("worker.step", "debug"),
+                                                         ("worker.failed", "summary")]
+    debug.close()
+    assert not hub.wants("debug")
+    with pytest.raises(ValueError, match="level"):
+        hub.subscribe(level="verbose")  # type: ignore[arg-type]
+
+
+def test_every_kind_has_a_unique_wire_name_and_plain_attributes():
+    assert len(KINDS) == len({kind.NAME for kind in KINDS.values()})
+    assert all(name.count(".") == 1 for name in KINDS)
+    attributes = step(3).wire_attributes()
+    assert attributes["iteration"] == 3 and attributes["overhead_ms"] == 0.5
 
 
 def test_subscribe_rejects_an_empty_buffer():
@@ -116,24 +158,22 @@ def test_workers_publish_iteration_direct_and_runtime_events(make_handle, make_b
     later_stage.submit_iteration(DirectIteration("direct", [1, 2, 3])).result(timeout=WAIT_S)
     later_stage.execute_runtime_detached("probe", lambda _rt: None)
     barrier(later_stage)
-    events = subscription.drain()
-    names = [event.name for event in events]
-    assert names.count(SCHEDULER_ITERATION) == 2
-    assert SCHEDULER_DIRECT_ITERATION in names and SCHEDULER_RUNTIME_OPERATION in names
-    first, second = (e.attributes for e in events if e.name == SCHEDULER_ITERATION)
-    assert first["skippy.scheduler.prefill_tokens"] == 2
-    assert second["skippy.scheduler.decode_tokens"] == 1
-    # Lifecycle counters only appear when they change (the second step finished "r").
-    assert "skippy.scheduler.finished" not in first
-    assert second["skippy.scheduler.finished"] == 1
-    assert first["skippy.scheduler.component.kv-cells.available_bytes"] == 4096
-    assert first["skippy.scheduler.component.kv-cells.free_bytes"] == (
-        4096 - first["skippy.scheduler.component.kv-cells.used_bytes"])
-    direct = next(e.attributes for e in events if e.name == SCHEDULER_DIRECT_ITERATION)
-    assert direct["skippy.scheduler.batch_size"] == 1
-    assert direct["skippy.scheduler.token_count"] == 3
-    runtime_op = next(e.attributes for e in events if e.name == SCHEDULER_RUNTIME_OPERATION)
-    assert runtime_op["skippy.scheduler.operation"] == "probe"
+    events = [event.payload for event in subscription.drain()]
+    steps = [e for e in events if isinstance(e, StepFinished)]
+    assert len(steps) == 2
+    first, second = steps
+    assert first.prefill_tokens == 2 and second.decode_tokens == 1
+    assert first.finished == 0 and second.finished == 1
+    kv = first.components[0]
+    assert kv.name == "kv-cells" and kv.available_bytes == 4096
+    admitted = next(e for e in events if isinstance(e, RequestAdmitted))
+    assert admitted.request_id == "r" and admitted.prompt_tokens == 2
+    assert next(e for e in events if isinstance(e, RequestFinished)) == RequestFinished(
+        "r", "length", 2, 2)
+    direct = next(e for e in events if isinstance(e, DirectBatchFinished))
+    assert direct.batch_size == 1 and direct.token_count == 3
+    runtime_op = next(e for e in events if isinstance(e, RuntimeOperationFinished))
+    assert runtime_op.operation == "probe"
 
 
 def test_stats_snapshot_is_published_without_touching_the_worker(make_batch_handle,
@@ -168,7 +208,8 @@ def test_a_consumer_can_drain_up_to_the_event_it_was_notified_of() -> None:
     subscription = hub.subscribe(maxlen=8, notify=notify)
     assert subscription.last_offered_seq == -1
     for name in ("a", "b", "c"):
-        hub.publish(name, {})
-    assert [event.name for event in subscription.drain_through(notified[0])] == ["a"]
+        hub.publish(note(name))
+    assert [e.attributes["failure"] for e in subscription.drain_through(notified[0])] == ["a"]
     assert subscription.drain_through(notified[0]) == []
-    assert [event.name for event in subscription.drain_through(notified[2])] == ["b", "c"]
+    assert [e.attributes["failure"] for e in subscription.drain_through(notified[2])] == [
+        "b", "c"]
