@@ -84,7 +84,17 @@ def test_serving_never_runs_a_compiler(tiny_model_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    assert "activation capture" in result.stdout
+    # With the helpers the install built, the fast paths are on without any compiler.
+    expected = "native" if native.library_path() is not None else "python (not built"
+    assert f"activation capture: {expected}" in result.stdout, result.stdout
+
+
+def test_an_install_that_built_no_helpers_says_so(fresh_load, tmp_path):
+    fresh_load.setattr(native, "_LIBRARY_DIR", tmp_path)  # an empty package directory
+    loaded = native.reload()
+    assert loaded.library is None and loaded.signal_decode is None
+    assert loaded.missing == "not built: the install found no C compiler"
+    assert native.fast_paths()["activation_capture"].startswith("python (not built")
 
 
 def _steps(rt: LlamaRuntime, sessions: dict[str, list[int]], configs: dict, steps: int):
