@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 #: Scenario names in report order.
 LAB_SCENARIOS: tuple[str, ...] = tuple(SCENARIO_BUILDERS)
-#: Extra timed runs per scenario, as in the original bench.
+#: Extra timed runs per scenario.
 DEFAULT_BENCH_RUNS = 200
 
 

@@ -1,6 +1,6 @@
 """Stage configuration: one TOML file loaded into a frozen, validated dataclass tree.
 
-One file configures one stage process (adapted from the original's stage config): which
+One file configures one stage process: which
 model and layers it owns (``[stage]``), how llama.cpp runs them (``[runtime]``), the
 OpenAI-compatible API of the first stage (``[http]``), the local control socket
 (``[control]``), logging (``[telemetry]``), the prefix cache (``[kv_cache]``) and the

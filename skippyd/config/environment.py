@@ -1,7 +1,7 @@
 """Environment switches that change a stage's config, read once, when a config is parsed.
 
-Two variables from the original's deployments keep their meaning; everything else is
-set in the TOML file:
+Two variables, kept for deployments that already set them, override the config;
+everything else is set in the TOML file:
 
 * ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE`` (``1``/``true``/``yes``/``on``, any case)
   turns ``runtime.safe_mode`` on: one sequence per decode, a debugging fallback.

@@ -1,4 +1,4 @@
-"""What a GGUF model is, from its metadata alone (DESIGN.md item 2).
+"""What a GGUF model is, from its metadata alone.
 
 :func:`inspect_model` reads the header (no weights) into a :class:`ModelInfo`: the
 architecture, layer and embedding sizes, vocabulary, quantization and the per-layer

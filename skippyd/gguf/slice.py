@@ -1,4 +1,4 @@
-"""Layer slicing of a GGUF into stage models, and the cache of slices (DESIGN.md item 2).
+"""Layer slicing of a GGUF into stage models, and the cache of slices.
 
 A stage is an ordinary, shallower GGUF: every metadata key and every non-layer tensor of
 the source, the ``blk.N.*`` tensors with ``layer_start <= N < layer_end`` renumbered from
@@ -27,7 +27,8 @@ from skippyd.gguf.inspect import (
 logger = logging.getLogger(__name__)
 
 #: Architectures that rescale the token embedding inside the graph: feeding them raw
-#: activation rows on a non-first stage would be wrong (DESIGN.md item 3).
+#: activation rows on a non-first stage would be wrong: the graph would scale the rows
+#: the stage before sent as if they were token embeddings.
 EMBEDDING_SCALED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
 #: Bumped whenever the slice layout or its cache key changes, so stale slices are not reused.
 SLICE_FORMAT_VERSION = 2

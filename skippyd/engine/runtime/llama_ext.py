@@ -1,7 +1,7 @@
 """The few llama.cpp pieces llama-cpp-python does not wrap: graph output capture, logging.
 
 Every ctypes callback handed to llama.cpp is kept referenced by its owner for as long as
-llama.cpp may call it: a collected callback crashes the process (DESIGN.md item 6).
+llama.cpp may call it: a collected callback crashes the process.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class LayerOutputCapture:
 
     Installed as ``cb_eval`` on a non-final stage's context: it asks only for the tensor
     named ``l_out-{n_layer-1}``, copies it (f32, token-major, ``n_embd`` per row) and
-    returns False so llama.cpp skips the output head (DESIGN.md item 4). A prompt longer
+    returns False so llama.cpp skips the output head (the next stage computes it). A prompt longer
     than ``n_ubatch`` runs the graph once per micro-batch: the captures are appended.
     """
 

@@ -28,7 +28,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 class IterationPhase(enum.Enum):
-    """What a request row in a batch is doing (``IterationBatchPhase``)."""
+    """What a request row in a batch is doing."""
 
     PREFILL = "prefill"
     DECODE = "decode"

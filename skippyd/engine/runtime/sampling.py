@@ -1,4 +1,4 @@
-"""Per-session sampler chains over llama.cpp's sampler API (DESIGN.md item 1).
+"""Per-session sampler chains over llama.cpp's sampler API.
 
 A chain samples from the logits of one batch row (``llama_sampler_sample(chain, ctx, i)``)
 and remembers the session's tokens for the penalties. A session with a grammar samples

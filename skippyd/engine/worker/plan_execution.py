@@ -84,8 +84,8 @@ class PlanResult:
 def make_runtime_request(work: IterationWork) -> IterationRequest:
     """Map a policy work row to a runtime request (Recompute runs as a prefill)."""
     phase = RuntimePhase.DECODE if work.phase is IterationPhase.DECODE else RuntimePhase.PREFILL
-    # NOTE: explicit positions, unlike the original (which lets the native runtime pick):
-    # after a preemption the replay restarts at 0 and the runtime must trim to it.
+    # NOTE: explicit positions, not "after what the session holds": after a preemption
+    # the replay restarts at 0 and the runtime must trim to it.
     return IterationRequest(
         session_id=work.sequence_id,
         token_ids=work.tokens,
