@@ -225,7 +225,7 @@ class ChainDown(TelemetryPayload):
 def level_of(payload: TelemetryPayload) -> EventLevel:
     """The level of one event (a prefix-cache event's depends on its operation)."""
     level = getattr(payload, "level", None)
-    return level if isinstance(level, str) else payload.LEVEL
+    return "debug" if level == "debug" else "summary" if level == "summary" else payload.LEVEL
 
 
 #: Every kind of event, by wire name (for documentation and tests).

@@ -111,6 +111,30 @@ class ServingBackend(Protocol):
         """Return a fresh detokenizer for one generation."""
         ...
 
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (``/detokenize``)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token's piece (log-probability entries carry them)."""
+        ...
+
+    def check_grammar(self, grammar: str) -> None:
+        """Check a GBNF grammar against the vocabulary before a request is queued.
+
+        Raises:
+            ValueError: llama.cpp cannot parse it (HTTP 400).
+        """
+        ...
+
+    def schema_grammar(self, schema: dict[str, Any], root: str | None = None) -> str:
+        """The checked GBNF grammar of a JSON schema (``response_format``, tools).
+
+        Raises:
+            ValueError: The schema cannot be turned into a grammar (HTTP 400).
+        """
+        ...
+
     def submit(
         self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
     ) -> None:

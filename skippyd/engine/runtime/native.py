@@ -174,6 +174,7 @@ class NativeLayerCapture:
         # Referenced for the context's lifetime: llama.cpp keeps the pointer.
         self._state = state
         address = ctypes.cast(library.skippyd_capture_eval, ctypes.c_void_p).value
+        assert address is not None  # a symbol the library exports
         self.callback = L.ggml_backend_sched_eval_callback(address)
         self.user_data = ctypes.cast(ctypes.pointer(state), ctypes.c_void_p)
 

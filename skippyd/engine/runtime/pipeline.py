@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from typing import Any
 
 from skippyd.engine.runtime.pipeline_types import (
@@ -56,6 +56,7 @@ from skippyd.engine.runtime.protocol import (
     IterationSample,
     Runtime,
     RuntimeFailure,
+    SavedState,
     SessionAlignment,
 )
 from skippyd.engine.runtime.watch import CallWatch, unwatched
@@ -183,7 +184,7 @@ class PipelineRuntime:
     def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
         raise InvalidIterationError(_NO_LANE_KV)
 
-    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
+    def save_lane_state(self, lane: int, size: int | None = None) -> SavedState:
         raise InvalidIterationError(_NO_LANE_KV)
 
     def lane_state_bytes(self, lane: int) -> int:

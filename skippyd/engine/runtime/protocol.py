@@ -10,7 +10,7 @@ never imports llama.cpp.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -225,6 +225,18 @@ class SessionAlignment:
     after_token_count: int
 
 
+class SavedState(Protocol):
+    """A lane's KV saved in host memory (:meth:`Runtime.save_lane_state`)."""
+
+    def __len__(self) -> int:
+        """Its size in bytes."""
+        ...
+
+    def release(self) -> None:
+        """Free its memory now; idempotent."""
+        ...
+
+
 @runtime_checkable
 class Runtime(Protocol):
     """What the worker drives: sessions in lanes over one KV pool, one batched call at a time.
@@ -385,9 +397,9 @@ class Runtime(Protocol):
             DecodeFailedError: The state could not be copied.
         """
 
-    def save_lane_state(self, lane: int, size: int | None = None) -> Sized:
-        """The lane's KV saved in host memory; ``len()`` is its size in bytes. ``size``
-        is the lane's :meth:`lane_state_bytes` when just read.
+    def save_lane_state(self, lane: int, size: int | None = None) -> SavedState:
+        """The lane's KV saved in host memory. ``size`` is the lane's
+        :meth:`lane_state_bytes` when just read.
 
         Raises:
             DecodeFailedError: The state could not be saved.
