@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Any
 
 from skippyd.bench.lab_sim import RuntimeCostModel, SimRequest
 from skippyd.engine.policy import UNLIMITED, CacheAffinity, SchedulerConfig, StageCacheAffinity
@@ -14,19 +16,20 @@ from skippyd.engine.policy import UNLIMITED, CacheAffinity, SchedulerConfig, Sta
 #: The policy knobs the lab's scenarios start from: many sequences, 256-token chunks,
 #: prefill and decode in separate iterations, no step-time budget (the policy's own
 #: rules, without the step-time sizing a stage adds).
-LAB_CONFIG: dict[str, object] = {
-    "max_active_sequences": 32,
-    "max_waiting_sequences": 256,
-    "prefill_chunk_tokens": 256,
-    "max_consecutive_prefill_iterations": UNLIMITED,
-    "mixed_prefill_decode": False,
-    "target_step_us": 0,
-}
+LAB_CONFIG = SchedulerConfig(
+    max_active_sequences=32,
+    max_waiting_sequences=256,
+    prefill_chunk_tokens=256,
+    max_consecutive_prefill_iterations=UNLIMITED,
+    mixed_prefill_decode=False,
+    target_step_us=0,
+)
 
 
-def lab_config(**overrides: object) -> SchedulerConfig:
-    """``SchedulerConfig`` over :data:`LAB_CONFIG` with ``overrides``."""
-    return SchedulerConfig(**{**LAB_CONFIG, **overrides})
+def lab_config(**overrides: Any) -> SchedulerConfig:
+    """:data:`LAB_CONFIG` with ``overrides``."""
+    return dataclasses.replace(LAB_CONFIG, **overrides)
+
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +175,9 @@ def family_config(grouping: bool) -> SchedulerConfig:
 
 
 SCENARIO_BUILDERS: dict[str, Callable[[], LabScenario]] = {
-    **{f"cold-burst-n{n}": (lambda n=n: _burst(f"cold-burst-n{n}", n, 0)) for n in (1, 2, 4)},
-    **{f"warm-divergent-n{n}": (lambda n=n: _burst(f"warm-divergent-n{n}", n, 4080))
+    **{f"cold-burst-n{n}": functools.partial(_burst, f"cold-burst-n{n}", n, 0)
+       for n in (1, 2, 4)},
+    **{f"warm-divergent-n{n}": functools.partial(_burst, f"warm-divergent-n{n}", n, 4080)
        for n in (1, 2, 4)},
     "staggered-prefill": lambda: _staggered("staggered-prefill"),
     "staggered-prefill-bounded": lambda: _staggered(

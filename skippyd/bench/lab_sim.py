@@ -160,7 +160,7 @@ def validate_requests(requests: Iterable[SimRequest]) -> list[SimRequest]:
 
 def make_sequence(request: SimRequest) -> Sequence:
     """The policy sequence a simulated request submits."""
-    sequence = Sequence(request.id, request.prompt(), request.output_tokens)
+    sequence = Sequence(request.id, tuple(request.prompt()), request.output_tokens)
     if request.prefix_tokens:
         sequence.with_prefix_restore(PrefixRestore(
             f"sim-prefix-{request.id}", request.prefix_tokens, PrefixRestoreKind.RESIDENT_KV))

@@ -61,7 +61,7 @@ def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
     scheduler = Scheduler(config)
     horizon = samples + 2  # never finish inside the measurement
     for index in range(num_sequences):
-        prompt = list(range(index * _PROMPT_TOKENS, (index + 1) * _PROMPT_TOKENS))
+        prompt = tuple(range(index * _PROMPT_TOKENS, (index + 1) * _PROMPT_TOKENS))
         scheduler.submit(Sequence(f"seq-{index:03d}", prompt, horizon))
     prefill = scheduler.plan_iteration()
     scheduler.complete_iteration(prefill, _predict_all(prefill))

@@ -86,6 +86,7 @@ def level_metrics(level: LevelRun) -> LevelMetrics:
         if record.error is not None:
             examples.setdefault(record.error, record.error_detail or "")
     reported = [r.num_prompt_tokens for r in ok]
+    source: Literal["usage", "words"]
     if ok and all(isinstance(n, int) for n in reported):
         prompt_tokens, source = sum(n for n in reported if n is not None), "usage"
     else:

@@ -24,7 +24,7 @@ import json
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -341,20 +341,21 @@ class AsyncControlClient:
         return (await self.request("status"))["snapshot"]
 
     async def subscribe(self, interval_ms: int = DEFAULT_INTERVAL_MS, events: bool = False,
-                        filter: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:
+                        filter: list[str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Subscribe; returns :meth:`messages` (``async for m in await c.subscribe()``)."""
         await self.request("subscribe", **_subscribe_fields(interval_ms, events, filter))
         return self.messages()
 
-    async def events(self, filter: list[str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, filter: list[str] | None = None) -> AsyncGenerator[dict[str, Any], None]:
         """Subscribe to telemetry events only (no periodic snapshots)."""
-        await self.request("events", **({"filter": list(filter)} if filter else {}))
+        fields: dict[str, Any] = {"filter": list(filter)} if filter else {}
+        await self.request("events", **fields)
         return self.messages()
 
     async def unsubscribe(self) -> None:
         await self.request("unsubscribe")
 
-    async def messages(self) -> AsyncIterator[dict[str, Any]]:
+    async def messages(self) -> AsyncGenerator[dict[str, Any], None]:
         """Pushed messages, oldest first; ends when the connection closes."""
         while True:
             while self._pushed:

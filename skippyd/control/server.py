@@ -224,7 +224,8 @@ class _Subscriber:
             while True:
                 await self._wait(deadline)
                 await self._flush()
-                if deadline is not None and self._loop.time() >= deadline:
+                if (deadline is not None and self._interval_s is not None
+                        and self._loop.time() >= deadline):
                     await self._conn.send(self._conn.server.snapshot_message(shared=True))
                     # A slow reader gets fewer snapshots, never a backlog of them.
                     deadline = max(deadline + self._interval_s, self._loop.time())

@@ -311,7 +311,7 @@ class StageEngine:
         )
 
     def _start_split(self) -> None:
-        if self._split is None:
+        if self._split is None or self._worker is None:
             return
         try:
             self._split.start(self._worker)

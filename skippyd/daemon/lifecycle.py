@@ -32,6 +32,7 @@ from collections.abc import Callable
 import uvicorn
 
 from skippyd.config import StageConfig
+from skippyd.config.schema import HttpSection
 from skippyd.control.server import ControlServer, ControlSocketError
 from skippyd.daemon.assembly import StageEngine, StartupError
 from skippyd.daemon.metrics_listener import MetricsListener, open_metrics_listener
@@ -63,8 +64,15 @@ STARTUP_FAILURE = ExitCode.STARTUP
 STATUS_INTERVAL_S = 5.0
 
 
+def _http(config: StageConfig) -> HttpSection:
+    """The ``[http]`` section of a stage that serves HTTP."""
+    if config.http is None:
+        raise StartupError("only the first stage serves HTTP")
+    return config.http
+
+
 def http_limits(config: StageConfig) -> HttpLimits:
-    http = config.http
+    http = _http(config)
     return HttpLimits(
         max_body_bytes=http.max_body_bytes,
         max_prompt_tokens=http.max_prompt_tokens,
@@ -86,7 +94,7 @@ def sampling_defaults(config: StageConfig) -> SamplingConfig:
 
 def connection_limits(config: StageConfig) -> ConnectionLimits:
     """The HTTP connection limits of ``config``, the cap fitted to the open-files limit."""
-    http = config.http
+    http = _http(config)
     return ConnectionLimits(
         header_timeout_s=http.header_timeout_s,
         body_timeout_s=http.body_timeout_s,
@@ -148,33 +156,32 @@ class Daemon:
     """One stage process serving HTTP over a :class:`StageEngine`."""
 
     def __init__(self, config: StageConfig) -> None:
-        if config.http is None:
-            raise StartupError("only the first stage serves HTTP")
+        http = self.http = _http(config)
         self.config = config
         # A split stage 0 slices its layer range on first start: show a progress bar.
         self.engine = StageEngine(config, progress=slice_progress())
         self.metrics = ServingMetrics.for_engine(self.engine)
-        app = create_app(self.engine, api_key=config.http.api_key, limits=http_limits(config),
-                         default_max_tokens=config.http.default_max_tokens,
+        app = create_app(self.engine, api_key=http.api_key, limits=http_limits(config),
+                         default_max_tokens=http.default_max_tokens,
                          sampling_defaults=sampling_defaults(config),
-                         reasoning=config.http.reasoning_format == "auto",
+                         reasoning=http.reasoning_format == "auto",
                          extra_routes=[metrics_route(self.metrics)], metrics=self.metrics,
-                         max_concurrent_requests=config.http.max_connections)
-        host, port = config.http.address
-        if config.http.api_key is None and not _is_loopback(host):
+                         max_concurrent_requests=http.max_connections)
+        host, port = http.address
+        if http.api_key is None and not _is_loopback(host):
             logger.warning(
                 "SECURITY: http.listen %s is reachable from other machines and no"
                 " http.api_key is set: anyone who can reach it can use the model", host)
         self.connections = ConnectionGuard(connection_limits(config))
         uv_config = uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
-            timeout_graceful_shutdown=max(1, round(config.http.drain_timeout_s)),
+            timeout_graceful_shutdown=max(1, round(http.drain_timeout_s)),
             # NOTE: no limit_concurrency: uvicorn counts idle connections against it and
             # then answers every request, /health included, with a bare 503. The app
             # bounds requests in flight (429) and the guard bounds connections.
-            http=guarded_protocol(protocol_class(config.http.protocol), self.connections),
+            http=guarded_protocol(protocol_class(http.protocol), self.connections),
             # uvicorn's own keep-alive timer is only a backstop: the guard's fires first.
-            timeout_keep_alive=config.http.keep_alive_timeout_s + 1,
+            timeout_keep_alive=int(http.keep_alive_timeout_s) + 1,
         )
         self.notifier = SystemdNotifier()
         if self.notifier.watchdog_s is not None:
@@ -237,7 +244,7 @@ class Daemon:
             return None
 
     async def _load(self) -> None:
-        host, port = self.bound_address or self.config.http.address
+        host, port = self.bound_address or self.http.address
         logger.info("listening on http://%s:%d (loading the model)", host, port)
         try:
             await load_with_progress(self.engine.load, self.engine.startup, self.notifier)
@@ -250,7 +257,7 @@ class Daemon:
         wake_loop_while_worker_waits(self.engine)
         stop_when_worker_fails(self.engine, self.notifier, failed=self._worker_failed,
                                stop=self._stop_serving,
-                               linger_s=self.config.http.drain_timeout_s)
+                               linger_s=self.http.drain_timeout_s)
         self.notifier.ready(f"serving {self.engine.model_id} on {host}:{port}")
         print(f"skippyd serving {self.engine.model_id} on http://{host}:{port}/v1",
               file=sys.stderr, flush=True)

@@ -40,7 +40,7 @@ class SystemdNotifier:
         Returns False (and logs once at debug) if the message could not be sent; a
         supervisor that went away must never take the daemon down.
         """
-        if self._sock is None:
+        if self._sock is None or self._address is None:
             return False
         message = "\n".join(f"{key}={value}" for key, value in fields.items())
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -165,10 +166,10 @@ def _read_kv(cur: _Cursor) -> KeyValue:
         return KeyValue(key, vtype, value, (start, cur.pos))
     item_type, count = cur.unpack("<I"), cur.unpack("<Q")
     keep = count <= MAX_KEPT_ARRAY
-    values = [] if keep else None
+    values: list[Any] | None = [] if keep else None
     if item_type == STRING:
         for _ in range(count):
-            if keep:
+            if values is not None:
                 values.append(cur.string())
             else:
                 cur.skip_string()

@@ -150,7 +150,7 @@ class _GuardedConnection:
     cycle: Any
     loop: asyncio.AbstractEventLoop
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._phase_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None

@@ -54,7 +54,10 @@ def completion_logprobs(entries: Sequence[tuple[int, TokenLogprob | None]],
         token_bytes: A token's text as bytes.
         text_offset: Character offset of the first token in the choice's text.
     """
-    tokens, values, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token, entry in entries:
         text = _text(token_bytes(token))
         tokens.append(text)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.runtime.protocol import IterationPhase
-from skippyd.engine.worker.commands import QueueFullError, WorkerError
+from skippyd.engine.worker.commands import IterationOutcome, QueueFullError, WorkerError
 from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration, resolve_future
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
@@ -49,6 +49,7 @@ from skippyd.link.wire import (
 )
 
 if TYPE_CHECKING:
+    from skippyd.engine.worker.handle import BatchHandle
     from skippyd.link.listener import StageLinkServer
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,10 @@ class ChainConnection:
         self.chain_id = hello.chain_id
         self._server = server
         self._facts = server.facts
-        self._worker = server.worker
+        worker = server.worker
+        if worker is None:  # the listener accepts chains only with a batch worker
+            raise ValueError("a chain connection needs the stage's batch worker")
+        self._worker: BatchHandle = worker
         self._upstream = upstream
         self._hello = hello
         self._nonces = nonces
@@ -331,9 +335,9 @@ class ChainConnection:
             # (the worker applies a drop as it dequeues it): wait for those first. Past
             # their deadline none of them can run any more, so that wait is bounded.
             outstanding = self._outstanding.pop(name, [])
-            deadlines = [i.deadline for i in outstanding]
-            timeout = (None if not deadlines or None in deadlines
-                       else max(0.0, max(deadlines) - time.monotonic()))  # type: ignore[type-var]
+            deadlines = [i.deadline for i in outstanding if i.deadline is not None]
+            timeout = (None if not outstanding or len(deadlines) < len(outstanding)
+                       else max(0.0, max(deadlines) - time.monotonic()))
             futures_wait([i.reply for i in outstanding], timeout=timeout)
             self._free(name)
         self._queue.put(_Drop(wire_id))  # forwarded downstream in order
@@ -387,13 +391,13 @@ class ChainConnection:
             self._finish_batch(item)
 
     def _finish_batch(self, pending: _Pending) -> None:
-        outcomes, error = [], None
+        outcomes: list[IterationOutcome] = []
+        error: str | None = None
         for iteration in pending.iterations:
             try:
                 outcomes.append(iteration.outcome())
-            except WorkerError as exc:
+            except WorkerError as exc:  # the batch fails whole: no outcome kept
                 error = error or f"{self._facts.stage_id}: {exc.message}"
-                outcomes.append(None)
         self._batches += 1
         if self._closing.is_set():
             return

@@ -140,7 +140,8 @@ def to_item(message: Mapping[str, Any]) -> FeedItem | None:
         count = message.get("count")
         return Dropped(count if isinstance(count, int) else 0)
     if kind == "error":
-        error = message.get("error") if isinstance(message.get("error"), Mapping) else {}
+        raw = message.get("error")
+        error: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
         return ServerError(str(error.get("code", "?")), str(error.get("message", "")))
     return None
 

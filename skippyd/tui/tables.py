@@ -55,7 +55,8 @@ class LatencyTable(DataTable):
             return
         latency = section(snapshot, "latency_ms")
         for metric in LATENCY_METRICS:
-            stats = latency.get(metric) if isinstance(latency.get(metric), Mapping) else {}
+            raw = latency.get(metric)
+            stats: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
             for column in ("p50", "p95", "p99"):
                 self.update_cell(metric, column, fmt_ms(stats.get(column)))
             self.update_cell(metric, "count", str(int(number(stats.get("count")))))

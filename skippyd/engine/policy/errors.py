@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import operator
+from typing import SupportsIndex, cast
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def checked_count(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise PolicyInputError(f"{what} must be an integer, got bool")
     try:
-        number = operator.index(value)  # accepts numpy integers, refuses floats
+        # accepts numpy integers, refuses floats (a TypeError, answered below)
+        number = operator.index(cast(SupportsIndex, value))
     except TypeError:
         raise PolicyInputError(
             f"{what} must be an integer, got {type(value).__name__}"

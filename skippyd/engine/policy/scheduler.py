@@ -142,11 +142,11 @@ class Scheduler:
         deferred: list[Sequence] = []
         for sequence in self._waiting:
             if len(self._active) >= self._config.max_active_sequences or not (
-                self._memory.can_reserve(sequence.admission_tokens)
+                self._memory.can_reserve(_reserved(sequence))
             ):
                 deferred.append(sequence)  # keep scanning: a smaller one may still fit
                 continue
-            self._memory.reserve(sequence.admission_tokens)
+            self._memory.reserve(_reserved(sequence))
             sequence.status = SequenceStatus.RUNNING
             sequence.admitted_at = self._clock()
             sequence.admission_serial = self._next_admission_serial
@@ -378,7 +378,7 @@ class Scheduler:
 
     def _release_active(self, sequence_id: str) -> Sequence:
         sequence = self._active.pop(sequence_id)
-        self._memory.release(sequence.admission_tokens)
+        self._memory.release(_reserved(sequence))
         return sequence
 
     def cancel(self, sequence_id: str) -> bool:
@@ -447,3 +447,9 @@ class Scheduler:
         self._metrics.active_sequences = len(self._active)
         self._metrics.waiting_sequences = len(self._waiting)
 
+
+def _reserved(sequence: Sequence) -> int:
+    """The tokens a sequence reserves while admitted (set by the time it is submitted)."""
+    tokens = sequence.admission_tokens
+    assert tokens is not None, "Sequence.__post_init__ sets admission_tokens"
+    return tokens

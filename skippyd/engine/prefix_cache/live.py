@@ -171,7 +171,8 @@ class LivePrefixCache:
             raise LanesBusyError("no idle lane to place a request in")
         lowest = idle[0]
         entry = None if lease is None else self.table.entries.get(lease.entry_id)
-        if entry is not None and entry.lane == lowest and self._is_current(entry):
+        if (lease is not None and entry is not None and entry.lane == lowest
+                and self._is_current(entry)):
             self.table.touch(entry)
             lane = entry.lane
             # The lane may hold more than the lease (a conversation that went on past a

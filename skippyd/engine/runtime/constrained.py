@@ -81,7 +81,7 @@ class Candidates:
         self._data["logit"] = logits
         self._data["p"] = 0.0
         array = self.array
-        array.data = self._pointer
+        array.data = self._pointer  # type: ignore[assignment]  # llama-cpp-python declares a pointer field as an array
         array.size = self._n_vocab
         array.selected = -1
         array.sorted = False
@@ -134,7 +134,7 @@ class GrammarSampler:
     def allows(self, token: int) -> bool:
         """Whether the grammar accepts ``token`` next (one-candidate apply: cheap)."""
         single = self._single
-        single.id = token
+        single.id = token  # type: ignore[assignment]  # ctypes converts an int field
         single.logit = 1.0
         single.p = 0.0
         array = self._single_array

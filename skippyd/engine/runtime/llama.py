@@ -705,6 +705,7 @@ class LlamaRuntime:
                 session.reset_sampler()
                 return self._eog_tokens[0] if self._eog_tokens else 0
             session.sampler.observe(session.history)
+        assert session.sampler is not None
         return session.sampler.sample(self._ctx, row, argmax)
 
 

@@ -29,7 +29,8 @@ def row_logits(ctx: int, row: int, n_vocab: int) -> np.ndarray:
     # which builds a new array type per call: this runs once per sampled token, right
     # after a decode has evicted the caches, where that costs tens of microseconds.
     address = ctypes.addressof(L.llama_get_logits_ith(ctx, row).contents)
-    view = np.frombuffer(_logits_row_type(n_vocab).from_address(address), dtype=np.float32)
+    view = np.frombuffer(_logits_row_type(n_vocab).from_address(address),  # type: ignore[call-overload]  # a ctypes array is a buffer
+                         dtype=np.float32)
     view.flags.writeable = False
     return view
 
@@ -51,7 +52,7 @@ def _logits_view(address: int, n_outputs: int, n_vocab: int) -> np.ndarray:
     # view costs more than the argmax over it. A view stays valid for as long as the
     # buffer is at that address with at least ``n_outputs`` rows, which is exactly
     # when llama.cpp returns that address for a step with that many outputs.
-    flat = np.frombuffer(_logits_row_type(n_outputs * n_vocab).from_address(address),
+    flat = np.frombuffer(_logits_row_type(n_outputs * n_vocab).from_address(address),  # type: ignore[call-overload]  # a ctypes array is a buffer
                          dtype=np.float32)
     flat.flags.writeable = False
     return flat.reshape(n_outputs, n_vocab)

@@ -168,7 +168,7 @@ class StageTimeline:
     """Later stages: from the worker's finish to the completer picking the batch up."""
 
     def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(slots=True)

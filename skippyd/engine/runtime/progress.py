@@ -41,6 +41,7 @@ class ComputeProgress:
         if libc.sem_init(self._sem, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
         address = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+        assert address is not None  # a libc function
         self.callback = L.ggml_abort_callback(address)
 
     def install(self, ctx: L.llama_context_p) -> None:

@@ -144,7 +144,7 @@ class SamplerChain:
             self._choosing = None
         if self._chain:
             L.llama_sampler_free(self._chain)
-            self._chain = None
+            self._chain = 0  # freed: a null sampler
 
     def __del__(self) -> None:  # pragma: no cover - safety net; close() is the contract
         self.close()

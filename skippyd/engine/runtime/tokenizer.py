@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 from datetime import datetime
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -166,7 +167,8 @@ class Tokenizer:
                 through unchanged exactly once (it rewrites or repeats message text).
         """
         nonce = secrets.token_hex(8)
-        marked, contents = [], []
+        marked: list[dict[str, Any]] = []
+        contents: list[str] = []
         for message in messages:
             content = message.get("content")
             if isinstance(content, str) and content:

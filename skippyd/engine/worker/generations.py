@@ -246,7 +246,7 @@ class GenerationWorker:
         if sampling is not None and sampling.grammar is not None:
             # The grammar constrains what follows the prompt (replayed after a preemption).
             sampling = dataclasses.replace(sampling, grammar_start=len(request.prompt_tokens))
-        sequence = Sequence(id=gen.id, prompt_tokens=request.prompt_tokens,
+        sequence = Sequence(id=gen.id, prompt_tokens=tuple(request.prompt_tokens),
                             max_tokens=request.max_tokens, sampling=sampling)
         sequence.with_admission_tokens(reserve).with_cache_affinity(admission.affinity)
         if admission.restore is not None:
