@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from skippyd.config.defaults import default_model_path
+from skippyd.engine.runtime.contract import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import ChainEntry
-from skippyd.engine.runtime.protocol import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.gguf.slice import cached_slice
 from skippyd.link.wire import LinkLimits, decode_stream, encode_iteration

@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from skippyd.config.defaults import default_model_path
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import split_token_groups
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.gguf.inspect import inspect_model
 from skippyd.gguf.slice import cached_slice
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from skippyd.engine.prefix_cache import PrefixCacheSettings
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
     CompleteEvent,

@@ -18,8 +18,8 @@ from llama_cpp import llama_cpp as L
 from rich.console import Console
 from rich.table import Table
 
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPT_TOKENS = 16

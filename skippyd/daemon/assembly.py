@@ -27,9 +27,9 @@ from skippyd.engine.prefix_cache import (
     settings_from_config,
 )
 from skippyd.engine.runtime import native
+from skippyd.engine.runtime.contract import Runtime
+from skippyd.engine.runtime.json_grammar import schema_to_grammar
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import Runtime
-from skippyd.engine.runtime.schema import schema_to_grammar
 from skippyd.engine.runtime.tokenizer import (
     IncrementalDetokenizer,
     TemplateRewritesContent,

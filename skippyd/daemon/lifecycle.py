@@ -41,7 +41,7 @@ from skippyd.daemon.snapshot import snapshot_source
 from skippyd.daemon.split import slice_progress
 from skippyd.daemon.startup import load_with_progress
 from skippyd.daemon.stats_log import log_throughput
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.exitcodes import ExitCode
 from skippyd.gguf.inspect import ModelFileError
 from skippyd.http.connections import (
@@ -51,8 +51,8 @@ from skippyd.http.connections import (
     guarded_protocol,
     protocol_class,
 )
+from skippyd.http.event_relay import relay_for
 from skippyd.http.metrics import ServingMetrics, metrics_route
-from skippyd.http.relay import relay_for
 from skippyd.http.requests import HttpLimits
 from skippyd.http.routes import create_app
 
@@ -351,7 +351,7 @@ class LinkStageDaemon:
 
 def wake_loop_while_worker_waits(engine: StageEngine) -> None:
     """Have the worker's events wake this event loop when the worker waits (a model
-    call, or no work), not the moment they are posted; see :mod:`skippyd.http.relay`.
+    call, or no work), not the moment they are posted; see :mod:`skippyd.http.event_relay`.
 
     Call on the event loop, once the engine is loaded.
     """

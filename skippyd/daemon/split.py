@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from skippyd.config import StageConfig
+from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import StageTimeline
-from skippyd.engine.runtime.protocol import Runtime
 from skippyd.engine.telemetry_events import TelemetryPayload
 from skippyd.engine.worker.handle import BatchHandle, WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink

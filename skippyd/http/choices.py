@@ -18,8 +18,8 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from skippyd.http.api_errors import ApiError
 from skippyd.http.backend import ServingBackend
-from skippyd.http.errors import ApiError
 from skippyd.http.generation import GenerationStream
 from skippyd.http.logprobs import chat_logprobs, completion_logprobs
 from skippyd.http.output import ChatOutput, ReasoningSplitter, ToolCallDetector

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from skippyd.http.errors import invalid_field, unsupported_field
+from skippyd.http.api_errors import invalid_field, unsupported_field
 
 logger = logging.getLogger(__name__)
 

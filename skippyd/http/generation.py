@@ -1,7 +1,7 @@
 """One generation seen from the HTTP side: worker events in, safe text pieces out.
 
 The worker calls ``on_event`` on its own thread; events reach the event loop through the
-loop's :class:`~skippyd.http.relay.EventRelay` (one wake-up for every token of an
+loop's :class:`~skippyd.http.event_relay.EventRelay` (one wake-up for every token of an
 iteration) and are handled there at once: detokenized, checked against the stop
 strings and the budget, and acknowledged exactly once — ``STOP`` when a stop string
 matched or the HTTP-side budget ran out (so the worker frees the lane at once),
@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from skippyd.engine.runtime.protocol import SamplingConfig, TokenLogprob
+from skippyd.engine.runtime.contract import SamplingConfig, TokenLogprob
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
     CompleteEvent,
@@ -31,9 +31,9 @@ from skippyd.engine.worker.commands import (
     TokenEvent,
     WorkerError,
 )
+from skippyd.http.api_errors import ApiError
 from skippyd.http.backend import ServingBackend
-from skippyd.http.errors import ApiError
-from skippyd.http.relay import EventRelay, relay_for
+from skippyd.http.event_relay import EventRelay, relay_for
 from skippyd.http.requests import GenerationParams
 from skippyd.http.stops import StopMatcher
 

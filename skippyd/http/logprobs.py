@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from skippyd.engine.runtime.protocol import TokenLogprob
+from skippyd.engine.runtime.contract import TokenLogprob
 
 logger = logging.getLogger(__name__)
 

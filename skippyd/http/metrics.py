@@ -39,9 +39,9 @@ from skippyd.engine.telemetry_events import RequestAdmitted, StepFinished
 from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.settings import KV_COMPONENT
 from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
+from skippyd.http.event_relay import relay_for
 from skippyd.http.loop_metrics import LoopCounter, LoopHistogram
 from skippyd.http.prometheus import StageCollector, metrics_route
-from skippyd.http.relay import relay_for
 from skippyd.http.request_log import RequestLog
 from skippyd.http.request_timer import RequestTimer, rejection_reason
 from skippyd.http.windows import MAX_WINDOW_SAMPLES, Window, drop_before

@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skippyd.http.errors import ApiError, invalid_field
+from skippyd.http.api_errors import ApiError, invalid_field
 from skippyd.http.requests import find_invalid_text
 from skippyd.throttle import ThrottledLog
 

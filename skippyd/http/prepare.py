@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from skippyd.http.api_errors import ApiError, invalid_field
 from skippyd.http.backend import ServingBackend
 from skippyd.http.constraints import OutputConstraint
-from skippyd.http.errors import ApiError, invalid_field
 from skippyd.http.output import opens_reasoning
 from skippyd.http.requests import ChatParams
 from skippyd.http.tools import (

@@ -7,7 +7,7 @@ import logging
 import re
 from typing import Any
 
-from skippyd.http.errors import invalid_field, unsupported_field
+from skippyd.http.api_errors import invalid_field, unsupported_field
 from skippyd.http.unsupported import is_int, is_set
 
 logger = logging.getLogger(__name__)

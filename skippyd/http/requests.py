@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from skippyd.engine.runtime.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingConfig
+from skippyd.engine.runtime.contract import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingConfig
+from skippyd.http.api_errors import ApiError, invalid_field
 from skippyd.http.constraints import OutputConstraint, parse_constraint
-from skippyd.http.errors import ApiError, invalid_field
 from skippyd.http.prompts import parse_messages, parse_prompt
 from skippyd.http.tools import ToolSpec, parse_tools
 from skippyd.http.unsupported import check_choice_count, is_int, reject_unsupported

@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
+from skippyd.http.api_errors import ApiError, invalid_field
 from skippyd.http.backend import ServingBackend
 from skippyd.http.choices import Choice, Shaping, complete_response, stream_events
-from skippyd.http.errors import ApiError, invalid_field
 from skippyd.http.generation import GenerationStream
 from skippyd.http.middleware import ApiKeyMiddleware, ConcurrencyLimitMiddleware, read_json_body
 from skippyd.http.prepare import (

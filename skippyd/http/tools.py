@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from skippyd.http.errors import invalid_field
+from skippyd.http.api_errors import invalid_field
 
 logger = logging.getLogger(__name__)
 

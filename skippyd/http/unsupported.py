@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from skippyd.http.errors import invalid_field, unsupported_field
+from skippyd.http.api_errors import invalid_field, unsupported_field
 
 logger = logging.getLogger(__name__)
 

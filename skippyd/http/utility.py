@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
+from skippyd.http.api_errors import invalid_field
 from skippyd.http.backend import ServingBackend
-from skippyd.http.errors import invalid_field
 from skippyd.http.unsupported import is_int
 
 logger = logging.getLogger(__name__)

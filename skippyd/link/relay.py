@@ -29,8 +29,8 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from skippyd.engine.runtime.contract import IterationPhase
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.runtime.protocol import IterationPhase
 from skippyd.engine.worker.commands import IterationOutcome, QueueFullError, WorkerError
 from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration, resolve_future
 from skippyd.link.dialer import dial

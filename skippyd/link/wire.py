@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from skippyd.engine.runtime.contract import LLAMA_MAX_SEQ, MAX_LOGIT_BIAS, SamplingConfig
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.runtime.protocol import LLAMA_MAX_SEQ, MAX_LOGIT_BIAS, SamplingConfig
 from skippyd.engine.worker.settings import MAX_NATIVE_ITERATION_TOKENS
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skippyd.config import ConfigError, example_config_toml, parse_config
-from skippyd.http.errors import ApiError
+from skippyd.http.api_errors import ApiError
 from skippyd.http.requests import HttpLimits, parse_chat_request, parse_completion_request
 
 LIMITS = HttpLimits()

@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
+from skippyd.engine.runtime.contract import IterationRequest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.gguf.inspect import ModelFileError, inspect_model, read_model_header
 from skippyd.gguf.slice import cached_slice, file_identity, slice_model

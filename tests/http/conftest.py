@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from skippyd.engine.runtime.protocol import TokenLogprob
+from skippyd.engine.runtime.contract import TokenLogprob
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
     CompleteEvent,

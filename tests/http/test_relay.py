@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from skippyd.http.relay import EventRelay, relay_for
+from skippyd.http.event_relay import EventRelay, relay_for
 
 
 async def held_until_released(delivered: asyncio.Event, received: list,

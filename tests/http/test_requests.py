@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.http import unsupported
-from skippyd.http.errors import ApiError
+from skippyd.http.api_errors import ApiError
 from skippyd.http.requests import (
     DEFAULT_SAMPLING,
     HttpLimits,

@@ -125,7 +125,7 @@ def test_non_finite_activations_are_a_protocol_error(chain2, poison):
 
 
 def test_a_huge_penalty_window_is_a_protocol_error(chain2):
-    from skippyd.engine.runtime.protocol import SamplingConfig
+    from skippyd.engine.runtime.contract import SamplingConfig
 
     conn, _ack = dial(_address(chain2), SECRET.encode(), _chain_hello(chain2))
     sampling = SamplingConfig(repeat_penalty=1.3, penalty_last_n=2**26)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import (
     Hello,

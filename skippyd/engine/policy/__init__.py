@@ -31,7 +31,13 @@ from skippyd.engine.policy.config import (
     MemoryComponent,
     SchedulerConfig,
 )
-from skippyd.engine.policy.errors import (
+from skippyd.engine.policy.counters import (
+    IterationTelemetry,
+    SchedulerMetrics,
+    SchedulerSnapshot,
+    SequenceProgress,
+)
+from skippyd.engine.policy.input_errors import (
     AdmissionError,
     AdmissionErrorKind,
     DuplicateSequenceError,
@@ -52,12 +58,6 @@ from skippyd.engine.policy.sequence import (
     PrefixRestoreKind,
     Sequence,
     SequenceStatus,
-)
-from skippyd.engine.policy.telemetry import (
-    IterationTelemetry,
-    SchedulerMetrics,
-    SchedulerSnapshot,
-    SequenceProgress,
 )
 
 __all__ = [

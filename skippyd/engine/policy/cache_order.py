@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
-from skippyd.engine.policy.errors import PolicyInputError, checked_count
+from skippyd.engine.policy.input_errors import PolicyInputError, checked_count
 
 logger = logging.getLogger(__name__)
 

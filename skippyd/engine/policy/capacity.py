@@ -10,7 +10,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-from skippyd.engine.policy.errors import PolicyInputError, checked_count
+from skippyd.engine.policy.input_errors import PolicyInputError, checked_count
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from skippyd.engine.policy.errors import PolicyInputError
+from skippyd.engine.policy.input_errors import PolicyInputError
 from skippyd.engine.policy.plan import IterationPlan, IterationPrediction
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
 

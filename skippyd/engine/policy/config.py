@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from skippyd.engine.policy.errors import PolicyInputError, SchedulerConfigError, checked_count
+from skippyd.engine.policy.input_errors import PolicyInputError, SchedulerConfigError, checked_count
 
 logger = logging.getLogger(__name__)
 

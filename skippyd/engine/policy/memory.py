@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable
 
 from skippyd.engine.policy.config import MemoryComponent
-from skippyd.engine.policy.errors import checked_count
+from skippyd.engine.policy.input_errors import checked_count
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,13 @@ from skippyd.engine.policy.cache_order import CacheAwareCandidate, order_cache_a
 from skippyd.engine.policy.calibration import MixedCalibration
 from skippyd.engine.policy.completion import apply_prediction, index_predictions
 from skippyd.engine.policy.config import SchedulerConfig
-from skippyd.engine.policy.errors import (
+from skippyd.engine.policy.counters import (
+    IterationTelemetry,
+    SchedulerMetrics,
+    SchedulerSnapshot,
+    SequenceProgress,
+)
+from skippyd.engine.policy.input_errors import (
     DuplicateSequenceError,
     EmptyPromptError,
     PolicyInputError,
@@ -37,12 +43,6 @@ from skippyd.engine.policy.planning import (
 )
 from skippyd.engine.policy.sequence import Sequence, SequenceStatus
 from skippyd.engine.policy.step_budget import MIN_PREFILL_TOKENS, StepCostModel, TargetStretch
-from skippyd.engine.policy.telemetry import (
-    IterationTelemetry,
-    SchedulerMetrics,
-    SchedulerSnapshot,
-    SequenceProgress,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from skippyd.engine.policy.cache_order import CacheAffinity
-from skippyd.engine.policy.errors import PolicyInputError, checked_count
+from skippyd.engine.policy.input_errors import PolicyInputError, checked_count
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ The worker drives it (``worker/thread_cache.py``); the policy only sees the resu
 itself, only the slot operations of the runtime it is given.
 """
 
+from skippyd.engine.prefix_cache.cache_settings import PrefixCacheSettings, settings_from_config
 from skippyd.engine.prefix_cache.entries import (
     CacheEntry,
     CacheMatch,
@@ -28,7 +29,6 @@ from skippyd.engine.prefix_cache.radix import (
     RadixTree,
     common_prefix_length,
 )
-from skippyd.engine.prefix_cache.settings import PrefixCacheSettings, settings_from_config
 
 __all__ = [
     "CacheEntry",

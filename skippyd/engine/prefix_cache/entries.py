@@ -23,8 +23,8 @@ import logging
 from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 
+from skippyd.engine.prefix_cache.cache_settings import PrefixCacheSettings
 from skippyd.engine.prefix_cache.radix import RadixTree
-from skippyd.engine.prefix_cache.settings import PrefixCacheSettings
 
 logger = logging.getLogger(__name__)
 

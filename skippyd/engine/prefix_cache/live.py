@@ -21,6 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from skippyd.engine.policy import CacheAffinity, StageCacheAffinity
+from skippyd.engine.prefix_cache.cache_settings import (
+    HOST_RESTORE_COST_DIVISOR,
+    PREFILL_COST_PER_TOKEN,
+    PrefixCacheSettings,
+)
 from skippyd.engine.prefix_cache.entries import (
     CacheEntry,
     CacheMatch,
@@ -31,12 +36,7 @@ from skippyd.engine.prefix_cache.entries import (
     state_nbytes,
 )
 from skippyd.engine.prefix_cache.eviction import count_victims, host_victims
-from skippyd.engine.prefix_cache.settings import (
-    HOST_RESTORE_COST_DIVISOR,
-    PREFILL_COST_PER_TOKEN,
-    PrefixCacheSettings,
-)
-from skippyd.engine.runtime.protocol import LanesBusyError, Runtime
+from skippyd.engine.runtime.contract import LanesBusyError, Runtime
 from skippyd.engine.telemetry_events import PrefixCacheChanged, TelemetryPayload
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.logprobs import row_logits
+from skippyd.engine.runtime.token_logprobs import row_logits
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import mmap
 
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.protocol import DecodeFailedError
+from skippyd.engine.runtime.contract import DecodeFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.host_state import HostState, HostStates
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     DecodeFailedError,
     InvalidIterationError,
     LanesBusyError,
 )
+from skippyd.engine.runtime.host_state import HostState, HostStates
 from skippyd.engine.runtime.sampling import SamplerChain
 
 

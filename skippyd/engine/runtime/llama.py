@@ -38,22 +38,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.config.schema import FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime import native, wake_decode
 from skippyd.engine.runtime.constrained import GrammarError
-from skippyd.engine.runtime.host_state import HostState, HostStates
-from skippyd.engine.runtime.lanes import Lane, LaneTable
-from skippyd.engine.runtime.llama_ext import (
-    ensure_backend,
-    make_layer_capture,
-    stream_split_order,
-)
-from skippyd.engine.runtime.logprobs import (
-    output_logits,
-    prompt_row_logprobs,
-    row_logits,
-    token_logprob,
-)
-from skippyd.engine.runtime.pipeline_types import StageTimeline
-from skippyd.engine.runtime.progress import make_compute_progress
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     LLAMA_MAX_SEQ,
     ComputeHook,
     DecodeFailedError,
@@ -67,7 +52,22 @@ from skippyd.engine.runtime.protocol import (
     SamplingConfig,
     SessionAlignment,
 )
+from skippyd.engine.runtime.host_state import HostState, HostStates
+from skippyd.engine.runtime.lanes import Lane, LaneTable
+from skippyd.engine.runtime.llama_ext import (
+    ensure_backend,
+    make_layer_capture,
+    stream_split_order,
+)
+from skippyd.engine.runtime.pipeline_types import StageTimeline
+from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.sampling import SamplerChain, is_plain_greedy
+from skippyd.engine.runtime.token_logprobs import (
+    output_logits,
+    prompt_row_logprobs,
+    row_logits,
+    token_logprob,
+)
 from skippyd.engine.runtime.watch import CallWatch, unwatched
 from skippyd.gguf.inspect import inspect_model
 
@@ -139,7 +139,7 @@ class LlamaRuntime:
     It owns the context and composes what acts on it: the lanes and their sessions
     (:class:`~skippyd.engine.runtime.lanes.LaneTable`) and saved states in host memory
     (:class:`~skippyd.engine.runtime.host_state.HostStates`); its methods are the
-    :class:`~skippyd.engine.runtime.protocol.Runtime` protocol, the prefix cache's lane
+    :class:`~skippyd.engine.runtime.contract.Runtime` protocol, the prefix cache's lane
     operations included. Use as a context manager, or call :meth:`close`.
     """
 
@@ -577,7 +577,7 @@ class LlamaRuntime:
         self._padding = []
 
     def set_compute_hook(self, hook: ComputeHook | None) -> bool:
-        """Call ``hook`` right before each ``llama_decode`` (see :data:`~skippyd.engine.runtime.protocol.ComputeHook`)."""
+        """Call ``hook`` right before each ``llama_decode`` (see :data:`~skippyd.engine.runtime.contract.ComputeHook`)."""
         if hook is not None:
             native.helpers()  # loaded now, not at the first request
         self._compute_hook = hook

@@ -1,4 +1,4 @@
-"""Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime.protocol.Runtime`.
+"""Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime.contract.Runtime`.
 
 :class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
 and the link to the rest of the chain, so stage 0's unchanged worker and
@@ -35,6 +35,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from skippyd.engine.runtime.contract import (
+    ComputeHook,
+    InvalidIterationError,
+    IterationOutput,
+    IterationPhase,
+    IterationRequest,
+    IterationSample,
+    Runtime,
+    RuntimeFailure,
+    SavedState,
+    SessionAlignment,
+)
 from skippyd.engine.runtime.pipeline_types import (
     ChainBatchError,
     ChainEntry,
@@ -46,18 +58,6 @@ from skippyd.engine.runtime.pipeline_types import (
     Piece,
     PipelineCounters,
     split_token_groups,
-)
-from skippyd.engine.runtime.protocol import (
-    ComputeHook,
-    InvalidIterationError,
-    IterationOutput,
-    IterationPhase,
-    IterationRequest,
-    IterationSample,
-    Runtime,
-    RuntimeFailure,
-    SavedState,
-    SessionAlignment,
 )
 from skippyd.engine.runtime.watch import CallWatch, unwatched
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     IterationRequest,
     RuntimeFailure,
     SamplingConfig,

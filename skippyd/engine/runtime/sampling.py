@@ -20,8 +20,8 @@ from skippyd.engine.runtime.constrained import (
     GrammarSampler,
     sample_constrained,
 )
-from skippyd.engine.runtime.logprobs import row_logits
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
+from skippyd.engine.runtime.token_logprobs import row_logits
 
 
 def is_plain_greedy(config: SamplingConfig) -> bool:

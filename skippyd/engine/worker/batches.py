@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from skippyd.engine.runtime.protocol import IterationOutput, RuntimeFailure, SessionAlignment
+from skippyd.engine.runtime.contract import IterationOutput, RuntimeFailure, SessionAlignment
 from skippyd.engine.telemetry_events import DirectBatchFinished
 from skippyd.engine.worker.commands import (
     DropSessionCommand,

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore
-from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.worker.prefix_admission import Admission, recompute
 from skippyd.engine.worker.record import Generation, GenerationStatus
 

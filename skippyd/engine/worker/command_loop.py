@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.telemetry_events import RuntimeOperationFinished, WorkerFailed
 from skippyd.engine.worker.commands import (
     WORKER_PANIC_MESSAGE,

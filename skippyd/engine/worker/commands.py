@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     KvSlotUnavailableError,
     LanesBusyError,
@@ -28,7 +28,7 @@ from skippyd.engine.runtime.protocol import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.runtime.protocol import Runtime
+    from skippyd.engine.runtime.contract import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     IterationPhase,
     IterationRequest,
     SamplingConfig,

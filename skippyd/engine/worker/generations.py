@@ -35,9 +35,9 @@ from skippyd.engine.policy import (
     SequenceStatus,
 )
 from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
-from skippyd.engine.policy.telemetry import IterationTelemetry
+from skippyd.engine.policy.counters import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import RuntimeFailure
+from skippyd.engine.runtime.contract import RuntimeFailure
 from skippyd.engine.telemetry_events import RequestAdmitted, RequestFinished, RequestPreempted
 from skippyd.engine.worker.choice_forks import ChoiceForks
 from skippyd.engine.worker.commands import (

@@ -25,7 +25,7 @@ from typing import Any
 
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.runtime.protocol import Runtime, SamplingConfig
+from skippyd.engine.runtime.contract import Runtime, SamplingConfig
 from skippyd.engine.worker.batches import BatchWorker
 from skippyd.engine.worker.command_loop import Command, CommandLoop
 from skippyd.engine.worker.commands import (

@@ -29,7 +29,7 @@ from skippyd.engine.policy import (
     IterationWork,
     Scheduler,
 )
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationOutput,
     IterationRequest,
@@ -38,7 +38,7 @@ from skippyd.engine.runtime.protocol import (
     RuntimeFailure,
     TokenLogprob,
 )
-from skippyd.engine.runtime.protocol import IterationPhase as RuntimePhase
+from skippyd.engine.runtime.contract import IterationPhase as RuntimePhase
 from skippyd.engine.worker.commands import (
     InvalidRequestError,
     RuntimeCapacityError,

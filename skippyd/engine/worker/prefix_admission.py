@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from skippyd.engine.policy import CacheAffinity, PrefixRestore
 from skippyd.engine.prefix_cache import LivePrefixCache, common_prefix_length
-from skippyd.engine.runtime.protocol import IterationRequest, Runtime, RuntimeFailure
+from skippyd.engine.runtime.contract import IterationRequest, Runtime, RuntimeFailure
 from skippyd.engine.worker.record import Generation, GenerationStatus
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from skippyd.config import StageConfig
 from skippyd.engine.policy.config import UNLIMITED, MemoryComponent, SchedulerConfig
-from skippyd.engine.runtime.protocol import Runtime
+from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.worker.direct_batch import (
     MAX_NATIVE_ITERATION_TOKENS,
     pipeline_group_batch_size,

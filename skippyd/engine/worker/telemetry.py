@@ -34,7 +34,7 @@ from skippyd.engine.telemetry_events import (
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.policy.telemetry import IterationTelemetry
+    from skippyd.engine.policy.counters import IterationTelemetry
     from skippyd.engine.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)

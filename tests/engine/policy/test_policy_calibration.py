@@ -6,7 +6,7 @@ import pytest
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork, Scheduler
 from skippyd.engine.policy.calibration import MixedCalibration
-from skippyd.engine.policy.errors import PolicyInputError
+from skippyd.engine.policy.input_errors import PolicyInputError
 
 
 def _plan(decode_rows: int, prompt_tokens: int = 0) -> IterationPlan:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from skippyd.engine.runtime import llama_ext, native
+from skippyd.engine.runtime.contract import IterationRequest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationRequest
 from skippyd.gguf.slice import cached_slice
 
 

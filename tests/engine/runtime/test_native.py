@@ -19,8 +19,8 @@ import pytest
 from test_runtime import GREEDY, small_runtime
 
 from skippyd.engine.runtime import native
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_serving_never_runs_a_compiler(tiny_model_path):
         "import sys\n"
         "from skippyd.engine.runtime import native\n"
         "from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions\n"
-        "from skippyd.engine.runtime.protocol import IterationRequest\n"
+        "from skippyd.engine.runtime.contract import IterationRequest\n"
         f"rt = LlamaRuntime(RuntimeOptions({str(tiny_model_path)!r}, lane_count=1,"
         " ctx_size=128, n_batch=32, n_ubatch=32, threads=1))\n"
         "out = rt.iteration_batch_sampled([IterationRequest('a', [1, 2], sample_last=True)])\n"

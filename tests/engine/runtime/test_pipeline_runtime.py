@@ -13,10 +13,10 @@ from contextlib import contextmanager
 
 import pytest
 
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline import PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import ChainSample, ChainUnavailableError
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
 TIMEOUT_S = 10

@@ -8,7 +8,7 @@ import pytest
 from cache_helpers import N_UBATCH, open_runtime, tokens
 
 from skippyd.engine.runtime import watch
-from skippyd.engine.runtime.protocol import IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.watch import CallWatch
 
 GREEDY = SamplingConfig(temperature=0.0)

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.logprobs import row_logits
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationPhase,
     IterationRequest,
@@ -18,7 +16,9 @@ from skippyd.engine.runtime.protocol import (
     SamplingConfig,
     SessionAlignment,
 )
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.sampling import SamplerChain
+from skippyd.engine.runtime.token_logprobs import row_logits
 from skippyd.engine.runtime.tokenizer import Tokenizer
 
 GREEDY = SamplingConfig(temperature=0.0)

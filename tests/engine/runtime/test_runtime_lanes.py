@@ -13,13 +13,13 @@ import pytest
 from cache_helpers import GREEDY, greedy_continue, open_runtime, prefill, tokens
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.host_state import HostState, StateMappings
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationPhase,
     IterationRequest,
     LanesBusyError,
 )
+from skippyd.engine.runtime.host_state import HostState, StateMappings
 
 PREFIX = tokens(1, 96)
 SUFFIX = tokens(2, 12)

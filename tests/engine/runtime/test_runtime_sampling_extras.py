@@ -9,13 +9,13 @@ import re
 import pytest
 
 from skippyd.engine.runtime.constrained import GrammarError
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationPhase,
     IterationRequest,
     SamplingConfig,
 )
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
 
 GRAMMAR = 'root ::= ("cat" | "dog") " and " [a-z]{2,5} "."'

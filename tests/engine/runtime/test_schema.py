@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from skippyd.engine.runtime.schema import SchemaError, schema_to_grammar
+from skippyd.engine.runtime.json_grammar import SchemaError, schema_to_grammar
 from skippyd.engine.runtime.tokenizer import Tokenizer
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from skippyd.engine.runtime import llama_ext, native
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.gguf.slice import cached_slice
 

@@ -1,6 +1,6 @@
 """A scripted, in-memory Runtime for scheduling tests (no llama.cpp).
 
-It follows the runtime contract of ``skippyd.engine.runtime.protocol``: sessions bound to a
+It follows the runtime contract of ``skippyd.engine.runtime.contract``: sessions bound to a
 fixed number of lanes, a shared KV pool counted in tokens, batched calls that either
 apply entirely or raise and change nothing. Sampled tokens come from a per-session
 script, else a deterministic default. Tests can block a call on ``gate``, see that a
@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationOutput,
     IterationRequest,

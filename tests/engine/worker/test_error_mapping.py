@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from skippyd.engine.runtime.pipeline_types import ChainBatchError, ChainUnavailableError
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     KvSlotUnavailableError,
     LanesBusyError,
     RuntimeFailure,
 )
+from skippyd.engine.runtime.pipeline_types import ChainBatchError, ChainUnavailableError
 from skippyd.engine.worker.commands import worker_error_from_runtime
 
 

@@ -13,8 +13,8 @@ import pytest
 from cache_helpers import GREEDY, SETTINGS, Collector, tiny_options, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
+from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.runtime.protocol import SamplingConfig
 from skippyd.engine.worker.commands import (
     GenerationRequest,
     PromptLogprobsEvent,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from skippyd.engine.runtime.protocol import (
+from skippyd.engine.runtime.contract import (
     IterationOutput,
     IterationPhase,
     IterationSample,

@@ -12,7 +12,7 @@ import threading
 
 from fake_runtime import EventRecorder, FakeRuntime
 
-from skippyd.engine.runtime.protocol import InvalidIterationError
+from skippyd.engine.runtime.contract import InvalidIterationError
 from skippyd.engine.worker.commands import (
     CancelCommand,
     CompleteEvent,

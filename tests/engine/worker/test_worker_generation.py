@@ -6,7 +6,7 @@ import pytest
 from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
 
-from skippyd.engine.runtime.protocol import DecodeFailedError
+from skippyd.engine.runtime.contract import DecodeFailedError
 from skippyd.engine.telemetry_events import (
     RequestAdmitted,
     RequestFinished,

@@ -8,8 +8,8 @@ import pytest
 from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
 
+from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.protocol import IterationPhase, IterationRequest, SamplingConfig
 from skippyd.engine.worker.commands import (
     CompleteEvent,
     GenerationRequest,

@@ -14,7 +14,7 @@ from typing import Any
 
 from fake_runtime import EventRecorder
 
-from skippyd.engine.runtime.protocol import SamplingConfig
+from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
     CompleteEvent,

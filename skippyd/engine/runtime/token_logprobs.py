@@ -14,7 +14,7 @@ import logging
 import numpy as np
 from llama_cpp import llama_cpp as L
 
-from skippyd.engine.runtime.protocol import TokenLogprob
+from skippyd.engine.runtime.contract import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
