@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from skippyd.config.defaults import default_model_path
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import split_token_groups
 from skippyd.gguf.inspect import inspect_model
@@ -40,7 +40,7 @@ def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
     rng = np.random.default_rng(0)
 
     def request(session: str, count: int, position: int,
-                phase: IterationPhase) -> IterationRequest:
+                phase: RowPhase) -> IterationRequest:
         positions = range(position, position + count)
         if first:
             return IterationRequest(session, [100 + p % 500 for p in positions],
@@ -57,10 +57,10 @@ def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
             for session in sessions:
                 runtime.ensure_session_active(session)
                 runtime.iteration_batch_sampled(
-                    [request(session, PROMPT_TOKENS, 0, IterationPhase.PREFILL)])
+                    [request(session, PROMPT_TOKENS, 0, RowPhase.PREFILL)])
             times = []
             for k in range(steps):
-                batch = [request(s, 1, PROMPT_TOKENS + k, IterationPhase.DECODE)
+                batch = [request(s, 1, PROMPT_TOKENS + k, RowPhase.DECODE)
                          for s in sessions]
                 started = time.perf_counter()
                 runtime.iteration_batch_sampled(batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from skippyd.engine.prefix_cache import PrefixCacheSettings
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.worker.commands import (
     AdmittedEvent,
@@ -51,7 +51,7 @@ def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], coun
     while len(generated) < count:
         generated.append(runtime.iteration_batch_sampled([request]).samples[0].token)
         request = IterationRequest(session, [generated[-1]], sampling=GREEDY, sample_last=True,
-                                   phase=IterationPhase.DECODE)
+                                   phase=RowPhase.DECODE)
     return generated
 
 

@@ -18,7 +18,7 @@ from llama_cpp import llama_cpp as L
 from rich.console import Console
 from rich.table import Table
 
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -52,7 +52,7 @@ def skippyd_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
     for _ in range(steps):
         out = rt.iteration_batch_sampled([
             IterationRequest(s, [last[s]], sampling=GREEDY, sample_last=True,
-                             phase=IterationPhase.DECODE)
+                             phase=RowPhase.DECODE)
             for s in ids
         ])
         for sample in out.samples:
@@ -78,7 +78,7 @@ def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
         durations = []
         for _ in range(steps):
             requests = [IterationRequest(s, [last[s]], sampling=GREEDY, sample_last=True,
-                                         phase=IterationPhase.DECODE) for s in ids]
+                                         phase=RowPhase.DECODE) for s in ids]
             started = time.perf_counter()
             out = rt.iteration_batch_sampled(requests)
             durations.append(time.perf_counter() - started)

@@ -20,7 +20,7 @@ HealthStatus = Literal["loading", "ok", "failed", "draining", "degraded"]
 
 
 @runtime_checkable
-class IncrementalDetokenizer(Protocol):
+class Detokenizer(Protocol):
     """Turns one generation's tokens into text, one token at a time.
 
     Text comes out UTF-8 safe: bytes of an incomplete character are held until the
@@ -107,7 +107,7 @@ class ServingBackend(Protocol):
         """
         ...
 
-    def detokenizer(self) -> IncrementalDetokenizer:
+    def detokenizer(self) -> Detokenizer:
         """Return a fresh detokenizer for one generation."""
         ...
 

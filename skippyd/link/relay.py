@@ -29,7 +29,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from skippyd.engine.runtime.contract import IterationPhase
+from skippyd.engine.runtime.contract import RowPhase
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
 from skippyd.engine.worker.commands import IterationOutcome, QueueFullError, WorkerError
 from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration, resolve_future
@@ -314,7 +314,7 @@ class ChainConnection:
                 session_id=name, token_ids=entry.token_ids, positions=list(entry.positions),
                 sampling=entry.sampling if final else None, input_rows=entry.rows,
                 sample_last=entry.sample_last and final,
-                phase=IterationPhase.DECODE if entry.decode else IterationPhase.PREFILL,
+                phase=RowPhase.DECODE if entry.decode else RowPhase.PREFILL,
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
                 target_token_count=entry.first_position, group=group,

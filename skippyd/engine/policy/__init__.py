@@ -43,8 +43,8 @@ from skippyd.engine.policy.input_errors import (
     DuplicateSequenceError,
     EmptyPromptError,
     PolicyInputError,
-    QueueFullError,
     SchedulerConfigError,
+    WaitingQueueFullError,
 )
 from skippyd.engine.policy.plan import (
     IterationPhase,
@@ -86,7 +86,7 @@ __all__ = [
     "PolicyInputError",
     "PrefixRestore",
     "PrefixRestoreKind",
-    "QueueFullError",
+    "WaitingQueueFullError",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerConfigError",

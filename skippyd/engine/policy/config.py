@@ -81,7 +81,7 @@ class SchedulerConfig:
     max_active_sequences: int = 4
     """Most sequences admitted at once (the stage's lanes); capped at ``LLAMA_MAX_SEQ``."""
     max_waiting_sequences: int = 64
-    """Waiting-queue capacity; ``submit`` beyond it fails with ``QueueFullError``."""
+    """Waiting-queue capacity; ``submit`` beyond it fails with ``WaitingQueueFullError``."""
     max_tokens_per_iteration: int = 2048
     """Token budget of one native iteration (prefill chunks plus decode rows)."""
     prefill_chunk_tokens: int = 512

@@ -67,7 +67,7 @@ class DuplicateSequenceError(AdmissionError):
         self.sequence_id = sequence_id
 
 
-class QueueFullError(AdmissionError):
+class WaitingQueueFullError(AdmissionError):
     """The waiting queue is at capacity.
 
     Attributes:

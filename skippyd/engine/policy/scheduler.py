@@ -29,7 +29,7 @@ from skippyd.engine.policy.input_errors import (
     DuplicateSequenceError,
     EmptyPromptError,
     PolicyInputError,
-    QueueFullError,
+    WaitingQueueFullError,
 )
 from skippyd.engine.policy.memory import MemoryLedger
 from skippyd.engine.policy.plan import IterationPhase, IterationPlan, IterationPrediction
@@ -101,7 +101,7 @@ class Scheduler:
         Raises:
             EmptyPromptError: The prompt has no token.
             DuplicateSequenceError: The id is already waiting or active.
-            QueueFullError: The waiting queue is full (counted as ``rejected_overload``).
+            WaitingQueueFullError: The waiting queue is full (counted as ``rejected_overload``).
             PolicyInputError: ``sequence`` is not a :class:`Sequence`.
         """
         if not isinstance(sequence, Sequence):
@@ -112,7 +112,7 @@ class Scheduler:
             raise DuplicateSequenceError(sequence.id)
         if len(self._waiting) >= self._config.max_waiting_sequences:
             self._metrics.rejected_overload += 1
-            raise QueueFullError(self._config.max_waiting_sequences)
+            raise WaitingQueueFullError(self._config.max_waiting_sequences)
         if sequence.prefix_restore is not None:
             self._metrics.prefix_hits += 1
         else:

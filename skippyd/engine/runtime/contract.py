@@ -27,7 +27,7 @@ MAX_LOGIT_BIAS = 256
 MAX_TOP_LOGPROBS = 20
 
 
-class IterationPhase(enum.Enum):
+class RowPhase(enum.Enum):
     """What a request row in a batch is doing."""
 
     PREFILL = "prefill"
@@ -183,7 +183,7 @@ class IterationRequest:
     """None means greedy when sampling is needed."""
     sample_last: bool = False
     """Sample a token from the logits of the last row (final stages only)."""
-    phase: IterationPhase = IterationPhase.PREFILL
+    phase: RowPhase = RowPhase.PREFILL
 
     @property
     def num_tokens(self) -> int:

@@ -44,11 +44,11 @@ from skippyd.engine.runtime.contract import (
     DecodeFailedError,
     InvalidIterationError,
     IterationOutput,
-    IterationPhase,
     IterationRequest,
     IterationSample,
     KvSlotUnavailableError,
     LanesBusyError,
+    RowPhase,
     SamplingConfig,
     SessionAlignment,
 )
@@ -712,4 +712,4 @@ class LlamaRuntime:
 def _wants_prompt_logprobs(request: IterationRequest) -> bool:
     sampling = request.sampling
     return (sampling is not None and sampling.prompt_logprobs is not None
-            and request.phase is IterationPhase.PREFILL and bool(request.token_ids))
+            and request.phase is RowPhase.PREFILL and bool(request.token_ids))

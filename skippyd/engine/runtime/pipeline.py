@@ -39,9 +39,9 @@ from skippyd.engine.runtime.contract import (
     ComputeHook,
     InvalidIterationError,
     IterationOutput,
-    IterationPhase,
     IterationRequest,
     IterationSample,
+    RowPhase,
     Runtime,
     RuntimeFailure,
     SavedState,
@@ -327,7 +327,7 @@ class PipelineRuntime:
                 session_id=self._wire_id(request.session_id), first_position=start,
                 token_ids=list(request.token_ids), rows=rows,
                 sampling=request.sampling if request.sample_last else None,
-                sample_last=request.sample_last, decode=request.phase is IterationPhase.DECODE,
+                sample_last=request.sample_last, decode=request.phase is RowPhase.DECODE,
             ))
             steps.append(InflightStep(request.session_id, start, tuple(request.token_ids),
                                request.sampling, speculative) if request.sample_last else None)
@@ -427,7 +427,7 @@ class PipelineRuntime:
                     and self.local.session_token_count(step.session_id) == step.end):
                 request = IterationRequest(step.session_id, [step.result.token],  # type: ignore[union-attr]
                                            sampling=step.sampling, sample_last=True,
-                                           phase=IterationPhase.DECODE)
+                                           phase=RowPhase.DECODE)
                 items.append((request, step.end))
         seconds = 0.0
         # Predictions that arrived together (several batches answered while this stage

@@ -22,8 +22,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from skippyd.engine.runtime.contract import (
-    IterationPhase,
     IterationRequest,
+    RowPhase,
     SamplingConfig,
 )
 from skippyd.engine.worker.commands import (
@@ -122,7 +122,7 @@ class DirectIteration:
     sampling: SamplingConfig | None = None
     input_rows: np.ndarray | None = None
     sample_last: bool = False
-    phase: IterationPhase = IterationPhase.PREFILL
+    phase: RowPhase = RowPhase.PREFILL
     target_token_count: int | None = None
     """Trim the session to this many tokens first if it is ahead."""
     group: DirectGroup | None = None

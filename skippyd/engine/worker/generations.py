@@ -33,8 +33,8 @@ from skippyd.engine.policy import (
     Scheduler,
     Sequence,
     SequenceStatus,
+    WaitingQueueFullError,
 )
-from skippyd.engine.policy import QueueFullError as PolicyQueueFullError
 from skippyd.engine.policy.counters import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.contract import RuntimeFailure
@@ -228,7 +228,7 @@ class GenerationWorker:
         sequence = self._make_sequence(gen, admission)
         try:
             self.scheduler.submit(sequence)
-        except PolicyQueueFullError:
+        except WaitingQueueFullError:
             self.retire(gen, ErrorEvent(QueueFullError()))
             return
         except PolicyInputError as exc:  # an empty prompt, a bad field

@@ -34,11 +34,11 @@ from skippyd.engine.runtime.contract import (
     IterationOutput,
     IterationRequest,
     KvSlotUnavailableError,
+    RowPhase,
     Runtime,
     RuntimeFailure,
     TokenLogprob,
 )
-from skippyd.engine.runtime.contract import IterationPhase as RuntimePhase
 from skippyd.engine.worker.commands import (
     InvalidRequestError,
     RuntimeCapacityError,
@@ -83,7 +83,7 @@ class PlanResult:
 
 def make_runtime_request(work: IterationWork) -> IterationRequest:
     """Map a policy work row to a runtime request (Recompute runs as a prefill)."""
-    phase = RuntimePhase.DECODE if work.phase is IterationPhase.DECODE else RuntimePhase.PREFILL
+    phase = RowPhase.DECODE if work.phase is IterationPhase.DECODE else RowPhase.PREFILL
     # NOTE: explicit positions, not "after what the session holds": after a preemption
     # the replay restarts at 0 and the runtime must trim to it.
     return IterationRequest(

@@ -13,8 +13,8 @@ from skippyd.engine.policy import (
     MemoryComponent,
     PrefixRestore,
     PrefixRestoreKind,
-    QueueFullError,
     StageCacheAffinity,
+    WaitingQueueFullError,
 )
 
 DECODE, PREFILL, RECOMPUTE = IterationPhase.DECODE, IterationPhase.PREFILL, IterationPhase.RECOMPUTE
@@ -211,7 +211,7 @@ def test_full_prefix_restore_replays_the_final_token_for_logits():
 def test_overload_is_rejected_before_native_decode():
     scheduler = make_scheduler(max_waiting_sequences=1)
     scheduler.submit(make_sequence("a", 2))
-    with pytest.raises(QueueFullError, match=r"waiting queue is full \(1 requests\)"):
+    with pytest.raises(WaitingQueueFullError, match=r"waiting queue is full \(1 requests\)"):
         scheduler.submit(make_sequence("b", 2))
     assert scheduler.metrics().rejected_overload == 1
     assert work_ids(scheduler.plan_iteration()) == ["a"]

@@ -19,7 +19,7 @@ import pytest
 from test_runtime import GREEDY, small_runtime
 
 from skippyd.engine.runtime import native
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
 
 
@@ -107,7 +107,7 @@ def _steps(rt: LlamaRuntime, sessions: dict[str, list[int]], configs: dict, step
         for sample in out.samples:
             seen[requests[sample.request_index].session_id].append(sample.token)
         requests = [IterationRequest(s, [tokens[-1]], sampling=configs[s], sample_last=True,
-                                     phase=IterationPhase.DECODE)
+                                     phase=RowPhase.DECODE)
                     for s, tokens in seen.items()]
     return seen
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline import PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import ChainSample, ChainUnavailableError
@@ -96,7 +96,7 @@ def _run(chain, requests) -> Future:
 
 def _decode(session: str, token: int, position: int) -> IterationRequest:
     return IterationRequest(session, [token], positions=[position], sampling=GREEDY,
-                            sample_last=True, phase=IterationPhase.DECODE)
+                            sample_last=True, phase=RowPhase.DECODE)
 
 
 def test_groups_lookahead_and_reuse(chain):

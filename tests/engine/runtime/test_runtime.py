@@ -10,9 +10,9 @@ from llama_cpp import llama_cpp as L
 
 from skippyd.engine.runtime.contract import (
     InvalidIterationError,
-    IterationPhase,
     IterationRequest,
     LanesBusyError,
+    RowPhase,
     SamplingConfig,
     SessionAlignment,
 )
@@ -54,7 +54,7 @@ def generate(rt, sessions: dict[str, list[int]], steps: int, sampling=GREEDY) ->
     for _ in range(steps - 1):
         reqs = [
             IterationRequest(s, [g[-1]], sampling=sampling, sample_last=True,
-                             phase=IterationPhase.DECODE)
+                             phase=RowPhase.DECODE)
             for s, g in generated.items()
         ]
         out = rt.iteration_batch_sampled(reqs)

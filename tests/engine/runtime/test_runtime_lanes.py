@@ -15,9 +15,9 @@ from llama_cpp import llama_cpp as L
 
 from skippyd.engine.runtime.contract import (
     InvalidIterationError,
-    IterationPhase,
     IterationRequest,
     LanesBusyError,
+    RowPhase,
 )
 from skippyd.engine.runtime.host_state import HostState, StateMappings
 
@@ -113,7 +113,7 @@ def test_rows_of_any_order_give_each_session_its_own_continuation(runtime, tiny_
     assert got == want
     step = runtime.iteration_batch_sampled(
         [IterationRequest(n, [got[n]], sampling=GREEDY, sample_last=True,
-                          phase=IterationPhase.DECODE) for n in order])
+                          phase=RowPhase.DECODE) for n in order])
     assert len(step.samples) == 4
 
 

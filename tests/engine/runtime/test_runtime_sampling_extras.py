@@ -11,8 +11,8 @@ import pytest
 from skippyd.engine.runtime.constrained import GrammarError
 from skippyd.engine.runtime.contract import (
     InvalidIterationError,
-    IterationPhase,
     IterationRequest,
+    RowPhase,
     SamplingConfig,
 )
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
@@ -47,7 +47,7 @@ def run(rt, prompts: dict[str, list[int]], configs: dict[str, SamplingConfig], s
         for sample in out.samples:
             samples[requests[sample.request_index].session_id].append(sample)
         requests = [IterationRequest(s, [got[-1].token], sampling=configs[s], sample_last=True,
-                                     phase=IterationPhase.DECODE)
+                                     phase=RowPhase.DECODE)
                     for s, got in samples.items() if not got[-1].is_eog]
         if not requests:
             break
@@ -101,7 +101,7 @@ def test_a_rebuilt_sampler_replays_the_generated_tokens_into_its_grammar(runtime
     # and must pick up the grammar where the four accepted tokens left it.
     runtime.trim_session("a", len(prompt) + 3)
     out = runtime.iteration_batch_sampled([IterationRequest(
-        "a", [tokens[3]], sampling=config, sample_last=True, phase=IterationPhase.DECODE)])
+        "a", [tokens[3]], sampling=config, sample_last=True, phase=RowPhase.DECODE)])
     rest = run_from(runtime, "a", out.samples[0], config, steps=40)
     assert TEXT.fullmatch(tokenizer.detokenize(tokens[:4] + [s.token for s in rest if not s.is_eog]))
 
@@ -111,7 +111,7 @@ def run_from(rt, session: str, sample, config: SamplingConfig, steps: int) -> li
     while not samples[-1].is_eog and len(samples) < steps:
         out = rt.iteration_batch_sampled([IterationRequest(
             session, [samples[-1].token], sampling=config, sample_last=True,
-            phase=IterationPhase.DECODE)])
+            phase=RowPhase.DECODE)])
         samples.append(out.samples[0])
     return samples
 

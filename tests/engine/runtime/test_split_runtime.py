@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from skippyd.engine.runtime import llama_ext, native
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.gguf.slice import cached_slice
@@ -93,7 +93,7 @@ def _generate(stages, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     out = _step(stages, requests)
     generated = {requests[s.request_index].session_id: [s.token] for s in out.samples}
     for _ in range(STEPS - 1):
-        requests = [IterationRequest(s, [g[-1]], phase=IterationPhase.DECODE)
+        requests = [IterationRequest(s, [g[-1]], phase=RowPhase.DECODE)
                     for s, g in generated.items()]
         out = _step(stages, requests)
         for sample in out.samples:

@@ -12,8 +12,8 @@ import pytest
 
 from skippyd.engine.runtime.contract import (
     IterationOutput,
-    IterationPhase,
     IterationSample,
+    RowPhase,
 )
 from skippyd.engine.worker.commands import (
     DeadlineExceededError,
@@ -153,11 +153,11 @@ def test_a_direct_iteration_trims_a_session_that_is_ahead(runtime_factory, make_
     first = run(worker, "s", [1, 2, 3, 4], sample_last=True)
     assert first.predicted == 104 and first.batch_size == 1 and first.session_alignment is None
     outcome = run(worker, "s", [7], positions=[2], sample_last=True,
-                  phase=IterationPhase.DECODE, target_token_count=2)
+                  phase=RowPhase.DECODE, target_token_count=2)
     assert outcome.session_alignment.before_token_count == 4
     assert outcome.session_alignment.after_token_count == 2
     assert outcome.predicted == 103  # the session is 3 tokens long after the trim + row
-    assert runtime.calls[-1][0].phase is IterationPhase.DECODE
+    assert runtime.calls[-1][0].phase is RowPhase.DECODE
     unsampled = run(worker, "s", [8])
     assert unsampled.predicted == -1
 

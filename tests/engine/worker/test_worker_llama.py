@@ -8,7 +8,7 @@ import pytest
 from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
 
-from skippyd.engine.runtime.contract import IterationPhase, IterationRequest, SamplingConfig
+from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.worker.commands import (
     CompleteEvent,
@@ -39,7 +39,7 @@ def solo_greedy(runtime: LlamaRuntime, session: str, prompt: list[int]) -> list[
             break
         tokens.append(sample.token)
         request = IterationRequest(session, [sample.token], sampling=GREEDY, sample_last=True,
-                                   phase=IterationPhase.DECODE)
+                                   phase=RowPhase.DECODE)
     return tokens
 
 
@@ -93,7 +93,7 @@ def test_direct_iterations_run_on_the_real_runtime(llama_runtime, make_batch_han
     count = on_worker(worker, lambda rt: rt.session_token_count("s"))
     assert count == len(PROMPTS["b"])
     aligned = worker.submit_iteration(DirectIteration(
-        "s", [first.predicted], [2], GREEDY, sample_last=True, phase=IterationPhase.DECODE,
+        "s", [first.predicted], [2], GREEDY, sample_last=True, phase=RowPhase.DECODE,
         target_token_count=2)).result(timeout=WAIT_S)
     assert aligned.session_alignment.before_token_count == len(PROMPTS["b"])
     assert aligned.session_alignment.after_token_count == 2
