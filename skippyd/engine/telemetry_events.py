@@ -29,6 +29,11 @@ class TelemetryPayload:
     NAME: ClassVar[str] = ""
     LEVEL: ClassVar[EventLevel] = "summary"
 
+    @property
+    def level(self) -> EventLevel:
+        """This event's level (the kind's, unless the kind decides per event)."""
+        return self.LEVEL
+
     def wire_attributes(self) -> dict[str, Any]:
         """The event's fields as JSON types, keyed by field name."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
@@ -220,12 +225,6 @@ class ChainDown(TelemetryPayload):
 
     epoch: int
     reason: str
-
-
-def level_of(payload: TelemetryPayload) -> EventLevel:
-    """The level of one event (a prefix-cache event's depends on its operation)."""
-    level = getattr(payload, "level", None)
-    return "debug" if level == "debug" else "summary" if level == "summary" else payload.LEVEL
 
 
 #: Every kind of event, by wire name (for documentation and tests).

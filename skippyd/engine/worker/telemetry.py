@@ -30,7 +30,6 @@ from skippyd.engine.telemetry_events import (
     StepFinished,
     TelemetryPayload,
     WorkerStarted,
-    level_of,
 )
 
 if TYPE_CHECKING:
@@ -217,7 +216,7 @@ class TelemetryHub:
 
     def publish(self, payload: TelemetryPayload) -> None:
         """Deliver an event to every subscriber of its level, never blocking."""
-        level = level_of(payload)
+        level = payload.level
         if level == "debug" and not self._debug:
             return
         event = TelemetryEvent(payload, next(self._seq), time.time(), level)
