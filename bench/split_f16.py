@@ -56,13 +56,13 @@ def generate(stages: list[LlamaRuntime], prompt: list[int], steps: int, half: bo
     tokens, generated, sent, rows = list(prompt), [], 0, 0
     feed = list(prompt)
     for _ in range(steps):
-        first = stages[0].iteration_batch_sampled([IterationRequest("s", feed)])
+        first = stages[0].run_iteration([IterationRequest("s", feed)])
         entry = ChainEntry(session_id=1, first_position=len(tokens) - len(feed),
                            token_ids=feed, rows=first.output_rows[0])
         frame = encode_iteration(1, entry, end_of_batch=True, half_rows=half)
         sent, rows = sent + len(frame), rows + len(feed)
         received = decode_stream(frame, limits)[0].payload.rows
-        out = stages[1].iteration_batch_sampled([IterationRequest(
+        out = stages[1].run_iteration([IterationRequest(
             "s", feed, input_rows=received, sampling=GREEDY, sample_last=True)])
         token = out.samples[0].token
         generated.append(token)

@@ -23,7 +23,7 @@ from skippyd.config.defaults import default_model_path
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import split_token_groups
-from skippyd.gguf.inspect import inspect_model
+from skippyd.gguf.model_info import inspect_model
 from skippyd.gguf.slice import cached_slice
 
 ROWS = (1, 2, 3, 4, 8)
@@ -56,14 +56,14 @@ def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
             sessions = [f"r{rows}-{i}" for i in range(rows)]
             for session in sessions:
                 runtime.ensure_session_active(session)
-                runtime.iteration_batch_sampled(
+                runtime.run_iteration(
                     [request(session, PROMPT_TOKENS, 0, RowPhase.PREFILL)])
             times = []
             for k in range(steps):
                 batch = [request(s, 1, PROMPT_TOKENS + k, RowPhase.DECODE)
                          for s in sessions]
                 started = time.perf_counter()
-                runtime.iteration_batch_sampled(batch)
+                runtime.run_iteration(batch)
                 times.append((time.perf_counter() - started) * 1000)
             for session in sessions:
                 runtime.drop_session(session)

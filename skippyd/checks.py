@@ -114,7 +114,7 @@ def check_config_file(path: Path | None, **overrides: Any) -> StageConfig:
         ModelFileError: The model file cannot be read.
     """
     from skippyd.config import apply_overrides, default_config
-    from skippyd.gguf.inspect import inspect_model
+    from skippyd.gguf.model_info import inspect_model
 
     config = load_config(path) if path is not None else default_config()
     if any(value is not None for value in overrides.values()):
@@ -125,7 +125,7 @@ def check_config_file(path: Path | None, **overrides: Any) -> StageConfig:
 
 def check_one(path: Path) -> ConfigVerdict:
     """Check one config file and its model; never raises for a bad config or model."""
-    from skippyd.gguf.inspect import ModelFileError
+    from skippyd.gguf.model_info import ModelFileError
 
     verdict = ConfigVerdict(path)
     try:

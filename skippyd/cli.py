@@ -54,7 +54,7 @@ def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
 
 def load_checked_config(path: Path | None, **overrides) -> StageConfig:
     """Load (or default) a config, apply CLI overrides and check it against its model."""
-    from skippyd.gguf.inspect import ModelFileError
+    from skippyd.gguf.model_info import ModelFileError
 
     try:
         return check_config_file(path, **overrides)
@@ -195,7 +195,7 @@ def model_inspect(
     as_json: JsonFlag = False,
 ) -> None:
     """Print a model's architecture, size, quantization and per-layer recurrent state."""
-    from skippyd.gguf.inspect import ModelFileError, inspect_model
+    from skippyd.gguf.model_info import ModelFileError, inspect_model
 
     try:
         info = inspect_model(path)
@@ -237,7 +237,7 @@ def model_slice(
     """Write the stage model for a layer range: a shallower GGUF stock llama.cpp loads."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from skippyd.gguf.inspect import ModelFileError
+    from skippyd.gguf.model_info import ModelFileError
     from skippyd.gguf.slice import slice_model
 
     start, end = parse_layers(layers)

@@ -7,7 +7,7 @@ import threading
 from skippyd.engine.prefix_cache import PrefixCacheSettings
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
@@ -15,8 +15,8 @@ from skippyd.engine.worker.commands import (
     GenerationRequest,
     TokenControl,
     TokenEvent,
-    WorkerError,
 )
+from skippyd.engine.worker.worker_errors import WorkerError
 
 #: Greedy, and never stopping early: every generation has its full length.
 GREEDY = SamplingConfig(temperature=0.0, ignore_eos=True)
@@ -49,7 +49,7 @@ def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], coun
     request = IterationRequest(session, suffix, sampling=GREEDY, sample_last=True)
     generated: list[int] = []
     while len(generated) < count:
-        generated.append(runtime.iteration_batch_sampled([request]).samples[0].token)
+        generated.append(runtime.run_iteration([request]).samples[0].token)
         request = IterationRequest(session, [generated[-1]], sampling=GREEDY, sample_last=True,
                                    phase=RowPhase.DECODE)
     return generated
@@ -57,7 +57,7 @@ def greedy_continue(runtime: LlamaRuntime, session: str, suffix: list[int], coun
 
 def prefill(runtime: LlamaRuntime, session: str, prompt: list[int]) -> None:
     """Compute ``prompt`` into the session in one call, without sampling."""
-    runtime.iteration_batch_sampled([IterationRequest(session, prompt)])
+    runtime.run_iteration([IterationRequest(session, prompt)])
 
 
 class Collector:

@@ -7,6 +7,10 @@
   socket, the daemon, the TUI or the CLI; ``gguf`` and ``config`` reach nothing of the
   rest of skippyd; the API, link and control socket never reach the daemon, and the TUI
   sees a daemon only through the control socket.
+* Inside ``http``, the rooms by concern import as the layers they are: ``parsing`` and
+  ``observability`` only the shared modules beside them (``backend``, ``event_relay``,
+  ``api_errors``); ``shaping`` and ``guard`` those and ``parsing`` and
+  ``observability``; only ``api`` imports every room, and no room imports ``api``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "tui": ("llama_cpp", "skippyd.daemon", "skippyd.http", "skippyd.link",
             "skippyd.engine.runtime", "skippyd.cli"),
 }
+#: Room of ``http`` -> the sibling rooms it may import (the shared modules always).
+HTTP_ROOMS: dict[str, tuple[str, ...]] = {
+    "parsing": (),
+    "observability": (),
+    "shaping": ("parsing", "observability"),
+    "guard": ("parsing", "observability"),
+    "api": ("parsing", "observability", "shaping", "guard"),
+}
 #: What the policy must not import even from the standard library.
 POLICY_BANNED = ("threading", "asyncio", "socket", "llama_cpp",
                  "skippyd.engine.worker", "skippyd.engine.runtime")
@@ -44,7 +56,7 @@ POLICY_BANNED_LOADED = ("asyncio", "socket", "concurrent.futures", "llama_cpp",
                         "skippyd.engine.worker", "skippyd.engine.runtime")
 #: Importing each of these in a fresh interpreter must not load llama_cpp.
 NO_LLAMA_ENTRY_POINTS = (
-    "skippyd.http.routes", "skippyd.http.metrics",
+    "skippyd.http.api.routes", "skippyd.http.observability.metrics",
     "skippyd.link.wire", "skippyd.link.relay", "skippyd.link.listener", "skippyd.link.dialer",
     "skippyd.control.client", "skippyd.control.server",
     "skippyd.tui", "skippyd.tui.app", "skippyd.tui.status",
@@ -125,6 +137,21 @@ def test_every_room_has_sources() -> None:
 @pytest.mark.parametrize("room", sorted(RULES))
 def test_room_imports_nothing_it_must_not(room: str) -> None:
     assert offenders(PACKAGE_DIR / room, PACKAGE_DIR.parent, RULES[room]) == {}
+
+
+def test_every_http_module_sits_in_a_room_or_is_shared() -> None:
+    http = PACKAGE_DIR / "http"
+    shared = sorted(p.name for p in http.glob("*.py"))
+    assert shared == ["__init__.py", "api_errors.py", "backend.py", "event_relay.py"]
+    assert sorted(p.name for p in http.iterdir() if p.is_dir() and p.name != "__pycache__") \
+        == sorted(HTTP_ROOMS)
+
+
+@pytest.mark.parametrize("room", sorted(HTTP_ROOMS))
+def test_http_room_imports_only_the_rooms_below_it(room: str) -> None:
+    banned = tuple(f"skippyd.http.{other}" for other in HTTP_ROOMS
+                   if other != room and other not in HTTP_ROOMS[room])
+    assert offenders(PACKAGE_DIR / "http" / room, PACKAGE_DIR.parent, banned) == {}
 
 
 def test_policy_sources_import_only_the_standard_library() -> None:

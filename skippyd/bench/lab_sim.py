@@ -18,9 +18,9 @@ from skippyd.engine.policy import (
     IterationPrediction,
     PrefixRestore,
     PrefixRestoreKind,
+    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
-    Sequence,
 )
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,9 @@ def validate_requests(requests: Iterable[SimRequest]) -> list[SimRequest]:
     return ordered
 
 
-def make_sequence(request: SimRequest) -> Sequence:
+def make_sequence(request: SimRequest) -> ScheduledSequence:
     """The policy sequence a simulated request submits."""
-    sequence = Sequence(request.id, tuple(request.prompt()), request.output_tokens)
+    sequence = ScheduledSequence(request.id, tuple(request.prompt()), request.output_tokens)
     if request.prefix_tokens:
         sequence.with_prefix_restore(PrefixRestore(
             f"sim-prefix-{request.id}", request.prefix_tokens, PrefixRestoreKind.RESIDENT_KV))

@@ -14,9 +14,9 @@ from skippyd.engine.policy import (
     LLAMA_MAX_SEQ,
     IterationPlan,
     IterationPrediction,
+    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
-    Sequence,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def measure_policy_step(num_sequences: int = 32, samples: int = 200) -> float:
     horizon = samples + 2  # never finish inside the measurement
     for index in range(num_sequences):
         prompt = tuple(range(index * _PROMPT_TOKENS, (index + 1) * _PROMPT_TOKENS))
-        scheduler.submit(Sequence(f"seq-{index:03d}", prompt, horizon))
+        scheduler.submit(ScheduledSequence(f"seq-{index:03d}", prompt, horizon))
     prefill = scheduler.plan_iteration()
     scheduler.complete_iteration(prefill, _predict_all(prefill))
     durations = []

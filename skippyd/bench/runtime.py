@@ -1,4 +1,4 @@
-"""Runtime overhead benchmark: ``iteration_batch_sampled`` against a bare llama_decode loop.
+"""Runtime overhead benchmark: ``run_iteration`` against a bare llama_decode loop.
 
 Both run on the same llama.cpp context in the same process, alternating, so the ratio
 measures only what skippyd's runtime adds (batch filling, validation, per-session
@@ -42,15 +42,15 @@ def _prompt(seq: int) -> list[int]:
 
 
 def skippyd_decode_rate(rt: LlamaRuntime, batch: int, steps: int) -> float:
-    """Decode tok/s through ``iteration_batch_sampled`` (greedy, one sample per session)."""
+    """Decode tok/s through ``run_iteration`` (greedy, one sample per session)."""
     ids = [f"bench-{i}" for i in range(batch)]
-    out = rt.iteration_batch_sampled(
+    out = rt.run_iteration(
         [IterationRequest(s, _prompt(i), sampling=GREEDY, sample_last=True) for i, s in enumerate(ids)]
     )
     last = {ids[s.request_index]: s.token for s in out.samples}
     started = time.perf_counter()
     for _ in range(steps):
-        out = rt.iteration_batch_sampled([
+        out = rt.run_iteration([
             IterationRequest(s, [last[s]], sampling=GREEDY, sample_last=True,
                              phase=RowPhase.DECODE)
             for s in ids
@@ -70,7 +70,7 @@ def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
                              n_ubatch=512, threads=threads)
     with LlamaRuntime(options) as rt:
         ids = [f"step-{i}" for i in range(batch)]
-        out = rt.iteration_batch_sampled([
+        out = rt.run_iteration([
             IterationRequest(s, _prompt(i), sampling=GREEDY, sample_last=True)
             for i, s in enumerate(ids)
         ])
@@ -80,7 +80,7 @@ def median_decode_step_s(model_path: str, *, batch: int = 8, steps: int = 32,
             requests = [IterationRequest(s, [last[s]], sampling=GREEDY, sample_last=True,
                                          phase=RowPhase.DECODE) for s in ids]
             started = time.perf_counter()
-            out = rt.iteration_batch_sampled(requests)
+            out = rt.run_iteration(requests)
             durations.append(time.perf_counter() - started)
             last.update({ids[s.request_index]: s.token for s in out.samples})
     return statistics.median(durations)

@@ -37,12 +37,13 @@ from skippyd.engine.runtime.tokenizer import (
     TokenizerError,
 )
 from skippyd.engine.runtime.watch import CallWatch
-from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest, WorkerStoppedError
 from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
+from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
-from skippyd.gguf.inspect import ModelInfo, inspect_model
+from skippyd.engine.worker.worker_errors import WorkerStoppedError
+from skippyd.gguf.model_info import ModelInfo, inspect_model
 from skippyd.gguf.slice import cached_slice
 from skippyd.http.backend import HealthStatus
 

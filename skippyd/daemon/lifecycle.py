@@ -43,18 +43,18 @@ from skippyd.daemon.startup import load_with_progress
 from skippyd.daemon.stats_log import log_throughput
 from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.exitcodes import ExitCode
-from skippyd.gguf.inspect import ModelFileError
-from skippyd.http.connections import (
+from skippyd.gguf.model_info import ModelFileError
+from skippyd.http.api.routes import create_app
+from skippyd.http.event_relay import relay_for
+from skippyd.http.guard.connections import (
     ConnectionGuard,
     ConnectionLimits,
     fit_fd_limit,
     guarded_protocol,
     protocol_class,
 )
-from skippyd.http.event_relay import relay_for
-from skippyd.http.metrics import ServingMetrics, metrics_route
-from skippyd.http.requests import HttpLimits
-from skippyd.http.routes import create_app
+from skippyd.http.observability.metrics import ServingMetrics, metrics_route
+from skippyd.http.parsing.request_params import HttpLimits
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Any
 import uvicorn
 
 from skippyd.daemon.assembly import StageEngine, StartupError
-from skippyd.http.metrics import ServingMetrics
-from skippyd.http.prometheus import metrics_app
+from skippyd.http.observability.metrics import ServingMetrics
+from skippyd.http.observability.prometheus import metrics_app
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 It is what ``{"op": "status"}`` answers on the control socket, what subscribers receive
 every ``interval_ms`` and what ``skippyd status`` renders; its schema is part of the
 control protocol (``docs/control-protocol.md``). Building one reads the worker's last
-published :class:`~skippyd.engine.worker.commands.WorkerStats` (one attribute read, no
+published :class:`~skippyd.engine.worker.worker_stats.WorkerStats` (one attribute read, no
 lock shared with the worker), the request metrics and, on a split stage, the link's
 counters; it never waits on the worker or the network.
 """
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from skippyd.config import StageConfig
 from skippyd.engine.runtime.native import fast_paths
-from skippyd.engine.worker.commands import WorkerStats
-from skippyd.http.metrics import ServingMetrics
+from skippyd.engine.worker.worker_stats import WorkerStats
+from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

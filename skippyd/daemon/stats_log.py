@@ -41,7 +41,7 @@ class ThroughputLog:
     """Turns two readings of a stage's counters into one line.
 
     Args:
-        metrics: The stage's :class:`~skippyd.http.metrics.ServingMetrics`.
+        metrics: The stage's :class:`~skippyd.http.observability.metrics.ServingMetrics`.
         serves_http: Whether the stage runs requests itself (stage 0).
         clock: Monotonic clock, injectable for tests.
     """

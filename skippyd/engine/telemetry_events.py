@@ -59,8 +59,8 @@ class ComponentBytes:
     """The memory one component (``kv``, ``recurrent``) holds against its budget."""
 
     name: str
-    used_bytes: int
-    available_bytes: int
+    used: int
+    available: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +98,8 @@ class StepFinished(TelemetryPayload):
                       if field.name != "components"}
         attributes["overhead_ms"] = self.overhead_ms
         for part in self.components:
-            attributes[f"{part.name}_used_bytes"] = part.used_bytes
-            attributes[f"{part.name}_available_bytes"] = part.available_bytes
+            attributes[f"{part.name}_used"] = part.used
+            attributes[f"{part.name}_available"] = part.available
         return attributes
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from skippyd.gguf import scan
-from skippyd.gguf.inspect import (
+from skippyd.gguf.model_info import (
     LAYER_TENSOR,
     ModelFileError,
     ModelInfo,

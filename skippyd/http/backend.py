@@ -3,7 +3,7 @@
 The OpenAI app codes against :class:`ServingBackend` only; the daemon implements it over
 the llama.cpp runtime and the worker, tests with a scripted fake.
 Generation requests and events are the worker's own types
-(:mod:`skippyd.engine.worker.commands`).
+(:mod:`skippyd.engine.worker.generation_events`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from skippyd.engine.worker.commands import GenerationEvent, GenerationRequest
+from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 
 logger = logging.getLogger(__name__)
 

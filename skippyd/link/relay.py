@@ -31,8 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from skippyd.engine.runtime.contract import RowPhase
 from skippyd.engine.runtime.pipeline_types import ChainEntry, ChainSample
-from skippyd.engine.worker.commands import IterationOutcome, QueueFullError, WorkerError
-from skippyd.engine.worker.direct_batch import DirectGroup, DirectIteration, resolve_future
+from skippyd.engine.worker.direct_batch import (
+    DirectGroup,
+    DirectIteration,
+    IterationOutcome,
+    resolve_future,
+)
+from skippyd.engine.worker.worker_errors import QueueFullError, WorkerError
 from skippyd.link.dialer import dial
 from skippyd.link.framing import BatchAssembler, FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, send_ack

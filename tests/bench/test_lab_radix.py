@@ -3,8 +3,8 @@
 ``tests/bench/test_lab.py`` already checks radix-fcfs against radix-cache-aware with the
 lab's stand-in index (``test_real_radix_affinity_prioritizes_the_high_value_prefix``,
 ``test_radix_scenarios_give_the_hot_request_lower_ttft``). Here the affinities come from
-the prefix cache's own :class:`RadixTree` instead, as in the original, where the lab
-peeks the real unified radix cache without touching its LRU.
+the prefix cache's own :class:`RadixTree` instead: the lab peeks the real radix tree
+without touching its LRU.
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from skippyd.control.client import AsyncControlClient
 from skippyd.control.server import ControlServer
 from skippyd.daemon.assembly import StageEngine
 from skippyd.daemon.snapshot import snapshot_source
-from skippyd.engine.worker.commands import QueueFullError
+from skippyd.engine.worker.worker_errors import QueueFullError
 from skippyd.exitcodes import ExitCode
-from skippyd.http.metrics import ServingMetrics, metrics_route
-from skippyd.http.routes import create_app
+from skippyd.http.api.routes import create_app
+from skippyd.http.observability.metrics import ServingMetrics, metrics_route
 from skippyd.tui.status import run_status
 
 WAIT_S = 30.0

@@ -8,7 +8,7 @@ from cache_helpers import Collector, tokens
 from skippyd.config import parse_config
 from skippyd.daemon.assembly import StageEngine
 from skippyd.engine.prefix_cache import settings_from_config
-from skippyd.engine.worker.commands import GenerationRequest
+from skippyd.engine.worker.generation_events import GenerationRequest
 
 STATS_KEYS = {"hits", "misses", "hit_rate", "matched_tokens", "queried_tokens",
               "bytes_resident", "bytes_host", "evictions"}

@@ -268,8 +268,8 @@ def test_journal_lines_carry_priorities_and_requests_and_throughput_are_logged(
         request_id = response.json()["id"]
         line = proc.wait_for_line(rf"request {request_id}: ")
         assert re.fullmatch(
-            rf"<6>skippyd\.http\.request_log: request {request_id}: 200 length, prompt \d+ tok"
-            r" \(cached 0\), generated 8 tok, queue [\d.]+ ms, ttft [\d.]+ ms,"
+            rf"<6>skippyd\.http\.observability\.request_log: request {request_id}: 200 length,"
+            r" prompt \d+ tok \(cached 0\), generated 8 tok, queue [\d.]+ ms, ttft [\d.]+ ms,"
             r" decode [\d.]+ tok/s, total [\d.]+ ms", line.rstrip("\n")), line
         throughput = proc.wait_for_line(r"throughput: prompt")
         assert throughput.startswith("<6>skippyd.daemon.stats_log: throughput: prompt")

@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 
 from skippyd.config import ConfigError, example_config_toml, parse_config
 from skippyd.http.api_errors import ApiError
-from skippyd.http.requests import HttpLimits, parse_chat_request, parse_completion_request
+from skippyd.http.parsing.request_params import (
+    HttpLimits,
+    parse_chat_request,
+    parse_completion_request,
+)
 
 LIMITS = HttpLimits()
 FUZZ = settings(max_examples=300, deadline=None, database=None,

@@ -13,7 +13,7 @@ import pytest
 from skippyd.engine.runtime.contract import IterationRequest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.inspect import ModelFileError, inspect_model, read_model_header
+from skippyd.gguf.model_info import ModelFileError, inspect_model, read_model_header
 from skippyd.gguf.slice import cached_slice, file_identity, slice_model
 
 
@@ -47,7 +47,7 @@ def test_slice_is_a_shallower_model(tiny_model_path, tmp_path):
                                      final_stage=False)) as rt:
         import numpy as np
 
-        rows = rt.iteration_batch_sampled(
+        rows = rt.run_iteration(
             [IterationRequest("a", input_rows=np.ones((3, 64), np.float32))]
         ).output_rows[0]
         assert rows.shape == (3, 64) and np.isfinite(rows).all()

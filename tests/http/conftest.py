@@ -17,17 +17,19 @@ from dataclasses import dataclass, field
 import pytest
 
 from skippyd.engine.runtime.contract import TokenLogprob
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
     PromptLogprobsEvent,
-    QueueFullError,
     TokenAck,
     TokenControl,
     TokenEvent,
+)
+from skippyd.engine.worker.worker_errors import (
+    QueueFullError,
     WorkerBackendError,
     WorkerStoppedError,
 )

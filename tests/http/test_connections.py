@@ -18,15 +18,15 @@ import pytest
 import uvicorn
 from http_support import wait_until
 
-from skippyd.http.connections import (
+from skippyd.http.api.routes import create_app
+from skippyd.http.guard.connections import (
     ConnectionGuard,
     ConnectionLimits,
     fit_fd_limit,
     guarded_protocol,
     protocol_class,
 )
-from skippyd.http.requests import HttpLimits
-from skippyd.http.routes import create_app
+from skippyd.http.parsing.request_params import HttpLimits
 
 WAIT_S = 10.0
 SHORT_S = 0.5

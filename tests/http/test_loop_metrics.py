@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 
-from skippyd.http.loop_metrics import LoopCounter, LoopHistogram
+from skippyd.http.observability.loop_metrics import LoopCounter, LoopHistogram
 
 BUCKETS = (0.005, 0.01, 0.1, 1.0, 2.5, 3600.0)
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from skippyd.engine.worker.commands import TokenControl
-from skippyd.http.requests import HttpLimits
-from skippyd.http.routes import create_app
-from skippyd.http.sse import ResponseShape, sse_event
+from skippyd.engine.worker.generation_events import TokenControl
+from skippyd.http.api.routes import create_app
+from skippyd.http.parsing.request_params import HttpLimits
+from skippyd.http.shaping.sse import ResponseShape, sse_event
 
 WAIT_S = 10.0
 LIMITS = HttpLimits(max_body_bytes=4096, max_prompt_tokens=100, max_tokens_limit=64)
@@ -359,7 +359,7 @@ def test_roles_must_be_plain_names(client: TestClient, fake: Any, role: str) -> 
 
 def test_failed_api_keys_are_logged_but_rate_limited(fake: Any, caplog) -> None:
     app = create_app(fake, api_key="s3cret", limits=LIMITS)
-    with caplog.at_level("WARNING", logger="skippyd.http.routes"), TestClient(app) as client:
+    with caplog.at_level("WARNING", logger="skippyd.http.api.routes"), TestClient(app) as client:
         for _ in range(20):
             assert_error(client.get("/v1/models", headers={"Authorization": "Bearer x"}), 401)
     lines = [r for r in caplog.records if "invalid API key" in r.getMessage()]

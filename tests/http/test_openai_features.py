@@ -13,8 +13,8 @@ from conftest import byte_tokens
 from starlette.testclient import TestClient
 from test_openai_app import CHAT_URL, COMPLETIONS_URL, assert_error, stream
 
-from skippyd.http.requests import HttpLimits
-from skippyd.http.routes import create_app
+from skippyd.http.api.routes import create_app
+from skippyd.http.parsing.request_params import HttpLimits
 
 # Byte tokens: a tool list in a system message takes a few hundred of them.
 LIMITS = HttpLimits(max_body_bytes=16384, max_prompt_tokens=2000, max_tokens_limit=512)

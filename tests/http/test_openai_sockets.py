@@ -19,8 +19,8 @@ import httpx
 import pytest
 import uvicorn
 
-from skippyd.http.requests import HttpLimits
-from skippyd.http.routes import create_app
+from skippyd.http.api.routes import create_app
+from skippyd.http.parsing.request_params import HttpLimits
 
 WAIT_S = 10.0
 LIMITS = HttpLimits()
@@ -92,7 +92,7 @@ async def test_role_chunk_waits_for_the_first_token_and_keep_alives_fill_the_wai
 ) -> None:
     # A client timing the first chunk as the first token must not see it before the
     # prompt is processed; a long wait sends SSE comments instead.
-    monkeypatch.setattr("skippyd.http.routes.KEEP_ALIVE_INTERVAL_S", 0.05)
+    monkeypatch.setattr("skippyd.http.api.routes.KEEP_ALIVE_INTERVAL_S", 0.05)
     fake.hold_after = 0  # the prompt "takes forever": no token comes
     disconnected = asyncio.Event()
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from skippyd.http.output import (
+from skippyd.http.parsing.tools import ToolSpec
+from skippyd.http.shaping.output import (
     ChatOutput,
     ReasoningSplitter,
     ToolCallDetector,
     opens_reasoning,
 )
-from skippyd.http.tools import ToolSpec
 
 TOOLS = (
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},

@@ -10,21 +10,23 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippyd import __version__
-from skippyd.engine.worker.commands import (
-    AdmissionTimeoutError,
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
-    QueueFullError,
     TokenAck,
     TokenEvent,
+)
+from skippyd.engine.worker.worker_errors import (
+    AdmissionTimeoutError,
+    QueueFullError,
     WorkerBackendError,
 )
-from skippyd.http.metrics import ServingMetrics
-from skippyd.http.request_log import RequestLog, format_request_line, request_fields
+from skippyd.http.observability.metrics import ServingMetrics
+from skippyd.http.observability.request_log import RequestLog, format_request_line, request_fields
 from skippyd.logs import JsonFormatter
 
-LOGGER = "skippyd.http.request_log"
+LOGGER = "skippyd.http.observability.request_log"
 
 
 class FakeClock:

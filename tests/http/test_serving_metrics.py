@@ -8,18 +8,20 @@ import pytest
 from http_support import wait_until
 
 from skippyd.engine.telemetry_events import ComponentBytes, RequestAdmitted, StepFinished
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
-    QueueFullError,
     TokenAck,
     TokenEvent,
+)
+from skippyd.engine.worker.telemetry import TelemetryEvent, TelemetryHub
+from skippyd.engine.worker.worker_errors import (
+    QueueFullError,
     WorkerBackendError,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.telemetry import TelemetryEvent, TelemetryHub
-from skippyd.http.metrics import ServingMetrics
+from skippyd.http.observability.metrics import ServingMetrics
 
 
 class FakeClock:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skippyd.http.stops import StopMatcher
+from skippyd.http.shaping.stops import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

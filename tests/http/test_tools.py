@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from skippyd.engine.runtime.tokenizer import _compile_template
-from skippyd.http.tools import (
+from skippyd.http.parsing.tools import (
     ToolSpec,
     call_grammar,
     detect_format,

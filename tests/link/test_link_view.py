@@ -18,7 +18,7 @@ from link_support import SECRET, tiny_chain, wait_until
 from skippyd.config import parse_config
 from skippyd.daemon.split import make_split
 from skippyd.engine.runtime.pipeline_types import StageTimeline
-from skippyd.engine.worker.commands import WorkerStats
+from skippyd.engine.worker.worker_stats import WorkerStats
 from skippyd.link.dialer import query_status
 from skippyd.link.listener import LISTENER_COUNTERS
 

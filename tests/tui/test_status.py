@@ -21,10 +21,10 @@ from skippyd.config import parse_config
 from skippyd.control.client import ControlConnectError, resolve_socket_path
 from skippyd.control.server import ControlServer
 from skippyd.daemon.snapshot import build_snapshot
-from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.worker_stats import WorkerStats
 from skippyd.exitcodes import ExitCode
-from skippyd.http.metrics import ServingMetrics
+from skippyd.http.observability.metrics import ServingMetrics
 from skippyd.tui.status import render_status, run_status
 
 

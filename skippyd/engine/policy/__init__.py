@@ -56,7 +56,7 @@ from skippyd.engine.policy.scheduler import Scheduler
 from skippyd.engine.policy.sequence import (
     PrefixRestore,
     PrefixRestoreKind,
-    Sequence,
+    ScheduledSequence,
     SequenceStatus,
 )
 
@@ -92,7 +92,7 @@ __all__ = [
     "SchedulerConfigError",
     "SchedulerMetrics",
     "SchedulerSnapshot",
-    "Sequence",
+    "ScheduledSequence",
     "SequenceProgress",
     "SequenceStatus",
     "StageCacheAffinity",

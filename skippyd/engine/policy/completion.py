@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from skippyd.engine.policy.input_errors import PolicyInputError
 from skippyd.engine.policy.plan import IterationPlan, IterationPrediction
-from skippyd.engine.policy.sequence import Sequence, SequenceStatus
+from skippyd.engine.policy.sequence import ScheduledSequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def index_predictions(
 
 
 def apply_prediction(
-    sequence: Sequence, token: int | None, finished: list[str], failed: list[str]
+    sequence: ScheduledSequence, token: int | None, finished: list[str], failed: list[str]
 ) -> None:
     """Apply one sampling row's outcome to its sequence."""
     if token is None:

@@ -22,37 +22,38 @@ UNLIMITED = sys.maxsize
 class MemoryComponent:
     """One independently constrained memory pool.
 
-    Units are abstract "bytes"; a KV pool may well count tokens (1 per token).
+    Every amount is in the component's own unit: KV cells for ``kv-cells`` (one per
+    token), bytes for ``recurrent-state``.
     """
 
     name: str
-    capacity_bytes: int
-    resident_bytes: int = 0
+    capacity: int
+    resident: int = 0
     """Already occupied by state the scheduler does not manage (weights, pinned pages)."""
-    bytes_per_token: int = 0
-    bytes_per_sequence: int = 0
+    per_token: int = 0
+    per_sequence: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SchedulerConfigError("memory_components.name", "must be a non-empty string")
-        for name in ("capacity_bytes", "resident_bytes", "bytes_per_token", "bytes_per_sequence"):
+        for name in ("capacity", "resident", "per_token", "per_sequence"):
             try:
                 checked_count(getattr(self, name), name)
             except PolicyInputError as error:
                 raise SchedulerConfigError(f"memory_components[{self.name}].{name}",
                                            str(error)) from None
 
-    def available_bytes(self) -> int:
+    def available(self) -> int:
         """Capacity left for the scheduler: ``max(0, capacity - resident)``."""
-        return max(0, self.capacity_bytes - self.resident_bytes)
+        return max(0, self.capacity - self.resident)
 
-    def reservation_bytes(self, admission_tokens: int) -> int:
+    def reservation(self, admission_tokens: int) -> int:
         """What admitting a sequence of ``admission_tokens`` tokens reserves here."""
-        return self.bytes_per_sequence + self.bytes_per_token * admission_tokens
+        return self.per_sequence + self.per_token * admission_tokens
 
-    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+    def request_cost(self, prompt_tokens: int, max_tokens: int) -> int:
         """What a request would cost at its full generation ceiling (helper only)."""
-        return self.bytes_per_sequence + self.bytes_per_token * (prompt_tokens + max_tokens)
+        return self.per_sequence + self.per_token * (prompt_tokens + max_tokens)
 
 
 _COUNT_FIELDS = (

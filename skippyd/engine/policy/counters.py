@@ -50,8 +50,8 @@ class IterationTelemetry:
     prefill_tokens: int
     recompute_tokens: int
     decode_tokens: int
-    component_used_bytes: tuple[tuple[str, int], ...]
-    component_available_bytes: tuple[tuple[str, int], ...]
+    component_used: tuple[tuple[str, int], ...]
+    component_available: tuple[tuple[str, int], ...]
     prefix_hits: int
     prefix_misses: int
     finished: int
@@ -83,5 +83,5 @@ class SchedulerSnapshot:
     """Admitted sequence ids, sorted."""
     waiting_ids: tuple[str, ...]
     """Waiting sequence ids in queue order."""
-    component_used_bytes: tuple[tuple[str, int], ...]
-    """``(name, used_bytes)`` per memory component."""
+    component_used: tuple[tuple[str, int], ...]
+    """``(name, used)`` per memory component."""

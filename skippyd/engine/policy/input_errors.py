@@ -84,9 +84,9 @@ class WaitingQueueFullError(AdmissionError):
 def checked_count(value: object, what: str) -> int:
     """Return ``value`` as a non-negative int or raise :class:`PolicyInputError`.
 
-    The original stores these as unsigned integers, so a negative value is unrepresentable
-    there; here it is rejected with a message naming ``what``. ``bool`` is refused even
-    though it is an ``int`` subclass, because ``True`` as a token count is always a bug.
+    A count is never negative, so a negative value is rejected with a message naming
+    ``what``. ``bool`` is refused even though it is an ``int`` subclass, because ``True``
+    as a token count is always a bug.
 
     Args:
         value: The candidate count.

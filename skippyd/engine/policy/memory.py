@@ -25,7 +25,7 @@ class MemoryLedger:
     def can_reserve(self, admission_tokens: int) -> bool:
         """True if a sequence of ``admission_tokens`` fits in every component."""
         return all(
-            used + component.reservation_bytes(admission_tokens) <= component.available_bytes()
+            used + component.reservation(admission_tokens) <= component.available()
             for used, component in zip(self._used, self._components, strict=True)
         )
 
@@ -35,13 +35,13 @@ class MemoryLedger:
         Precondition: :meth:`can_reserve` returned True for the same size.
         """
         for index, component in enumerate(self._components):
-            self._used[index] += component.reservation_bytes(admission_tokens)
+            self._used[index] += component.reservation(admission_tokens)
 
     def release(self, admission_tokens: int) -> None:
         """Take one sequence's reservation off every component, saturating at 0."""
         for index, component in enumerate(self._components):
             self._used[index] = max(0, self._used[index] -
-                                    component.reservation_bytes(admission_tokens))
+                                    component.reservation(admission_tokens))
 
     def overwrite(self, observed: Iterable[int]) -> None:
         """Replace used values with externally observed ones, pairwise.
@@ -56,18 +56,18 @@ class MemoryLedger:
     def over_capacity(self) -> bool:
         """True if any component uses more than it has available."""
         return any(
-            used > component.available_bytes()
+            used > component.available()
             for used, component in zip(self._used, self._components, strict=True)
         )
 
     def used(self) -> tuple[tuple[str, int], ...]:
-        """``(name, used_bytes)`` per component."""
+        """``(name, used)`` per component."""
         return tuple(
             (component.name, used)
             for component, used in zip(self._components, self._used, strict=True)
         )
 
     def available(self) -> tuple[tuple[str, int], ...]:
-        """``(name, available_bytes)`` per component."""
-        return tuple((component.name, component.available_bytes())
+        """``(name, available)`` per component."""
+        return tuple((component.name, component.available())
                      for component in self._components)

@@ -18,7 +18,7 @@ from skippyd.engine.policy.plan import (
     IterationPlan,
     IterationWork,
 )
-from skippyd.engine.policy.sequence import Sequence
+from skippyd.engine.policy.sequence import ScheduledSequence
 from skippyd.engine.policy.step_budget import CHUNK_OVERRUN, EFFICIENT_PREFILL_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class PlanDraft:
     work: list[IterationWork]
     prefill_sequences: int = 0
 
-    def add_decode(self, sequence: Sequence) -> None:
+    def add_decode(self, sequence: ScheduledSequence) -> None:
         """Emit the pending token of a caught-up sequence at the next position.
 
         The cursor moves one past the replay length: the decoded token now occupies that
@@ -53,7 +53,7 @@ class PlanDraft:
         sequence.prefill_cursor = position + 1
         self.budget -= 1
 
-    def add_prefill_chunk(self, sequence: Sequence, chunk_tokens: int) -> None:
+    def add_prefill_chunk(self, sequence: ScheduledSequence, chunk_tokens: int) -> None:
         """Emit the next prompt/recompute chunk of a sequence that still needs replay.
 
         Only a prefill that reaches the end of the prompt samples; recompute never does,
@@ -77,7 +77,7 @@ class PlanDraft:
 
 
 def plan_phase_homogeneous(
-    sequences: SequenceOf[Sequence], config: SchedulerConfig, consecutive_prefill: int
+    sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig, consecutive_prefill: int
 ) -> tuple[list[IterationWork], int]:
     """Plan either prompt work or decode work, never both.
 
@@ -116,7 +116,7 @@ def plan_phase_homogeneous(
 
 
 def plan_mixed(
-    sequences: SequenceOf[Sequence], config: SchedulerConfig, decode_cursor: int
+    sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig, decode_cursor: int
 ) -> tuple[list[IterationWork], int]:
     """Plan decode rows first, rotating, then fill the budget with prompt work.
 
@@ -144,8 +144,8 @@ def plan_mixed(
 
 
 def plan_budgeted(
-    sequences: SequenceOf[Sequence],
-    prefill_order: SequenceOf[Sequence],
+    sequences: SequenceOf[ScheduledSequence],
+    prefill_order: SequenceOf[ScheduledSequence],
     config: SchedulerConfig,
     prefill_budget: int,
     decode_cursor: int,
@@ -220,8 +220,8 @@ def even_chunk(remaining: int, most: int) -> int:
     return max(-(-remaining // steps), floor)
 
 
-def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserve: int,
-                 max_sequences: int) -> list[Sequence]:
+def prompt_order(by_admission: SequenceOf[ScheduledSequence], prefill_budget: int, reserve: int,
+                 max_sequences: int) -> list[ScheduledSequence]:
     """The order prompt work is served in: short prompts first, then oldest first.
 
     A prompt whose remaining tokens fit in this step (with the ones already promoted, and
@@ -240,7 +240,7 @@ def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserv
         max_sequences: Most sequences one plan may prefill.
     """
     room = prefill_budget - reserve
-    promoted: list[Sequence] = []
+    promoted: list[ScheduledSequence] = []
     for sequence in by_admission:
         if len(promoted) >= max_sequences - 1:
             break
@@ -256,7 +256,7 @@ def prompt_order(by_admission: SequenceOf[Sequence], prefill_budget: int, reserv
     return promoted + [sequence for sequence in by_admission if sequence.id not in chosen]
 
 
-def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[Sequence], cursor: int) -> int:
+def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[ScheduledSequence], cursor: int) -> int:
     """Add the live decoders' rows, starting at ``cursor`` and rotating; returns the new
     cursor (where the scan stopped), so that decoders beyond the budget go next time."""
     count = len(sequences)
@@ -272,7 +272,7 @@ def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[Sequence], cursor: 
     return (start + examined) % count if count else cursor
 
 
-def live_decode_rows(sequences: SequenceOf[Sequence], config: SchedulerConfig) -> int:
+def live_decode_rows(sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig) -> int:
     """Live decoders, capped at the iteration budget (the calibration key)."""
     rows = sum(1 for sequence in sequences if sequence.is_live_decoder())
     return min(rows, config.max_tokens_per_iteration)
@@ -281,8 +281,8 @@ def live_decode_rows(sequences: SequenceOf[Sequence], config: SchedulerConfig) -
 def check_plan_invariants(
     plan: IterationPlan,
     config: SchedulerConfig,
-    active: Mapping[str, Sequence],
-    waiting: SequenceOf[Sequence],
+    active: Mapping[str, ScheduledSequence],
+    waiting: SequenceOf[ScheduledSequence],
 ) -> None:
     """Raise RuntimeError, naming the values, if a fresh plan breaks a scheduler invariant.
 

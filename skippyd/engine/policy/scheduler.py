@@ -41,7 +41,7 @@ from skippyd.engine.policy.planning import (
     plan_phase_homogeneous,
     prompt_order,
 )
-from skippyd.engine.policy.sequence import Sequence, SequenceStatus
+from skippyd.engine.policy.sequence import ScheduledSequence, SequenceStatus
 from skippyd.engine.policy.step_budget import MIN_PREFILL_TOKENS, StepCostModel, TargetStretch
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Scheduler:
 
     Args:
         config: Settings; normalised on construction.
-        clock: Returns "now" in seconds for ``Sequence.admitted_at``; defaults to
+        clock: Returns "now" in seconds for ``ScheduledSequence.admitted_at``; defaults to
             ``time.monotonic``. A simulation passes its virtual clock.
     """
 
@@ -70,8 +70,8 @@ class Scheduler:
                                    f"{type(config).__name__}")
         self._config = (config or SchedulerConfig()).normalized()
         self._clock = clock or time.monotonic
-        self._active: dict[str, Sequence] = {}
-        self._waiting: list[Sequence] = []
+        self._active: dict[str, ScheduledSequence] = {}
+        self._waiting: list[ScheduledSequence] = []
         self._memory = MemoryLedger(self._config.memory_components)
         self._metrics = SchedulerMetrics()
         self._calibration = MixedCalibration()
@@ -91,7 +91,7 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
 
-    def submit(self, sequence: Sequence) -> None:
+    def submit(self, sequence: ScheduledSequence) -> None:
         """Queue a sequence for admission.
 
         The scheduler keeps and changes ``sequence`` itself from now on: the caller may
@@ -102,10 +102,10 @@ class Scheduler:
             EmptyPromptError: The prompt has no token.
             DuplicateSequenceError: The id is already waiting or active.
             WaitingQueueFullError: The waiting queue is full (counted as ``rejected_overload``).
-            PolicyInputError: ``sequence`` is not a :class:`Sequence`.
+            PolicyInputError: ``sequence`` is not a :class:`ScheduledSequence`.
         """
-        if not isinstance(sequence, Sequence):
-            raise PolicyInputError(f"submit needs a Sequence, got {type(sequence).__name__}")
+        if not isinstance(sequence, ScheduledSequence):
+            raise PolicyInputError(f"submit needs a ScheduledSequence, got {type(sequence).__name__}")
         if not sequence.prompt_tokens:
             raise EmptyPromptError()
         if sequence.id in self._active or any(w.id == sequence.id for w in self._waiting):
@@ -139,7 +139,7 @@ class Scheduler:
         if self._waiting_order_dirty:
             self._sort_waiting()
         admitted: list[str] = []
-        deferred: list[Sequence] = []
+        deferred: list[ScheduledSequence] = []
         for sequence in self._waiting:
             if len(self._active) >= self._config.max_active_sequences or not (
                 self._memory.can_reserve(_reserved(sequence))
@@ -307,8 +307,8 @@ class Scheduler:
             prefill_tokens=tokens[IterationPhase.PREFILL],
             recompute_tokens=tokens[IterationPhase.RECOMPUTE],
             decode_tokens=tokens[IterationPhase.DECODE],
-            component_used_bytes=self._memory.used(),
-            component_available_bytes=self._memory.available(),
+            component_used=self._memory.used(),
+            component_available=self._memory.available(),
             prefix_hits=metrics.prefix_hits,
             prefix_misses=metrics.prefix_misses,
             finished=metrics.finished,
@@ -321,20 +321,20 @@ class Scheduler:
 
     # -- preemption, cancellation, inspection ----------------------------------------------
 
-    def preempt_for_component_pressure(self, component_used_bytes: Iterable[int]) -> list[str]:
+    def preempt_for_component_pressure(self, component_used: Iterable[int]) -> list[str]:
         """Adopt observed memory use, then preempt until every component fits.
 
         The victim is the most recently admitted active sequence. It goes back to the front of the queue for recompute and keeps its
         ``enqueued_turn``, so its aging credit survives.
 
         Args:
-            component_used_bytes: Observed used bytes per memory component, in config
+            component_used: Observed used bytes per memory component, in config
                 order; extra or missing entries are ignored.
 
         Returns:
             Ids of the preempted sequences, in preemption order.
         """
-        self._memory.overwrite(component_used_bytes)
+        self._memory.overwrite(component_used)
         victims: list[str] = []
         while self._memory.over_capacity() and self._active:
             victims.append(self._preempt_next_victim())
@@ -371,12 +371,12 @@ class Scheduler:
         return victim.id
 
     @staticmethod
-    def _victim_key(sequence: Sequence) -> tuple[float, int]:
+    def _victim_key(sequence: ScheduledSequence) -> tuple[float, int]:
         # The latest admission (no timestamp counts as now).
         admitted_at = sequence.admitted_at if sequence.admitted_at is not None else float("inf")
         return (-admitted_at, -sequence.admission_serial)
 
-    def _release_active(self, sequence_id: str) -> Sequence:
+    def _release_active(self, sequence_id: str) -> ScheduledSequence:
         sequence = self._active.pop(sequence_id)
         self._memory.release(_reserved(sequence))
         return sequence
@@ -407,7 +407,7 @@ class Scheduler:
         self._waiting_order_dirty = True
         return True
 
-    def sequence(self, sequence_id: str) -> Sequence | None:
+    def sequence(self, sequence_id: str) -> ScheduledSequence | None:
         """A copy of an active (else waiting) sequence; None once it is gone."""
         found = self._active.get(sequence_id)
         if found is None:
@@ -423,7 +423,7 @@ class Scheduler:
         return SchedulerSnapshot(
             active_ids=tuple(sorted(self._active)),
             waiting_ids=tuple(sequence.id for sequence in self._waiting),
-            component_used_bytes=self._memory.used(),
+            component_used=self._memory.used(),
         )
 
     def progress(self) -> tuple[SequenceProgress, ...]:
@@ -448,8 +448,8 @@ class Scheduler:
         self._metrics.waiting_sequences = len(self._waiting)
 
 
-def _reserved(sequence: Sequence) -> int:
+def _reserved(sequence: ScheduledSequence) -> int:
     """The tokens a sequence reserves while admitted (set by the time it is submitted)."""
     tokens = sequence.admission_tokens
-    assert tokens is not None, "Sequence.__post_init__ sets admission_tokens"
+    assert tokens is not None, "ScheduledSequence.__post_init__ sets admission_tokens"
     return tokens

@@ -62,7 +62,7 @@ def _token_tuple(tokens: Iterable[int], what: str) -> tuple[int, ...]:
 
 
 @dataclass(eq=False, repr=False)
-class Sequence:
+class ScheduledSequence:
     """One generation request: prompt, generated tokens and scheduling state.
 
     ``admission_tokens`` defaults to ``len(prompt) + max_tokens``. The builder methods
@@ -75,7 +75,7 @@ class Sequence:
     """
 
     id: str
-    """Sequence id (unique among waiting and active sequences)."""
+    """ScheduledSequence id (unique among waiting and active sequences)."""
     prompt_tokens: tuple[int, ...]
     """Prompt token ids; stored as an immutable tuple."""
     max_tokens: int
@@ -102,27 +102,27 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str):
-            raise PolicyInputError(f"Sequence.id must be a str, got {type(self.id).__name__}")
-        self.prompt_tokens = _token_tuple(self.prompt_tokens, "Sequence.prompt_tokens")
+            raise PolicyInputError(f"ScheduledSequence.id must be a str, got {type(self.id).__name__}")
+        self.prompt_tokens = _token_tuple(self.prompt_tokens, "ScheduledSequence.prompt_tokens")
         self.generated_tokens = list(
-            _token_tuple(self.generated_tokens, "Sequence.generated_tokens")
+            _token_tuple(self.generated_tokens, "ScheduledSequence.generated_tokens")
         )
-        self.max_tokens = checked_count(self.max_tokens, "Sequence.max_tokens")
+        self.max_tokens = checked_count(self.max_tokens, "ScheduledSequence.max_tokens")
         if self.admission_tokens is None:
             self.admission_tokens = len(self.prompt_tokens) + self.max_tokens
-        self.admission_tokens = checked_count(self.admission_tokens, "Sequence.admission_tokens")
+        self.admission_tokens = checked_count(self.admission_tokens, "ScheduledSequence.admission_tokens")
         if not isinstance(self.cache_affinity, CacheAffinity):
-            raise PolicyInputError("Sequence.cache_affinity must be a CacheAffinity")
+            raise PolicyInputError("ScheduledSequence.cache_affinity must be a CacheAffinity")
 
     # -- builders ------------------------------------------------------------------------
 
-    def with_admission_tokens(self, tokens: int) -> Sequence:
+    def with_admission_tokens(self, tokens: int) -> ScheduledSequence:
         """Reserve ``max(tokens, len(prompt))`` tokens of memory on admission."""
         self.admission_tokens = max(checked_count(tokens, "admission tokens"),
                                     len(self.prompt_tokens))
         return self
 
-    def with_prefix_restore(self, restore: PrefixRestore) -> Sequence:
+    def with_prefix_restore(self, restore: PrefixRestore) -> ScheduledSequence:
         """Start the prefill after a restored prefix.
 
         At least one token is always replayed: a restored prefix carries no sampled next
@@ -134,7 +134,7 @@ class Sequence:
         self.prefix_restore = restore
         return self
 
-    def with_cache_affinity(self, affinity: CacheAffinity) -> Sequence:
+    def with_cache_affinity(self, affinity: CacheAffinity) -> ScheduledSequence:
         """Set the cache matches used by cache-aware admission ordering."""
         if not isinstance(affinity, CacheAffinity):
             raise PolicyInputError("with_cache_affinity needs a CacheAffinity")
@@ -194,7 +194,7 @@ class Sequence:
         limit = replay_len if self.generated_tokens else max(0, replay_len - 1)
         self.prefill_cursor = min(restored, limit)
 
-    def clone(self) -> Sequence:
+    def clone(self) -> ScheduledSequence:
         """A copy that shares nothing mutable with this sequence."""
         duplicate = copy.copy(self)
         duplicate.generated_tokens = list(self.generated_tokens)
@@ -206,7 +206,7 @@ class Sequence:
     def anon_repr(self) -> str:
         """A log-safe description without prompt or generated token ids."""
         return (
-            f"Sequence(id={self.id!r}, prompt={len(self.prompt_tokens)} tokens, "
+            f"ScheduledSequence(id={self.id!r}, prompt={len(self.prompt_tokens)} tokens, "
             f"generated={len(self.generated_tokens)}, max_tokens={self.max_tokens}, "
             f"status={self.status.value}, "
             f"cursor={self.prefill_cursor})"

@@ -168,7 +168,7 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class IterationRequest:
-    """One session's rows in a batched iteration (``RuntimeIterationBatchRequest``).
+    """One session's rows in a batched iteration.
 
     Exactly one of ``token_ids`` (first stage) and ``input_rows`` (non-first stage,
     float32 of shape ``(n_tokens, n_embd)``, token-major) carries the input.
@@ -206,7 +206,7 @@ class IterationSample:
 
 @dataclass(slots=True)
 class IterationOutput:
-    """Result of one batched call (``IterationBatchOutput``)."""
+    """Result of one batched call."""
 
     output_rows: list[np.ndarray | None] = field(default_factory=list)
     """Per request, in order: captured activation rows (non-final stage) or None."""
@@ -257,7 +257,7 @@ class Runtime(Protocol):
 
     @property
     def max_batch_tokens(self) -> int:
-        """Most tokens one :meth:`iteration_batch_sampled` call may carry (``n_batch``)."""
+        """Most tokens one :meth:`run_iteration` call may carry (``n_batch``)."""
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -279,9 +279,6 @@ class Runtime(Protocol):
     def session_token_count(self, session_id: str) -> int | None:
         """Tokens in the session's KV, or None when the session is not active."""
 
-    def session_seq_id(self, session_id: str) -> int | None:
-        """The lane (llama.cpp sequence id) the session holds, or None."""
-
     def ensure_session_active(self, session_id: str, lane: int | None = None,
                               keep_tokens: int = 0) -> None:
         """Give the session a lane unless it already has one.
@@ -298,7 +295,7 @@ class Runtime(Protocol):
             InvalidIterationError: ``lane`` is not idle or holds fewer tokens.
         """
 
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+    def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         """Run every request's rows in one batched model call, then sample.
 
         Each request's rows go into its session at its explicit positions (the first one
@@ -383,7 +380,7 @@ class Runtime(Protocol):
         """Token ids a lane's KV holds (its session's, or kept after it ended)."""
 
     def lane_of(self, session_id: str) -> int | None:
-        """The lane an active session is bound to."""
+        """The lane an active session is bound to, or None when it holds none."""
 
     def idle_lanes(self) -> list[int]:
         """Lanes no session is bound to, lowest first."""

@@ -33,9 +33,8 @@ class StateMappings:
     """Where saved states get their memory: a mapping a dropped state left, or a new one.
 
     Saving into a fresh anonymous mapping faults in every page as llama.cpp writes it,
-    and that, not the copy, was most of a save: a 2.8 MB state (124 SmolLM2 tokens) took
-    2.4 ms on a 2-core VM, 1.0 ms with the pages faulted in by ``MAP_POPULATE``, and a
-    copy into pages already touched 0.1 ms. A save runs on the worker thread between
+    and that, not the copy, is most of a save (``docs/performance-notes.md`` has the
+    figures). A save runs on the worker thread between
     steps, so every running stream waits for it. Under a stream of unique prompts every
     reused lane saves a state while the host tier drops another of about the same size:
     kept for the next save, that mapping makes the save nearly free.

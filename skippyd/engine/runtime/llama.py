@@ -3,13 +3,13 @@
 One model and one context with ``n_seq_max = lane_count`` and one KV stream per lane
 (``kv_unified = False``, as llama-server runs its slots): ``ctx_size`` cells split evenly
 between the lanes. A lane is a sequence id; a session is bound to one lane while it is
-active, and every call to :meth:`LlamaRuntime.iteration_batch_sampled` is exactly one
+active, and every call to :meth:`LlamaRuntime.run_iteration` is exactly one
 ``llama_decode`` holding the rows of many sessions.
 
 Why per-lane streams: with one unified pool every token's attention spans every used
-cell of every sequence (llama.cpp pads the span to the highest used cell), so 8 lanes of
-~120 tokens each cost an 8-sequence decode step 14 % more than with a stream per lane,
-and cells a cache keeps around cost every step. In return a lane holds at most
+cell of every sequence (llama.cpp pads the span to the highest used cell), so on a small
+model a decode step of many short lanes costs more than with a stream per lane, and
+cells a cache keeps around cost every step. In return a lane holds at most
 ``ctx_size / lane_count`` tokens, and a lane keeps its KV after its session ends: the
 prefix cache reuses it in place (see :mod:`skippyd.engine.runtime.lanes`).
 
@@ -69,7 +69,7 @@ from skippyd.engine.runtime.token_logprobs import (
     token_logprob,
 )
 from skippyd.engine.runtime.watch import CallWatch, unwatched
-from skippyd.gguf.inspect import inspect_model
+from skippyd.gguf.model_info import inspect_model
 
 logger = logging.getLogger(__name__)
 
@@ -288,10 +288,6 @@ class LlamaRuntime:
         lane = self._lanes.sessions.get(session_id)
         return None if lane is None else lane.token_count
 
-    def session_seq_id(self, session_id: str) -> int | None:
-        lane = self._lanes.sessions.get(session_id)
-        return None if lane is None else lane.seq_id
-
     def kv_cells_used(self) -> int:
         """Cells held by active sessions (idle lanes' kept KV is the prefix cache's)."""
         return self._lanes.cells_used()
@@ -351,8 +347,9 @@ class LlamaRuntime:
         return tuple(self._lanes.lane(lane).history)
 
     def lane_of(self, session_id: str) -> int | None:
-        """The lane an active session is bound to."""
-        return self.session_seq_id(session_id)
+        """The lane an active session is bound to, or None when it holds none."""
+        lane = self._lanes.sessions.get(session_id)
+        return None if lane is None else lane.seq_id
 
     def idle_lanes(self) -> list[int]:
         """Lanes no session is bound to, lowest first."""
@@ -382,7 +379,7 @@ class LlamaRuntime:
         return self._lanes.load(self._lanes.require(session_id), state, tokens)
 
     # -- iterations ------------------------------------------------------------------
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+    def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         """Run one ``llama_decode`` for every request; sample where asked.
 
         Raises:
@@ -554,11 +551,10 @@ class LlamaRuntime:
         docstring), so a decode step of lanes 0-2 and 4-7, one lane between two
         requests, runs as two graph evaluations. A row for lane 3, one past its last
         cell and removed after the call (:meth:`_remove_padding`), joins them again and
-        leaves the lane's cells as they were. Measured on SmolLM2-135M with 2 threads,
-        padded against unpadded in alternation: 4-13 % off such a step with one hole
-        among 7 or 3 rows, 2-8 % with two holes among 6 rows. Rows of two distant lanes
-        run faster as two small evaluations (a filler made lanes 0 and 2 2 % slower),
-        hence at least :data:`PAD_ROWS_PER_HOLE` rows per hole.
+        leaves the lane's cells as they were. One evaluation is cheaper than two when a
+        hole lies among several rows; rows of two distant lanes run faster as two small
+        evaluations, hence at least :data:`PAD_ROWS_PER_HOLE` rows per hole
+        (``docs/performance-notes.md`` has the measurements).
         """
         if self._capture is not None or not self.options.first_stage or not sessions:
             return []

@@ -2,7 +2,7 @@
 
 :class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
 and the link to the rest of the chain, so stage 0's unchanged worker and
-policy drive the whole pipeline: each ``iteration_batch_sampled`` runs the local layers,
+policy drive the whole pipeline: each ``run_iteration`` runs the local layers,
 ships the rows (with tokens, positions and sampling) downstream as batches, and returns
 the predictions that the final stage sends straight back.
 
@@ -133,9 +133,6 @@ class PipelineRuntime:
         """Stage 0's own KV cells (every later stage holds the same sessions)."""
         return self.local.kv_cells_used()
 
-    def session_seq_id(self, session_id: str) -> int | None:
-        return self.local.session_seq_id(session_id)
-
     def session_token_count(self, session_id: str) -> int | None:
         """Tokens of the session as the scheduler sees them (look-ahead excluded)."""
         count = self.local.session_token_count(session_id)
@@ -232,7 +229,7 @@ class PipelineRuntime:
 
     # -- iterations ---------------------------------------------------------------------
 
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+    def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         """Run the local layers, ship the rows, and return the final stage's samples.
 
         Raises:
@@ -316,7 +313,7 @@ class PipelineRuntime:
                                   positions=range(start, start + len(r.token_ids)),
                                   sampling=r.sampling, phase=r.phase) for r, start in items]
         started = time.perf_counter()
-        output = self.local.iteration_batch_sampled(local)
+        output = self.local.run_iteration(local)
         timeline = self.counters.timeline
         timeline.runtime_s += time.perf_counter() - started - output.compute_s
         timeline.compute_s += output.compute_s

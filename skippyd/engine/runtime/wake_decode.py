@@ -4,8 +4,8 @@ The worker wakes the HTTP event loop right before each ``llama_decode`` (its wai
 so the loop handles the last step's tokens while llama.cpp computes. Waking it from
 Python means writing its eventfd while holding the GIL: the woken thread takes the CPU,
 finds the GIL held, sleeps again on it, and is woken a second time when the worker
-releases the GIL for the decode. On 2 cores that back-and-forth cost the worker about
-50 µs per step, between two model calls. :func:`decode_signalling` writes the eventfd
+releases the GIL for the decode, and the worker pays for that back-and-forth between
+two model calls. :func:`decode_signalling` writes the eventfd
 from C, inside the same foreign call as ``llama_decode``: ctypes has released the GIL by
 then, so the loop thread finds it free.
 

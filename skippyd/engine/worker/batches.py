@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING
 
 from skippyd.engine.runtime.contract import IterationOutput, RuntimeFailure, SessionAlignment
 from skippyd.engine.telemetry_events import DirectBatchFinished
-from skippyd.engine.worker.commands import (
-    DropSessionCommand,
-    IterationOutcome,
-    WorkerBackendError,
-    WorkerError,
-    WorkerStats,
-    worker_error_from_runtime,
-)
+from skippyd.engine.worker.commands import DropSessionCommand
 from skippyd.engine.worker.direct_batch import (
     DIRECT_ITERATION_COALESCE_WINDOW_S,
     DirectIteration,
+    IterationOutcome,
     direct_coalesce_target,
     resolve_future,
     take_direct_iteration_batch,
 )
+from skippyd.engine.worker.worker_errors import (
+    WorkerBackendError,
+    WorkerError,
+    worker_error_from_runtime,
+)
+from skippyd.engine.worker.worker_stats import WorkerStats
 
 if TYPE_CHECKING:
     from skippyd.engine.worker.command_loop import CommandLoop
@@ -130,7 +130,7 @@ class BatchWorker:
         requests = [item.make_runtime_request() for item, _ in runnable]
         try:
             self._loop.faults.reach("direct")
-            output = self._runtime.iteration_batch_sampled(requests)
+            output = self._runtime.run_iteration(requests)
             samples = _map_samples(output, len(requests))
         except (RuntimeFailure, WorkerError) as exc:
             self._answer(runnable, exc if isinstance(exc, WorkerError)

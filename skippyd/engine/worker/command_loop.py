@@ -34,25 +34,27 @@ from typing import Any, Protocol
 from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.telemetry_events import RuntimeOperationFinished, WorkerFailed
 from skippyd.engine.worker.commands import (
-    WORKER_PANIC_MESSAGE,
     CancelCommand,
     DropSessionCommand,
-    ErrorEvent,
     RuntimeOperation,
     ShutdownCommand,
     SubmitCommand,
-    WorkerBackendError,
-    WorkerError,
-    WorkerStats,
-    WorkerStoppedError,
 )
 from skippyd.engine.worker.direct_batch import DirectIteration, resolve_future
 from skippyd.engine.worker.faults import FaultSwitch
+from skippyd.engine.worker.generation_events import ErrorEvent
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import (
     TelemetryHub,
 )
 from skippyd.engine.worker.wait_hooks import WaitHooks
+from skippyd.engine.worker.worker_errors import (
+    WORKER_PANIC_MESSAGE,
+    WorkerBackendError,
+    WorkerError,
+    WorkerStoppedError,
+)
+from skippyd.engine.worker.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +293,8 @@ class CommandLoop:
         """Replace the stats snapshot (one reference assignment: atomic for readers).
 
         Called when the worker goes idle and at most every :data:`STATS_INTERVAL_S`
-        while it is busy: building the snapshot every step cost about 1 % of a step.
+        while it is busy: building the snapshot every step would cost a measurable share
+        of a small model's step.
         """
         self._stats_published_at = time.monotonic()
         stats = WorkerStats(

@@ -25,11 +25,11 @@ from skippyd.engine.runtime.contract import (
     IterationRequest,
     RowPhase,
     SamplingConfig,
+    SessionAlignment,
 )
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.worker_errors import (
     DeadlineExceededError,
     InvalidRequestError,
-    IterationOutcome,
     RequestCancelledError,
 )
 
@@ -94,6 +94,23 @@ def validate_direct_iteration(
         )
     if positions and len(positions) % num_tokens != 0:
         raise InvalidRequestError("scheduler iteration positions must be empty or token-major")
+
+
+@dataclass(frozen=True, slots=True)
+class IterationOutcome:
+    """One caller's share of a direct batched iteration."""
+
+    predicted: int
+    """Sampled token, or -1 when the request did not sample."""
+    is_eog: bool
+    output_rows: np.ndarray | None
+    """Captured activation rows (non-final stage) or None."""
+    batch_size: int
+    batch_wait_ms: float
+    """Time this request spent queued before its batch ran."""
+    run_ms: float
+    """Time the batched runtime call took."""
+    session_alignment: SessionAlignment | None = None
 
 
 @dataclass(frozen=True, slots=True)

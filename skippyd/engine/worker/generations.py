@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 from skippyd.engine.policy import (
     IterationPlan,
     PolicyInputError,
+    ScheduledSequence,
     Scheduler,
-    Sequence,
     SequenceStatus,
     WaitingQueueFullError,
 )
@@ -40,33 +40,32 @@ from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.contract import RuntimeFailure
 from skippyd.engine.telemetry_events import RequestAdmitted, RequestFinished, RequestPreempted
 from skippyd.engine.worker.choice_forks import ChoiceForks
-from skippyd.engine.worker.commands import (
-    IDLE_POLL_INTERVAL_S,
-    AdmissionTimeoutError,
+from skippyd.engine.worker.commands import IDLE_POLL_INTERVAL_S, CancelCommand, SubmitCommand
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
-    CancelCommand,
     CompleteEvent,
     ErrorEvent,
     FinalEvent,
-    InvalidRequestError,
-    LaneInfo,
     PromptLogprobsEvent,
-    QueueFullError,
-    RequestCancelledError,
-    StalledError,
-    SubmitCommand,
     TokenAck,
     TokenEvent,
-    WorkerBackendError,
-    WorkerError,
-    WorkerStats,
-    worker_error_from_runtime,
 )
 from skippyd.engine.worker.plan_execution import PlanExecutor, PlanResult
 from skippyd.engine.worker.prefix_admission import NO_CACHE, Admission, PrefixAdmission
 from skippyd.engine.worker.record import NOT_ADMITTED, Generation, GenerationStatus
 from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import step_finished
+from skippyd.engine.worker.worker_errors import (
+    AdmissionTimeoutError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestCancelledError,
+    StalledError,
+    WorkerBackendError,
+    WorkerError,
+    worker_error_from_runtime,
+)
+from skippyd.engine.worker.worker_stats import LaneInfo, WorkerStats
 
 if TYPE_CHECKING:
     from skippyd.engine.worker.command_loop import CommandLoop
@@ -169,7 +168,7 @@ class GenerationWorker:
                 phase = "decode"
             else:
                 phase = "recompute" if progress.generated_tokens else "prefill"
-            lane = self._runtime.session_seq_id(progress.sequence_id)
+            lane = self._runtime.lane_of(progress.sequence_id)
             rows.append(LaneInfo(-1 if lane is None else lane, progress.sequence_id, phase,
                                  progress.prompt_tokens, progress.generated_tokens))
         return tuple(rows)
@@ -237,7 +236,7 @@ class GenerationWorker:
         gen.sequence = sequence
         gen.move_to(_S.WAITING)
 
-    def _make_sequence(self, gen: Generation, admission: Admission) -> Sequence:
+    def _make_sequence(self, gen: Generation, admission: Admission) -> ScheduledSequence:
         request = gen.request
         # Reserve bounded decode headroom, not the client's whole ceiling.
         reserve = admission_tokens(len(request.prompt_tokens), request.max_tokens,
@@ -246,7 +245,7 @@ class GenerationWorker:
         if sampling is not None and sampling.grammar is not None:
             # The grammar constrains what follows the prompt (replayed after a preemption).
             sampling = dataclasses.replace(sampling, grammar_start=len(request.prompt_tokens))
-        sequence = Sequence(id=gen.id, prompt_tokens=tuple(request.prompt_tokens),
+        sequence = ScheduledSequence(id=gen.id, prompt_tokens=tuple(request.prompt_tokens),
                             max_tokens=request.max_tokens, sampling=sampling)
         sequence.with_admission_tokens(reserve).with_cache_affinity(admission.affinity)
         if admission.restore is not None:

@@ -31,22 +31,26 @@ from skippyd.engine.worker.command_loop import Command, CommandLoop
 from skippyd.engine.worker.commands import (
     CancelCommand,
     DropSessionCommand,
-    GenerationEvent,
-    GenerationRequest,
-    InvalidRequestError,
-    IterationOutcome,
-    QueueFullError,
     RuntimeOperation,
     SubmitCommand,
-    WorkerStats,
-    WorkerStoppedError,
 )
-from skippyd.engine.worker.direct_batch import DirectIteration, validate_direct_iteration
+from skippyd.engine.worker.direct_batch import (
+    DirectIteration,
+    IterationOutcome,
+    validate_direct_iteration,
+)
 from skippyd.engine.worker.faults import FaultSwitch
+from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.generations import GenerationWorker
 from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
 from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.wait_hooks import WaitHook
+from skippyd.engine.worker.worker_errors import (
+    InvalidRequestError,
+    QueueFullError,
+    WorkerStoppedError,
+)
+from skippyd.engine.worker.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 

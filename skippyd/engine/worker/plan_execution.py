@@ -39,12 +39,12 @@ from skippyd.engine.runtime.contract import (
     RuntimeFailure,
     TokenLogprob,
 )
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.faults import FaultSwitch
+from skippyd.engine.worker.worker_errors import (
     InvalidRequestError,
     RuntimeCapacityError,
     WorkerError,
 )
-from skippyd.engine.worker.faults import FaultSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class PlanExecutor:
         self._faults.reach("execute")
         self._before_model_call()
         started = time.monotonic()
-        output = self._runtime.iteration_batch_sampled(requests)
+        output = self._runtime.run_iteration(requests)
         elapsed = time.monotonic() - started
         return PlanResult(plan, index_samples(output, len(requests)), elapsed,
                           dict(output.prompt_logprobs))

@@ -5,7 +5,7 @@
 :class:`~skippyd.engine.worker.record.Generation`.
 
 * **hit**: the prompt starts with a cached prefix. The request leases that entry; its
-  policy ``Sequence`` gets ``with_prefix_restore`` (the policy's replay rule keeps the
+  policy ``ScheduledSequence`` gets ``with_prefix_restore`` (the policy's replay rule keeps the
   last prompt token computed) and a ``CacheAffinity`` from the same lookup, so the
   policy's cache-aware ordering sees its value. When the request gets a lane it is the
   entry's own lane if that is idle (nothing to copy), else the entry is copied or, from
@@ -187,5 +187,5 @@ def recompute(runtime: Runtime, session_id: str, tokens: tuple[int, ...],
     chunk_tokens = max(1, chunk_tokens)
     for start in range(0, len(tokens), chunk_tokens):
         chunk = tokens[start:start + chunk_tokens]
-        runtime.iteration_batch_sampled([IterationRequest(
+        runtime.run_iteration([IterationRequest(
             session_id, chunk, positions=range(start, start + len(chunk)))])

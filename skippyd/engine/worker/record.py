@@ -26,17 +26,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.commands import SubmitCommand
+from skippyd.engine.worker.generation_events import (
     AckSlot,
     FinalEvent,
     GenerationEvent,
     GenerationRequest,
-    SubmitCommand,
     TokenControl,
 )
 
 if TYPE_CHECKING:
-    from skippyd.engine.policy import Sequence
+    from skippyd.engine.policy import ScheduledSequence
     from skippyd.engine.prefix_cache import Lease
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Generation:
     submitted_at: float
     """Worker clock when the Submit was taken off the queue."""
     status: GenerationStatus = GenerationStatus.NEW
-    sequence: Sequence | None = None
+    sequence: ScheduledSequence | None = None
     """The policy's sequence, once it entered the policy (the same object)."""
     lease: Lease | None = None
     """Its claim on a prefix-cache entry, from lookup until it leaves."""

@@ -273,7 +273,7 @@ def publish_worker_start(hub: TelemetryHub, settings: WorkerSettings) -> None:
 def step_finished(step: IterationTelemetry, step_ms: float,
                   execution_ms: float) -> StepFinished:
     """The :class:`StepFinished` event of one planned step."""
-    available = dict(step.component_available_bytes)
+    available = dict(step.component_available)
     return StepFinished(
         iteration=step.iteration, running=step.active_sequences,
         waiting=step.waiting_sequences, admitted=step.admitted, preempted=step.preempted,
@@ -283,4 +283,4 @@ def step_finished(step: IterationTelemetry, step_ms: float,
         finished=step.finished, failed=step.failed, cancelled=step.cancelled,
         rejected_overload=step.rejected_overload,
         components=tuple(ComponentBytes(name, used, available.get(name, 0))
-                         for name, used in step.component_used_bytes))
+                         for name, used in step.component_used))

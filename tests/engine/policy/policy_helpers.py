@@ -10,9 +10,9 @@ from skippyd.engine.policy import (
     IterationPlan,
     IterationPrediction,
     IterationTelemetry,
+    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
-    Sequence,
 )
 
 _counter = itertools.count(1000)
@@ -32,10 +32,10 @@ def make_scheduler(**overrides: object) -> Scheduler:
 
 
 def make_sequence(sequence_id: str, prompt: Iterable[int] | int, max_tokens: int = 8,
-                  **fields: object) -> Sequence:
+                  **fields: object) -> ScheduledSequence:
     """A sequence; an int ``prompt`` means that many distinct tokens."""
     tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
-    return Sequence(sequence_id, tokens, max_tokens, **fields)
+    return ScheduledSequence(sequence_id, tokens, max_tokens, **fields)
 
 
 def sampling_predictions(
@@ -58,5 +58,5 @@ def run_step(
 
 
 def work_ids(plan: IterationPlan) -> list[str]:
-    """Sequence ids of a plan's works, in plan order."""
+    """ScheduledSequence ids of a plan's works, in plan order."""
     return [work.sequence_id for work in plan.work]

@@ -1,4 +1,4 @@
-"""Cache-aware ordering, ported by name from the original's cache-policy tests."""
+"""Cache-aware ordering: prefix groups, cache value, aging and the order's stability."""
 
 from __future__ import annotations
 

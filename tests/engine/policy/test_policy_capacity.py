@@ -1,4 +1,4 @@
-"""Component capacity planning: the five original scenarios."""
+"""Component capacity planning: five scenarios of competing memory components."""
 
 from __future__ import annotations
 

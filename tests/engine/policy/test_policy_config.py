@@ -14,9 +14,9 @@ from skippyd.engine.policy import (
     MemoryComponent,
     PolicyInputError,
     PrefixRestore,
+    ScheduledSequence,
     SchedulerConfig,
     SchedulerConfigError,
-    Sequence,
     SequenceStatus,
 )
 
@@ -27,13 +27,13 @@ def test_the_sequence_limit_is_llama_cpps():
 
 
 def test_request_memory_includes_fixed_recurrent_state():
-    recurrent = MemoryComponent("recurrent-state", capacity_bytes=1 << 20, bytes_per_sequence=4096)
-    assert recurrent.request_bytes(1, 1) == 4096
-    assert recurrent.request_bytes(10_000, 512) == 4096
-    kv = MemoryComponent("kv-cells", capacity_bytes=1 << 20, bytes_per_token=2,
-                         bytes_per_sequence=7)
-    assert kv.request_bytes(10, 5) == 7 + 2 * 15
-    assert kv.reservation_bytes(20) == 7 + 2 * 20
+    recurrent = MemoryComponent("recurrent-state", capacity=1 << 20, per_sequence=4096)
+    assert recurrent.request_cost(1, 1) == 4096
+    assert recurrent.request_cost(10_000, 512) == 4096
+    kv = MemoryComponent("kv-cells", capacity=1 << 20, per_token=2,
+                         per_sequence=7)
+    assert kv.request_cost(10, 5) == 7 + 2 * 15
+    assert kv.reservation(20) == 7 + 2 * 20
 
 
 def test_defaults_are_a_default_stage_s_and_already_normalized():
@@ -78,30 +78,30 @@ def test_invalid_config_values_raise_a_typed_error_naming_the_field(field, value
 
 
 def test_invalid_memory_component_is_rejected():
-    with pytest.raises(SchedulerConfigError, match="bytes_per_token"):
-        MemoryComponent("kv", capacity_bytes=10, bytes_per_token=-1)
+    with pytest.raises(SchedulerConfigError, match="per_token"):
+        MemoryComponent("kv", capacity=10, per_token=-1)
     with pytest.raises(SchedulerConfigError, match="unique"):
         SchedulerConfig(memory_components=[MemoryComponent("kv", 1), MemoryComponent("kv", 2)])
-    assert MemoryComponent("kv", capacity_bytes=10, resident_bytes=25).available_bytes() == 0
+    assert MemoryComponent("kv", capacity=10, resident=25).available() == 0
 
 
 def test_sequence_builders_follow_the_replay_rules():
-    sequence = Sequence("s", [1, 2, 3, 4], 10)
+    sequence = ScheduledSequence("s", [1, 2, 3, 4], 10)
     assert sequence.admission_tokens == 14
     assert sequence.with_admission_tokens(2).admission_tokens == 4  # never below the prompt
     assert sequence.with_admission_tokens(100).admission_tokens == 100
-    restored = Sequence("r", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 99))
+    restored = ScheduledSequence("r", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 99))
     assert restored.prefill_cursor == 3  # at least one token is replayed for logits
     assert SequenceStatus.FAILED.is_finished() and not SequenceStatus.PREEMPTED.is_finished()
 
 
 def test_reset_for_recompute_restarts_at_the_restored_prefix():
-    sequence = Sequence("s", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 2))
+    sequence = ScheduledSequence("s", [1, 2, 3, 4], 10).with_prefix_restore(PrefixRestore("p", 2))
     sequence.generated_tokens.extend([5, 6])
     sequence.reset_for_recompute()
     assert (sequence.status, sequence.prefill_cursor, sequence.admitted_at) == (
         SequenceStatus.PREEMPTED, 2, None)
-    whole = Sequence("w", [1, 2, 3], 10).with_prefix_restore(PrefixRestore("p", 3))
+    whole = ScheduledSequence("w", [1, 2, 3], 10).with_prefix_restore(PrefixRestore("p", 3))
     whole.reset_for_recompute()
     assert whole.prefill_cursor == 2  # nothing generated yet: the last token must run
 
@@ -109,11 +109,11 @@ def test_reset_for_recompute_restarts_at_the_restored_prefix():
 def test_bad_sequences_are_rejected_without_changing_the_scheduler():
     scheduler = make_scheduler()
     with pytest.raises(PolicyInputError, match="max_tokens"):
-        Sequence("x", [1], -1)
+        ScheduledSequence("x", [1], -1)
     with pytest.raises(PolicyInputError, match="prompt_tokens"):
-        Sequence("x", [1.5], 3)
+        ScheduledSequence("x", [1.5], 3)
     with pytest.raises(EmptyPromptError, match="at least one token"):
-        scheduler.submit(Sequence("empty", [], 3))
+        scheduler.submit(ScheduledSequence("empty", [], 3))
     scheduler.submit(make_sequence("a", 2))
     with pytest.raises(DuplicateSequenceError, match="already queued or active: a"):
         scheduler.submit(make_sequence("a", 3))

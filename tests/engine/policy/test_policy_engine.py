@@ -1,4 +1,4 @@
-"""Scheduler engine tests, ported by name from the original's engine tests."""
+"""The scheduler's rules: admission, planning, completion and preemption."""
 
 from __future__ import annotations
 
@@ -157,8 +157,8 @@ def test_sparse_iteration_predictions_map_to_their_explicit_work_rows():
 
 def test_admission_uses_effective_minimum_across_components():
     scheduler = make_scheduler(memory_components=[
-        MemoryComponent("kv-cells", capacity_bytes=1 << 30, bytes_per_token=1),
-        MemoryComponent("recurrent-state", capacity_bytes=1024, bytes_per_sequence=1024),
+        MemoryComponent("kv-cells", capacity=1 << 30, per_token=1),
+        MemoryComponent("recurrent-state", capacity=1024, per_sequence=1024),
     ])
     scheduler.submit(make_sequence("a", 4))
     scheduler.submit(make_sequence("b", 4))
@@ -166,7 +166,7 @@ def test_admission_uses_effective_minimum_across_components():
     assert plan.admitted == 1
     snapshot = scheduler.snapshot()
     assert (snapshot.active_ids, snapshot.waiting_ids) == (("a",), ("b",))
-    assert snapshot.component_used_bytes == (("kv-cells", 12), ("recurrent-state", 1024))
+    assert snapshot.component_used == (("kv-cells", 12), ("recurrent-state", 1024))
 
 
 def test_admission_groups_the_heaviest_waiting_prefix_subtree():
@@ -229,17 +229,17 @@ def test_missing_sample_prediction_fails_instead_of_finishing_sequence():
 def test_cancellation_releases_memory_and_removes_waiting_or_active_sequence():
     scheduler = make_scheduler(
         max_active_sequences=1,
-        memory_components=[MemoryComponent("kv", capacity_bytes=1000, bytes_per_token=1)],
+        memory_components=[MemoryComponent("kv", capacity=1000, per_token=1)],
     )
     scheduler.submit(make_sequence("active", 4))
     scheduler.submit(make_sequence("waiting", 4))
     scheduler.plan_iteration()
-    assert scheduler.snapshot().component_used_bytes == (("kv", 12),)
+    assert scheduler.snapshot().component_used == (("kv", 12),)
     assert scheduler.cancel("active") and scheduler.cancel("waiting")
     assert not scheduler.cancel("waiting")
     snapshot = scheduler.snapshot()
     assert (snapshot.active_ids, snapshot.waiting_ids) == ((), ())
-    assert snapshot.component_used_bytes == (("kv", 0),)
+    assert snapshot.component_used == (("kv", 0),)
     assert scheduler.metrics().cancelled == 2
 
 
@@ -247,7 +247,7 @@ def test_repeated_component_preemption_preserves_aging_credit():
     scheduler = make_scheduler(
         max_active_sequences=1,
         cache_aging_cost_per_iteration=10,
-        memory_components=[MemoryComponent("kv", capacity_bytes=1000, bytes_per_token=1)],
+        memory_components=[MemoryComponent("kv", capacity=1000, per_token=1)],
     )
     hot = CacheAffinity.from_stage(StageCacheAffinity(0, 40, 2))  # saved cost 80
     scheduler.submit(make_sequence("cold", 4, max_tokens=500))
@@ -269,7 +269,7 @@ def test_repeated_component_preemption_preserves_aging_credit():
 def test_preempted_sequence_recomputes_then_decodes_its_pending_token():
     scheduler = make_scheduler(
         prefill_chunk_tokens=3,
-        memory_components=[MemoryComponent("kv", capacity_bytes=100, bytes_per_token=1)],
+        memory_components=[MemoryComponent("kv", capacity=100, per_token=1)],
     )
     scheduler.submit(make_sequence("a", [10, 11, 12, 13], max_tokens=10))
     run_step(scheduler)  # first prefill chunk, no sampling
@@ -292,7 +292,7 @@ def test_preempted_sequence_recomputes_then_decodes_its_pending_token():
 def test_preemption_picks_the_latest_admission():
     scheduler = make_scheduler(
         max_active_sequences=2,
-        memory_components=[MemoryComponent("kv", capacity_bytes=100, bytes_per_token=1)],
+        memory_components=[MemoryComponent("kv", capacity=100, per_token=1)],
     )
     scheduler.submit(make_sequence("old", 2, max_tokens=10))
     scheduler.submit(make_sequence("gone", 2, max_tokens=10))
@@ -304,7 +304,7 @@ def test_preemption_picks_the_latest_admission():
     # Each holds 12 units; 104 observed -> dropping the latest admission (new) suffices.
     assert scheduler.preempt_for_component_pressure([104]) == ["new"]
     assert scheduler.snapshot().waiting_ids == ("new",)
-    assert scheduler.snapshot().component_used_bytes == (("kv", 92),)
+    assert scheduler.snapshot().component_used == (("kv", 92),)
     scheduler.preempt_for_component_pressure([0])
     run_step(scheduler)
     assert scheduler.snapshot().active_ids == ("new", "old")
@@ -344,14 +344,14 @@ def test_waiting_queue_is_resorted_only_when_it_changes(monkeypatch):
 
 def test_admission_skips_a_request_that_does_not_fit_without_blocking_later_ones():
     scheduler = make_scheduler(
-        memory_components=[MemoryComponent("kv", capacity_bytes=40, bytes_per_token=1)])
+        memory_components=[MemoryComponent("kv", capacity=40, per_token=1)])
     scheduler.submit(make_sequence("small-1", 4, max_tokens=6))
     scheduler.submit(make_sequence("huge", 30, max_tokens=20))
     scheduler.submit(make_sequence("small-2", 4, max_tokens=6))
     plan = scheduler.plan_iteration()
     assert work_ids(plan) == ["small-1", "small-2"]
     assert scheduler.snapshot().waiting_ids == ("huge",)
-    assert scheduler.snapshot().component_used_bytes == (("kv", 20),)
+    assert scheduler.snapshot().component_used == (("kv", 20),)
 
 
 def test_plan_is_fresh_and_survives_dropped_works():
@@ -371,14 +371,14 @@ def test_plan_is_fresh_and_survives_dropped_works():
 
 def test_preempt_one_uses_the_victim_rule_without_memory_pressure():
     scheduler = make_scheduler(
-        memory_components=[MemoryComponent("kv", capacity_bytes=100, bytes_per_token=1)])
+        memory_components=[MemoryComponent("kv", capacity=100, per_token=1)])
     scheduler.submit(make_sequence("important", [1, 2], max_tokens=10))
     scheduler.submit(make_sequence("first", [3, 4], max_tokens=10))
     run_step(scheduler)
     scheduler.submit(make_sequence("second", [5, 6], max_tokens=10))
     run_step(scheduler)
     assert scheduler.preempt_one() == "second"
-    assert scheduler.snapshot().component_used_bytes == (("kv", 24),)
+    assert scheduler.snapshot().component_used == (("kv", 24),)
     assert scheduler.preempt_one() == "first"
     assert scheduler.preempt_one() == "important"
     assert scheduler.preempt_one() is None

@@ -16,9 +16,9 @@ from skippyd.engine.policy import (
     IterationPrediction,
     MemoryComponent,
     PrefixRestore,
+    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
-    Sequence,
     StageCacheAffinity,
 )
 
@@ -66,7 +66,7 @@ class Run:
 
 def _make(config: dict, kv_capacity: int) -> Scheduler:
     ticks = itertools.count()
-    memory = [MemoryComponent("kv", kv_capacity, bytes_per_token=1)]
+    memory = [MemoryComponent("kv", kv_capacity, per_token=1)]
     return Scheduler(SchedulerConfig(memory_components=memory, **config),
                      clock=lambda: float(next(ticks)))
 
@@ -79,7 +79,7 @@ def _check_state(scheduler: Scheduler, kv_capacity: int) -> None:
     snapshot = scheduler.snapshot()
     assert not set(snapshot.active_ids) & set(snapshot.waiting_ids)
     assert len(snapshot.active_ids) <= scheduler.config.max_active_sequences
-    [(_, used)] = snapshot.component_used_bytes
+    [(_, used)] = snapshot.component_used
     assert used <= kv_capacity
 
 
@@ -114,7 +114,7 @@ def _apply(scheduler: Scheduler, run: Run, op: tuple, names: itertools.count) ->
     kind = op[0]
     if kind == "submit":
         _, prompt, max_tokens, restored, matched = op
-        sequence = Sequence(f"s{next(names)}", prompt, max_tokens)
+        sequence = ScheduledSequence(f"s{next(names)}", prompt, max_tokens)
         if restored:
             sequence.with_prefix_restore(PrefixRestore("page", restored))
         if matched:
@@ -133,7 +133,7 @@ def _apply(scheduler: Scheduler, run: Run, op: tuple, names: itertools.count) ->
         run.live.discard(victim)
     elif kind == "preempt":
         # Observed use = our reservations plus foreign pressure that preemption can absorb.
-        available = scheduler.config.memory_components[0].available_bytes()
+        available = scheduler.config.memory_components[0].available()
         pressure = min(op[1], available)
         if scheduler.preempt_for_component_pressure([_reserved(scheduler) + pressure]):
             event("preempted")
@@ -156,7 +156,7 @@ def _drive(config: dict, kv_capacity: int, ops: list[tuple]) -> Run:
     assert run.live == set(), f"sequences never finished: {sorted(run.live)}"
     snapshot = scheduler.snapshot()
     assert (snapshot.active_ids, snapshot.waiting_ids) == ((), ())
-    assert snapshot.component_used_bytes == (("kv", 0),)
+    assert snapshot.component_used == (("kv", 0),)
     return run
 
 

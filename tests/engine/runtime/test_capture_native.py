@@ -28,8 +28,8 @@ def _rows(model_path, monkeypatch, *, native: bool,
         assert kind == expect or (expect is None and kind == (
             "NativeLayerCapture" if native else "LayerOutputCapture"))
         # 40 tokens: three micro-batches of 16, appended in order.
-        first = runtime.iteration_batch_sampled([IterationRequest("a", list(range(1, 41)))])
-        second = runtime.iteration_batch_sampled([IterationRequest("a", [7]),
+        first = runtime.run_iteration([IterationRequest("a", list(range(1, 41)))])
+        second = runtime.run_iteration([IterationRequest("a", [7]),
                                                   IterationRequest("b", [3, 4, 5])])
     return [first.output_rows[0], *second.output_rows]
 

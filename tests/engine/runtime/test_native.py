@@ -76,7 +76,7 @@ def test_serving_never_runs_a_compiler(tiny_model_path):
         "from skippyd.engine.runtime.contract import IterationRequest\n"
         f"rt = LlamaRuntime(RuntimeOptions({str(tiny_model_path)!r}, lane_count=1,"
         " ctx_size=128, n_batch=32, n_ubatch=32, threads=1))\n"
-        "out = rt.iteration_batch_sampled([IterationRequest('a', [1, 2], sample_last=True)])\n"
+        "out = rt.run_iteration([IterationRequest('a', [1, 2], sample_last=True)])\n"
         "rt.close()\n"
         "print(native.describe_fast_paths())\n"
     )
@@ -103,7 +103,7 @@ def _steps(rt: LlamaRuntime, sessions: dict[str, list[int]], configs: dict, step
                 for s, tokens in sessions.items()]
     seen = {s: [] for s in sessions}
     for _ in range(steps):
-        out = rt.iteration_batch_sampled(requests)
+        out = rt.run_iteration(requests)
         for sample in out.samples:
             seen[requests[sample.request_index].session_id].append(sample.token)
         requests = [IterationRequest(s, [tokens[-1]], sampling=configs[s], sample_last=True,

@@ -91,7 +91,7 @@ def chain(tiny_model_path):
 
 
 def _run(chain, requests) -> Future:
-    return chain.worker.submit(chain.runtime.iteration_batch_sampled, requests)
+    return chain.worker.submit(chain.runtime.run_iteration, requests)
 
 
 def _decode(session: str, token: int, position: int) -> IterationRequest:
@@ -176,7 +176,7 @@ def test_prefill_chunks_do_not_wait_and_drops_reach_the_chain(chain):
     assert [(e.first_position, len(e.token_ids)) for _, [e] in chain.batches] == [(0, 16),
                                                                                  (16, 16)]
     assert chain.runtime.kv_cells_used() == 32  # stage 0's own cells, as the snapshot shows
-    assert chain.runtime.session_seq_id("p") is not None
+    assert chain.runtime.lane_of("p") is not None
     chain.worker.submit(chain.runtime.drop_session, "p").result(TIMEOUT_S)
     assert chain.drops == [1] and chain.runtime.local.session_token_count("p") is None
     assert chain.runtime.kv_cells_used() == 0

@@ -19,13 +19,13 @@ def test_every_micro_batch_of_a_decode_counts_its_nodes(tiny_model_path):
         progress = runtime.compute_progress
         assert progress is not None, "this libc has unnamed semaphores"
         assert progress.count() == 0
-        runtime.iteration_batch_sampled(
+        runtime.run_iteration(
             [IterationRequest("one", tokens(1, N_UBATCH), sampling=GREEDY, sample_last=True)])
         one_micro_batch = progress.count()
         assert one_micro_batch > 0
         # Four micro-batches in one call: the count restarts with the call and grows with
         # every graph llama.cpp computes inside it.
-        runtime.iteration_batch_sampled(
+        runtime.run_iteration(
             [IterationRequest("four", tokens(2, 4 * N_UBATCH), sampling=GREEDY,
                               sample_last=True)])
         assert progress.count() >= 3 * one_micro_batch
@@ -61,7 +61,7 @@ def test_a_real_runtime_marks_its_calls_on_its_watch(tiny_model_path):
         runtime.watch = watched
         hook = lambda: (seen.append(watched.busy_for()), ())[1]  # noqa: E731
         runtime.set_compute_hook(hook)
-        runtime.iteration_batch_sampled(
+        runtime.run_iteration(
             [IterationRequest("one", tokens(1, 4), sampling=GREEDY, sample_last=True)])
         assert len(seen) == 1 and seen[0] > 0.0  # inside the call
         assert watched.busy_for() == 0.0  # and idle after it

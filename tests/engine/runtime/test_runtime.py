@@ -49,7 +49,7 @@ def prompt(tokenizer, text: str) -> list[int]:
 def generate(rt, sessions: dict[str, list[int]], steps: int, sampling=GREEDY) -> dict:
     """Prefill every session in one batch, then decode them together ``steps`` times."""
     reqs = [IterationRequest(s, toks, sampling=sampling, sample_last=True) for s, toks in sessions.items()]
-    out = rt.iteration_batch_sampled(reqs)
+    out = rt.run_iteration(reqs)
     generated = {reqs[s.request_index].session_id: [s.token] for s in out.samples}
     for _ in range(steps - 1):
         reqs = [
@@ -57,7 +57,7 @@ def generate(rt, sessions: dict[str, list[int]], steps: int, sampling=GREEDY) ->
                              phase=RowPhase.DECODE)
             for s, g in generated.items()
         ]
-        out = rt.iteration_batch_sampled(reqs)
+        out = rt.run_iteration(reqs)
         for sample in out.samples:
             generated[reqs[sample.request_index].session_id].append(sample.token)
     return generated
@@ -86,7 +86,7 @@ def test_lane_exhaustion_is_typed_and_changes_nothing(runtime, tokenizer):
         runtime.ensure_session_active("d")
     runtime.drop_session("a")
     with pytest.raises(LanesBusyError, match="requires 2 new sessions but only 1"):
-        runtime.iteration_batch_sampled([
+        runtime.run_iteration([
             IterationRequest("d", prompt(tokenizer, "a")),
             IterationRequest("e", prompt(tokenizer, "b")),
         ])
@@ -98,7 +98,7 @@ def test_lane_exhaustion_is_typed_and_changes_nothing(runtime, tokenizer):
 def test_duplicate_session_in_one_call_is_rejected(runtime, tokenizer):
     toks = prompt(tokenizer, "the cat")
     with pytest.raises(InvalidIterationError, match="duplicate session a"):
-        runtime.iteration_batch_sampled([IterationRequest("a", toks), IterationRequest("a", toks)])
+        runtime.run_iteration([IterationRequest("a", toks), IterationRequest("a", toks)])
     assert runtime.active_session_count() == 0
     assert runtime.decode_calls == 0
 
@@ -117,7 +117,7 @@ def test_duplicate_session_in_one_call_is_rejected(runtime, tokenizer):
 )
 def test_malformed_requests_are_rejected_without_side_effects(runtime, request_kwargs, message):
     with pytest.raises(InvalidIterationError, match=message):
-        runtime.iteration_batch_sampled([IterationRequest("a", **request_kwargs)])
+        runtime.run_iteration([IterationRequest("a", **request_kwargs)])
     assert runtime.active_session_count() == 0
     assert runtime.decode_calls == 0
 
@@ -127,13 +127,13 @@ def test_a_full_lane_refuses_more_and_the_other_lanes_go_on(tiny_model_path, tok
                              n_ubatch=32, threads=2)
     with LlamaRuntime(options) as rt:
         assert rt.kv_pool_tokens == 768 and rt.max_session_tokens == 256
-        rt.iteration_batch_sampled([IterationRequest("a", [5] * 200)])
+        rt.run_iteration([IterationRequest("a", [5] * 200)])
         # Lanes do not share cells: a second long session fits beside the first.
-        rt.iteration_batch_sampled([IterationRequest("b", [6] * 200)])
+        rt.run_iteration([IterationRequest("b", [6] * 200)])
         with pytest.raises(InvalidIterationError, match="beyond its lane"):
-            rt.iteration_batch_sampled([IterationRequest("a", [7] * 60, sample_last=True)])
+            rt.run_iteration([IterationRequest("a", [7] * 60, sample_last=True)])
         assert rt.session_token_count("a") == 200  # nothing changed
-        out = rt.iteration_batch_sampled([IterationRequest("a", [7] * 56, sample_last=True)])
+        out = rt.run_iteration([IterationRequest("a", [7] * 56, sample_last=True)])
         assert len(out.samples) == 1 and rt.session_token_count("a") == 256
 
 
@@ -148,7 +148,7 @@ def test_trim_and_align(runtime, tokenizer):
                                          after_token_count=len(toks))
     assert runtime.session_token_count("a") == len(toks)
     # Continuing after the trim reproduces the first run exactly.
-    out = runtime.iteration_batch_sampled(
+    out = runtime.run_iteration(
         [IterationRequest("a", [first[0]], sampling=GREEDY, sample_last=True)]
     )
     assert out.samples[0].token == first[1]
@@ -158,9 +158,9 @@ def test_trim_and_align(runtime, tokenizer):
 
 def test_explicit_positions_replay_the_last_token(runtime, tokenizer):
     toks = prompt(tokenizer, "hello world")
-    out = runtime.iteration_batch_sampled([IterationRequest("a", toks, sample_last=True)])
+    out = runtime.run_iteration([IterationRequest("a", toks, sample_last=True)])
     n = len(toks)
-    replay = runtime.iteration_batch_sampled(
+    replay = runtime.run_iteration(
         [IterationRequest("a", toks[-1:], positions=[n - 1], sample_last=True)]
     )
     assert replay.samples[0].token == out.samples[0].token
@@ -181,7 +181,7 @@ def test_no_cross_talk_between_sessions(runtime, tokenizer):
         runtime.ensure_session_active("x", lane=1 if other_first else 0)
         runtime.ensure_session_active("o", lane=0 if other_first else 1)
         reqs = [IterationRequest("x", x, sample_last=True), IterationRequest("o", other, sample_last=True)]
-        runtime.iteration_batch_sampled(reqs)
+        runtime.run_iteration(reqs)
         row = len(other) + len(x) - 1 if other_first else len(x) - 1
         return logits_row(runtime, row)
 
@@ -193,7 +193,7 @@ def test_no_cross_talk_between_sessions(runtime, tokenizer):
     assert np.array_equal(with_b_first, with_c_first)
     runtime.drop_session("x")
     runtime.drop_session("o")
-    runtime.iteration_batch_sampled([IterationRequest("x", x, sample_last=True)])
+    runtime.run_iteration([IterationRequest("x", x, sample_last=True)])
     solo = logits_row(runtime, len(x) - 1)
     # Batched vs solo: different kernels may be picked for different batch shapes.
     assert np.max(np.abs(solo - with_b)) < 1e-3
@@ -216,10 +216,10 @@ def test_logit_bias_and_ignore_eos(runtime, tokenizer):
     toks = prompt(tokenizer, "the")
     eos = tokenizer.eos_token_id
     forced = SamplingConfig(temperature=0.0, logit_bias=((eos, 100.0),))
-    out = runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=forced, sample_last=True)])
+    out = runtime.run_iteration([IterationRequest("a", toks, sampling=forced, sample_last=True)])
     assert out.samples[0].token == eos and out.samples[0].is_eog
     ignored = SamplingConfig(temperature=0.0, logit_bias=((eos, 100.0),), ignore_eos=True)
-    out = runtime.iteration_batch_sampled([IterationRequest("b", toks, sampling=ignored, sample_last=True)])
+    out = runtime.run_iteration([IterationRequest("b", toks, sampling=ignored, sample_last=True)])
     assert not out.samples[0].is_eog
 
 
@@ -236,15 +236,15 @@ def test_non_final_stage_cannot_sample(tiny_model_path, tokenizer):
                              n_ubatch=32, threads=2, final_stage=False)
     with LlamaRuntime(options) as rt:
         with pytest.raises(InvalidIterationError, match="only the final stage"):
-            rt.iteration_batch_sampled([IterationRequest("a", [5, 6], sample_last=True)])
-        out = rt.iteration_batch_sampled([IterationRequest("a", [5, 6, 7])])
+            rt.run_iteration([IterationRequest("a", [5, 6], sample_last=True)])
+        out = rt.run_iteration([IterationRequest("a", [5, 6, 7])])
         assert out.output_rows[0].shape == (3, 64)
         assert out.output_rows[0].dtype == np.float32
 
 
 def test_row_logits_is_a_read_only_view_of_the_context_row(runtime, tokenizer):
     toks = prompt(tokenizer, "the cat")
-    runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=GREEDY,
+    runtime.run_iteration([IterationRequest("a", toks, sampling=GREEDY,
                                                       sample_last=True)])
     row = len(toks) - 1
     view = row_logits(runtime.context, row, runtime.n_vocab)
@@ -259,7 +259,7 @@ def test_row_logits_is_a_read_only_view_of_the_context_row(runtime, tokenizer):
 def test_the_greedy_argmax_picks_what_the_llama_cpp_chain_picks(runtime, tokenizer,
                                                                ignore_eos, best):
     toks = prompt(tokenizer, "the cat sat on the mat")
-    runtime.iteration_batch_sampled([IterationRequest("a", toks, sampling=GREEDY,
+    runtime.run_iteration([IterationRequest("a", toks, sampling=GREEDY,
                                                       sample_last=True)])
     row = len(toks) - 1
     # Shape the row's logits in place (the sampler reads the context's own buffer).
@@ -303,7 +303,7 @@ def test_greedy_rows_of_a_mixed_batch_pick_their_own_rows_argmax(runtime, tokeni
     for lane, session in enumerate(prompts):
         runtime.ensure_session_active(session, lane=lane)
     order = ["c", "a", "b"]  # requests out of lane order
-    out = runtime.iteration_batch_sampled([
+    out = runtime.run_iteration([
         IterationRequest(s, prompts[s], sampling=configs[s], sample_last=True) for s in order])
     assert [sample.request_index for sample in out.samples] == [0, 1, 2]
     tokens = {order[sample.request_index]: sample for sample in out.samples}
@@ -327,7 +327,7 @@ def runtime4(tiny_model_path):
 def replay_last_logits(rt, lane: int, tokens: list[int]) -> np.ndarray:
     """Logits of re-running ``tokens``' last token on the lane's kept KV (then ended)."""
     rt.ensure_session_active("probe", lane=lane, keep_tokens=len(tokens) - 1)
-    rt.iteration_batch_sampled([IterationRequest("probe", tokens[-1:], sample_last=True,
+    rt.run_iteration([IterationRequest("probe", tokens[-1:], sample_last=True,
                                                  positions=[len(tokens) - 1])])
     logits = logits_row(rt, 0)
     rt.drop_session("probe")
@@ -338,7 +338,7 @@ def test_a_lane_between_the_batch_lanes_gets_a_filler_row_and_keeps_its_cells(ru
                                                                               tokenizer):
     kept = prompt(tokenizer, "a lane that keeps its prompt")
     runtime4.ensure_session_active("kept", lane=2)
-    runtime4.iteration_batch_sampled([IterationRequest("kept", kept, sample_last=True)])
+    runtime4.run_iteration([IterationRequest("kept", kept, sample_last=True)])
     runtime4.drop_session("kept")  # lane 2 is idle and holds the prompt for reuse
     before = replay_last_logits(runtime4, 2, kept)
     for lane, text in ((0, "the cat"), (1, "a dog"), (3, "hello")):

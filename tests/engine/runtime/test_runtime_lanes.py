@@ -2,7 +2,7 @@
 reused in place, copied, saved to host RAM and loaded.
 
 Continuations are compared bit for bit with a fresh runtime fed the same batch shapes
-(DESIGN.md item 8: shapes change the arithmetic, isolation does not).
+(batch shapes change llama.cpp's arithmetic; what shares a batch must not).
 """
 
 from __future__ import annotations
@@ -99,19 +99,19 @@ def test_rows_of_any_order_give_each_session_its_own_continuation(runtime, tiny_
     for name in ("s2", "s0", "s3", "s1"):
         runtime.ensure_session_active(name)  # lanes 0..3 in a shuffled order
     order = ["s1", "s3", "s0", "s2"]
-    out = runtime.iteration_batch_sampled(
+    out = runtime.run_iteration(
         [IterationRequest(n, prompts[n], sampling=GREEDY, sample_last=True) for n in order])
     got = {order[s.request_index]: s.token for s in out.samples}
     with open_runtime(tiny_model_path) as fresh:
         for name in ("s2", "s0", "s3", "s1"):
             fresh.ensure_session_active(name)
         lane_order = sorted(order, key=fresh.lane_of)
-        ref = fresh.iteration_batch_sampled(
+        ref = fresh.run_iteration(
             [IterationRequest(n, prompts[n], sampling=GREEDY, sample_last=True)
              for n in lane_order])
         want = {lane_order[s.request_index]: s.token for s in ref.samples}
     assert got == want
-    step = runtime.iteration_batch_sampled(
+    step = runtime.run_iteration(
         [IterationRequest(n, [got[n]], sampling=GREEDY, sample_last=True,
                           phase=RowPhase.DECODE) for n in order])
     assert len(step.samples) == 4
@@ -140,7 +140,7 @@ def test_a_session_cannot_grow_beyond_its_lane(runtime):
     prefill(runtime, "long", tokens(4, limit // 2))
     prefill(runtime, "long", tokens(5, limit // 2))  # the lane is full
     with pytest.raises(InvalidIterationError, match="beyond its lane"):
-        runtime.iteration_batch_sampled([IterationRequest("long", [7], sample_last=True)])
+        runtime.run_iteration([IterationRequest("long", [7], sample_last=True)])
     assert runtime.session_token_count("long") == limit  # nothing changed
 
 

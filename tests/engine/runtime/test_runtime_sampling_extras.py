@@ -43,7 +43,7 @@ def run(rt, prompts: dict[str, list[int]], configs: dict[str, SamplingConfig], s
                 for s, toks in prompts.items()]
     samples: dict[str, list] = {s: [] for s in prompts}
     for _ in range(steps):
-        out = rt.iteration_batch_sampled(requests)
+        out = rt.run_iteration(requests)
         for sample in out.samples:
             samples[requests[sample.request_index].session_id].append(sample)
         requests = [IterationRequest(s, [got[-1].token], sampling=configs[s], sample_last=True,
@@ -81,7 +81,7 @@ def test_a_constrained_neighbour_changes_nothing_for_a_plain_session(runtime, to
     greedy = SamplingConfig(temperature=0.0)
     constrained = SamplingConfig(temperature=0.0, grammar=GRAMMAR,
                                  grammar_start=len(other_prompt))
-    # Same batch shapes both times (DESIGN.md item 8): only the neighbour's sampling differs.
+    # Same batch shapes both times (shapes change the arithmetic): only the neighbour's sampling differs.
     with_plain = run(runtime, {"p": plain_prompt, "o": other_prompt},
                      {"p": greedy, "o": greedy}, steps=6)
     for session in ("p", "o"):
@@ -100,7 +100,7 @@ def test_a_rebuilt_sampler_replays_the_generated_tokens_into_its_grammar(runtime
     # Trim the last pending token away: the session's sampler is rebuilt on the next sample
     # and must pick up the grammar where the four accepted tokens left it.
     runtime.trim_session("a", len(prompt) + 3)
-    out = runtime.iteration_batch_sampled([IterationRequest(
+    out = runtime.run_iteration([IterationRequest(
         "a", [tokens[3]], sampling=config, sample_last=True, phase=RowPhase.DECODE)])
     rest = run_from(runtime, "a", out.samples[0], config, steps=40)
     assert TEXT.fullmatch(tokenizer.detokenize(tokens[:4] + [s.token for s in rest if not s.is_eog]))
@@ -109,7 +109,7 @@ def test_a_rebuilt_sampler_replays_the_generated_tokens_into_its_grammar(runtime
 def run_from(rt, session: str, sample, config: SamplingConfig, steps: int) -> list:
     samples = [sample]
     while not samples[-1].is_eog and len(samples) < steps:
-        out = rt.iteration_batch_sampled([IterationRequest(
+        out = rt.run_iteration([IterationRequest(
             session, [samples[-1].token], sampling=config, sample_last=True,
             phase=RowPhase.DECODE)])
         samples.append(out.samples[0])
@@ -146,7 +146,7 @@ def test_no_logprobs_unless_asked(runtime, tokenizer):
 def test_prompt_logprobs_are_the_same_whole_or_in_chunks(runtime, tokenizer):
     prompt = tokenizer.tokenize("the cat and the dog is in the world")
     config = SamplingConfig(temperature=0.0, prompt_logprobs=2)
-    whole = runtime.iteration_batch_sampled(
+    whole = runtime.run_iteration(
         [IterationRequest("w", prompt, sampling=config, sample_last=True)])
     entries = dict(whole.prompt_logprobs[0])
     assert sorted(entries) == list(range(1, len(prompt)))
@@ -154,7 +154,7 @@ def test_prompt_logprobs_are_the_same_whole_or_in_chunks(runtime, tokenizer):
     chunked: dict = {}
     cut = len(prompt) // 2
     for chunk, start in ((prompt[:cut], 0), (prompt[cut:], cut)):
-        out = runtime.iteration_batch_sampled([IterationRequest(
+        out = runtime.run_iteration([IterationRequest(
             "c", chunk, positions=range(start, start + len(chunk)), sampling=config,
             sample_last=start == cut)])
         chunked.update(out.prompt_logprobs[0])
@@ -176,7 +176,7 @@ def test_a_forked_session_continues_like_a_fresh_one(runtime, tokenizer):
     # A partial fork recomputes the last prompt token itself, and continues the same way.
     runtime.fork_session("src", "partial", len(prompt) - 1)
     assert runtime.session_token_count("partial") == len(prompt) - 1
-    out = runtime.iteration_batch_sampled([IterationRequest(
+    out = runtime.run_iteration([IterationRequest(
         "partial", prompt[-1:], positions=[len(prompt) - 1], sampling=greedy, sample_last=True)])
     partial = run_from(runtime, "partial", out.samples[0], greedy, steps=8)
     assert [s.token for s in partial] == [s.token for s in fresh]
@@ -212,7 +212,7 @@ def test_filtering_the_best_candidates_first_draws_what_filtering_all_draws(
     from skippyd.engine.runtime.sampling import SamplerChain
 
     prompt = tokenizer.tokenize("the cat and the dog")
-    runtime.iteration_batch_sampled([IterationRequest("a", prompt, sample_last=True)])
+    runtime.run_iteration([IterationRequest("a", prompt, sample_last=True)])
     grammars = ('root ::= [a-m]+', 'root ::= "dog" | "cat" | [x-z]', 'root ::= [^e]+')
 
     def draw(grammar: str, narrowing: bool) -> int | None:

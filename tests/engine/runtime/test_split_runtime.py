@@ -83,7 +83,7 @@ def _step(stages, requests: list[IterationRequest]):
             )
             for i, r in enumerate(requests)
         ]
-        out = stage.iteration_batch_sampled(staged)
+        out = stage.run_iteration(staged)
         rows = out.output_rows
     return out
 
@@ -143,13 +143,13 @@ def test_batched_logits_stay_close_to_solo(unsplit, tokenizer):
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
                                      shape=(rt.n_vocab,)).copy()
 
-    rt.iteration_batch_sampled([IterationRequest(f"b{i}", p, sample_last=True)
+    rt.run_iteration([IterationRequest(f"b{i}", p, sample_last=True)
                                 for i, p in enumerate(prompts)])
     rows = np.cumsum([len(p) for p in prompts]) - 1
     batched = [last_logits(int(r)) for r in rows]
     worst = 0.0
     for i, p in enumerate(prompts):
-        rt.iteration_batch_sampled([IterationRequest(f"solo{i}", p, sample_last=True)])
+        rt.run_iteration([IterationRequest(f"solo{i}", p, sample_last=True)])
         solo = last_logits(len(p) - 1)
         worst = max(worst, float(np.max(np.abs(solo - batched[i]))))
         assert int(np.argmax(solo)) == int(np.argmax(batched[i]))

@@ -25,7 +25,7 @@ from skippyd.engine.runtime.contract import (
     SessionAlignment,
 )
 from skippyd.engine.runtime.watch import unwatched
-from skippyd.engine.worker.commands import AdmittedEvent, GenerationEvent
+from skippyd.engine.worker.generation_events import AdmittedEvent, GenerationEvent
 
 GATE_TIMEOUT_S = 10.0
 
@@ -105,9 +105,6 @@ class FakeRuntime:
     def session_token_count(self, session_id: str) -> int | None:
         return self.sessions.get(session_id)
 
-    def session_seq_id(self, session_id: str) -> int | None:
-        return sorted(self.sessions).index(session_id) if session_id in self.sessions else None
-
     def close(self) -> None:
         self.closed = True
 
@@ -135,7 +132,7 @@ class FakeRuntime:
         return ()
 
     def lane_of(self, session_id: str) -> int | None:
-        return self.session_seq_id(session_id)
+        return sorted(self.sessions).index(session_id) if session_id in self.sessions else None
 
     def idle_lanes(self) -> list[int]:
         return list(range(len(self.sessions), self._lane_count))
@@ -181,7 +178,7 @@ class FakeRuntime:
 
     # -- iterations --------------------------------------------------------------------
 
-    def iteration_batch_sampled(self, requests: Sequence[IterationRequest]) -> IterationOutput:
+    def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         self.entered.set()
         if self.gate is not None and not self.gate.wait(GATE_TIMEOUT_S):
             raise AssertionError("FakeRuntime gate was never released")

@@ -11,7 +11,7 @@ from skippyd.engine.runtime.contract import (
     RuntimeFailure,
 )
 from skippyd.engine.runtime.pipeline_types import ChainBatchError, ChainUnavailableError
-from skippyd.engine.worker.commands import worker_error_from_runtime
+from skippyd.engine.worker.worker_errors import worker_error_from_runtime
 
 
 @pytest.mark.parametrize(("failure", "kind", "status", "retry"), [

@@ -15,15 +15,15 @@ from cache_helpers import GREEDY, SETTINGS, Collector, tiny_options, tokens
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     GenerationRequest,
     PromptLogprobsEvent,
-    RequestCancelledError,
     TokenEvent,
 )
 from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.worker_errors import RequestCancelledError
 
 PROMPT = tokens(5, 80)
 
@@ -36,10 +36,10 @@ class CountingRuntime(LlamaRuntime):
         self.computed: Counter[str] = Counter()
         self.forks: list[tuple[str, str, int | None]] = []
 
-    def iteration_batch_sampled(self, requests):
+    def run_iteration(self, requests):
         for request in requests:
             self.computed[request.session_id] += request.num_tokens
-        return super().iteration_batch_sampled(requests)
+        return super().run_iteration(requests)
 
     def fork_session(self, src, dst, num_tokens=None):
         self.forks.append((src, dst, num_tokens))

@@ -7,7 +7,7 @@ from fake_runtime import EventRecorder
 
 from skippyd.config import parse_config
 from skippyd.engine.policy import UNLIMITED
-from skippyd.engine.worker.commands import CompleteEvent, GenerationRequest, TokenEvent
+from skippyd.engine.worker.generation_events import CompleteEvent, GenerationRequest, TokenEvent
 from skippyd.engine.worker.settings import (
     DECODE_BATCH_HEADROOM_TOKENS,
     WorkerSettings,
@@ -57,11 +57,11 @@ def test_server_scheduler_config_uses_runtime_lanes_and_native_batch_limits():
     assert config.max_prefill_sequences_per_iteration == 1
     assert config.mixed_prefill_decode is False
     kv, recurrent = config.memory_components
-    assert (kv.name, kv.capacity_bytes, kv.bytes_per_token, kv.bytes_per_sequence) == (
+    assert (kv.name, kv.capacity, kv.per_token, kv.per_sequence) == (
         "kv-cells", 131072, 1, 0)
-    assert (recurrent.name, recurrent.capacity_bytes, recurrent.bytes_per_sequence) == (
+    assert (recurrent.name, recurrent.capacity, recurrent.per_sequence) == (
         "recurrent-state", 65536, 1024)
-    assert recurrent.bytes_per_token == 0
+    assert recurrent.per_token == 0
     assert kv_capacity_tokens(config) == 131072
 
     attention_only = build_scheduler_config(32, 131072, 0, 4096, 128, 64)

@@ -15,12 +15,6 @@ from skippyd.engine.runtime.contract import (
     IterationSample,
     RowPhase,
 )
-from skippyd.engine.worker.commands import (
-    DeadlineExceededError,
-    InvalidRequestError,
-    RequestCancelledError,
-    WorkerBackendError,
-)
 from skippyd.engine.worker.direct_batch import (
     DirectGroup,
     DirectIteration,
@@ -29,6 +23,12 @@ from skippyd.engine.worker.direct_batch import (
     validate_direct_iteration,
 )
 from skippyd.engine.worker.settings import effective_lane_count
+from skippyd.engine.worker.worker_errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    RequestCancelledError,
+    WorkerBackendError,
+)
 
 WAIT_S = 5.0
 
@@ -172,8 +172,8 @@ class _MalformedRuntime:
     def __getattr__(self, name):
         return getattr(self._runtime, name)
 
-    def iteration_batch_sampled(self, requests):
-        return self._corrupt(self._runtime.iteration_batch_sampled(requests))
+    def run_iteration(self, requests):
+        return self._corrupt(self._runtime.run_iteration(requests))
 
 
 @pytest.mark.parametrize(("corrupt", "message"), [

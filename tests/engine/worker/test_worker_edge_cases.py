@@ -13,17 +13,16 @@ import threading
 from fake_runtime import EventRecorder, FakeRuntime
 
 from skippyd.engine.runtime.contract import InvalidIterationError
-from skippyd.engine.worker.commands import (
-    CancelCommand,
+from skippyd.engine.worker.commands import CancelCommand, SubmitCommand
+from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
-    RequestCancelledError,
-    SubmitCommand,
     TokenAck,
     TokenControl,
     TokenEvent,
 )
+from skippyd.engine.worker.worker_errors import RequestCancelledError
 
 WAIT_S = 5.0
 
@@ -92,12 +91,12 @@ class SlowAfterInvalid(FakeRuntime):
         self.slow_calls = 0
         self.failed_calls: list[list[str]] = []
 
-    def iteration_batch_sampled(self, requests):
+    def run_iteration(self, requests):
         if self.slow_calls:
             self.slow_calls -= 1
             threading.Event().wait(0.03)
         try:
-            return super().iteration_batch_sampled(requests)
+            return super().run_iteration(requests)
         except InvalidIterationError:
             self.failed_calls.append([r.session_id for r in requests])
             if len(requests) > 1:

@@ -15,19 +15,21 @@ import pytest
 from fake_runtime import EventRecorder, FakeRuntime
 from worker_support import generate
 
-from skippyd.engine.worker.commands import (
-    AdmissionTimeoutError,
+from skippyd.engine.worker.direct_batch import DirectIteration
+from skippyd.engine.worker.faults import FATAL_POINTS, FaultSwitch
+from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
-    StalledError,
     TokenControl,
     TokenEvent,
+)
+from skippyd.engine.worker.worker_errors import (
+    AdmissionTimeoutError,
+    StalledError,
     WorkerBackendError,
     WorkerStoppedError,
 )
-from skippyd.engine.worker.direct_batch import DirectIteration
-from skippyd.engine.worker.faults import FATAL_POINTS, FaultSwitch
 
 #: A client must hear of a fault within this.
 ANSWER_S = 1.0

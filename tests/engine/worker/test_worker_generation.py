@@ -13,18 +13,20 @@ from skippyd.engine.telemetry_events import (
     RequestPreempted,
     StepFinished,
 )
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     ErrorEvent,
     GenerationRequest,
+    TokenControl,
+    TokenEvent,
+)
+from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.worker_errors import (
     InvalidRequestError,
     QueueFullError,
     RequestCancelledError,
-    TokenControl,
-    TokenEvent,
     WorkerBackendError,
 )
-from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 5.0
 

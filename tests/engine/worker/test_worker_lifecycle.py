@@ -13,17 +13,16 @@ from worker_support import barrier
 from skippyd.config import parse_config
 from skippyd.config.environment import SAFE_MODE_ENV
 from skippyd.engine.telemetry_events import WorkerFailed, WorkerStarted
-from skippyd.engine.worker.commands import (
-    ErrorEvent,
-    GenerationRequest,
-    QueueFullError,
-    ShutdownCommand,
-    WorkerBackendError,
-    WorkerStoppedError,
-)
+from skippyd.engine.worker.commands import ShutdownCommand
+from skippyd.engine.worker.generation_events import ErrorEvent, GenerationRequest
 from skippyd.engine.worker.handle import GenerationHandle
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
+from skippyd.engine.worker.worker_errors import (
+    QueueFullError,
+    WorkerBackendError,
+    WorkerStoppedError,
+)
 
 WAIT_S = 5.0
 
@@ -119,7 +118,7 @@ def test_worker_panic_is_contained_and_fails_active_requests(make_handle):
 
 
 class CaptureUnit:
-    """Stands for a resource a runtime operation holds (an RAII guard in the original)."""
+    """Stands for a resource a runtime operation holds (released whatever the operation raises)."""
 
     def __init__(self, releases: list[int]) -> None:
         weakref.finalize(self, releases.append, 1)

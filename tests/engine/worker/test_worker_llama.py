@@ -10,13 +10,13 @@ from worker_support import barrier, generate, on_worker
 
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.direct_batch import DirectIteration
+from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     GenerationRequest,
     TokenControl,
     TokenEvent,
 )
-from skippyd.engine.worker.direct_batch import DirectIteration
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = {"a": [1, 10, 20, 30, 40], "b": [1, 50, 60], "c": [1, 70, 80, 90, 100, 110, 120]}
@@ -34,7 +34,7 @@ def solo_greedy(runtime: LlamaRuntime, session: str, prompt: list[int]) -> list[
     tokens: list[int] = []
     request = IterationRequest(session, prompt, sampling=GREEDY, sample_last=True)
     while len(tokens) < MAX_TOKENS:
-        sample = runtime.iteration_batch_sampled([request]).samples[0]
+        sample = runtime.run_iteration([request]).samples[0]
         if sample.is_eog:
             break
         tokens.append(sample.token)

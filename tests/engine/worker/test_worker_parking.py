@@ -6,13 +6,10 @@ import pytest
 from cache_helpers import GREEDY, SETTINGS, Collector, open_runtime, tokens
 
 from skippyd.engine.prefix_cache import LivePrefixCache
-from skippyd.engine.worker.commands import (
-    CancelCommand,
-    GenerationRequest,
-    InvalidRequestError,
-    RequestCancelledError,
-)
+from skippyd.engine.worker.commands import CancelCommand
+from skippyd.engine.worker.generation_events import GenerationRequest
 from skippyd.engine.worker.record import GenerationStatus
+from skippyd.engine.worker.worker_errors import InvalidRequestError, RequestCancelledError
 
 SHARED = tokens(1, 150)
 

@@ -18,18 +18,18 @@ from skippyd.engine.telemetry_events import (
     StepFinished,
     WorkerFailed,
 )
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.direct_batch import DirectIteration
+from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     GenerationRequest,
     TokenControl,
     TokenEvent,
-    WorkerStats,
 )
-from skippyd.engine.worker.direct_batch import DirectIteration
 from skippyd.engine.worker.telemetry import (
     Subscription,
     TelemetryHub,
 )
+from skippyd.engine.worker.worker_stats import WorkerStats
 
 WAIT_S = 5.0
 
@@ -165,7 +165,7 @@ def test_workers_publish_iteration_direct_and_runtime_events(make_handle, make_b
     assert first.prefill_tokens == 2 and second.decode_tokens == 1
     assert first.finished == 0 and second.finished == 1
     kv = first.components[0]
-    assert kv.name == "kv-cells" and kv.available_bytes == 4096
+    assert kv.name == "kv-cells" and kv.available == 4096
     admitted = next(e for e in events if isinstance(e, RequestAdmitted))
     assert admitted.request_id == "r" and admitted.prompt_tokens == 2
     assert next(e for e in events if isinstance(e, RequestFinished)) == RequestFinished(

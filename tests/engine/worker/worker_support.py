@@ -15,7 +15,7 @@ from typing import Any
 from fake_runtime import EventRecorder
 
 from skippyd.engine.runtime.contract import SamplingConfig
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     GenerationRequest,

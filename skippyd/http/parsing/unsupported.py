@@ -2,7 +2,7 @@
 
 Every field of a request body is one of:
 
-* **supported**: parsed and acted on (:mod:`skippyd.http.requests` and friends);
+* **supported**: parsed and acted on (:mod:`skippyd.http.parsing.request_params` and friends);
 * **ignored**: harmless metadata that changes nothing about the output (``user``,
   ``metadata``…), accepted and listed in the README as ignored;
 * **refused**: options whose value would change the output in a way this server cannot

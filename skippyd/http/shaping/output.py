@@ -14,7 +14,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from skippyd.http.tools import CALL_MARKERS, ToolCall, ToolFormat, ToolSpec, parse_tool_calls
+from skippyd.http.parsing.tools import (
+    CALL_MARKERS,
+    ToolCall,
+    ToolFormat,
+    ToolSpec,
+    parse_tool_calls,
+)
 
 logger = logging.getLogger(__name__)
 

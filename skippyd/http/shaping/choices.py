@@ -20,11 +20,11 @@ from starlette.responses import JSONResponse, Response
 
 from skippyd.http.api_errors import ApiError
 from skippyd.http.backend import ServingBackend
-from skippyd.http.generation import GenerationStream
-from skippyd.http.logprobs import chat_logprobs, completion_logprobs
-from skippyd.http.output import ChatOutput, ReasoningSplitter, ToolCallDetector
-from skippyd.http.sse import SSE_DONE, SSE_KEEP_ALIVE, ResponseShape, make_usage, sse_event
-from skippyd.http.tools import ToolFormat, ToolSpec
+from skippyd.http.parsing.tools import ToolFormat, ToolSpec
+from skippyd.http.shaping.generation import GenerationStream
+from skippyd.http.shaping.logprobs import chat_logprobs, completion_logprobs
+from skippyd.http.shaping.output import ChatOutput, ReasoningSplitter, ToolCallDetector
+from skippyd.http.shaping.sse import SSE_DONE, SSE_KEEP_ALIVE, ResponseShape, make_usage, sse_event
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from skippyd.http.api_errors import invalid_field, unsupported_field
-from skippyd.http.unsupported import is_int, is_set
+from skippyd.http.parsing.unsupported import is_int, is_set
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,9 @@ from typing import Any
 
 from skippyd.http.api_errors import ApiError, invalid_field
 from skippyd.http.backend import ServingBackend
-from skippyd.http.constraints import OutputConstraint
-from skippyd.http.output import opens_reasoning
-from skippyd.http.requests import ChatParams
-from skippyd.http.tools import (
+from skippyd.http.parsing.constraints import OutputConstraint
+from skippyd.http.parsing.request_params import ChatParams
+from skippyd.http.parsing.tools import (
     ToolFormat,
     ToolSpec,
     call_grammar,
@@ -24,6 +23,7 @@ from skippyd.http.tools import (
     prepare_chat,
     tool_error_param,
 )
+from skippyd.http.shaping.output import opens_reasoning
 
 logger = logging.getLogger(__name__)
 

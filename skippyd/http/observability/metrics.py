@@ -7,11 +7,11 @@ per-request :class:`RequestTimer`, and reads the worker's step events
 prefix-cache counts, and its admissions for the prompt tokens served from the cache. It keeps the last
 ``window_s`` seconds of samples for the control socket's snapshot (tok/s, p50/p95/p99)
 and feeds a private ``prometheus_client`` registry (scrape-time gauges, build info and
-the link live in :mod:`skippyd.http.prometheus`, served by its ``metrics_route``; the
+the link live in :mod:`skippyd.http.observability.prometheus`, served by its ``metrics_route``; the
 registry also carries prometheus_client's process, platform and GC collectors). What is
 recorded per token or per worker turn goes to the cheap histograms and counters of
-:mod:`skippyd.http.loop_metrics`: this thread's time comes out of the decode. Each
-ended request is handed to :class:`~skippyd.http.request_log.RequestLog` for its line.
+:mod:`skippyd.http.observability.loop_metrics`: this thread's time comes out of the decode. Each
+ended request is handed to :class:`~skippyd.http.observability.request_log.RequestLog` for its line.
 
 Every hook runs on the event loop thread. The worker thread only publishes to the hub;
 its events reach this object through the loop's event relay, in order with the token
@@ -36,15 +36,15 @@ from prometheus_client.process_collector import ProcessCollector
 
 from skippyd import __version__
 from skippyd.engine.telemetry_events import RequestAdmitted, StepFinished
-from skippyd.engine.worker.commands import WorkerStats
 from skippyd.engine.worker.settings import KV_COMPONENT
 from skippyd.engine.worker.telemetry import Subscription, TelemetryEvent, TelemetryHub
+from skippyd.engine.worker.worker_stats import WorkerStats
 from skippyd.http.event_relay import relay_for
-from skippyd.http.loop_metrics import LoopCounter, LoopHistogram
-from skippyd.http.prometheus import StageCollector, metrics_route
-from skippyd.http.request_log import RequestLog
-from skippyd.http.request_timer import RequestTimer, rejection_reason
-from skippyd.http.windows import MAX_WINDOW_SAMPLES, Window, drop_before
+from skippyd.http.observability.loop_metrics import LoopCounter, LoopHistogram
+from skippyd.http.observability.prometheus import StageCollector, metrics_route
+from skippyd.http.observability.request_log import RequestLog
+from skippyd.http.observability.request_timer import RequestTimer, rejection_reason
+from skippyd.http.observability.windows import MAX_WINDOW_SAMPLES, Window, drop_before
 
 __all__ = ["RequestTimer", "ServingMetrics", "metrics_route", "rejection_reason"]
 
@@ -263,7 +263,7 @@ class ServingMetrics:
         self.prefix["misses"] = step.prefix_misses
         for part in step.components:
             if part.name == KV_COMPONENT:
-                self._kv_event = (part.used_bytes, part.available_bytes)
+                self._kv_event = (part.used, part.available)
 
     # -- readings -----------------------------------------------------------------------------
     def effective_window_s(self) -> float:

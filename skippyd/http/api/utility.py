@@ -10,7 +10,7 @@ from typing import Any
 from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.http.api_errors import invalid_field
 from skippyd.http.backend import ServingBackend
-from skippyd.http.unsupported import is_int
+from skippyd.http.parsing.unsupported import is_int
 
 logger = logging.getLogger(__name__)
 

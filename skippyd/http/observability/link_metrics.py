@@ -36,7 +36,7 @@ _PER_STAGE = (
 def link_probe_families(link: Mapping[str, Any] | None) -> Iterator[Any]:
     """The link's round-trip and queue families; nothing for a whole-model stage.
 
-    Its traffic and busy time come from :func:`skippyd.http.prometheus.link_families`.
+    Its traffic and busy time come from :func:`skippyd.http.observability.prometheus.link_families`.
     """
     if not link:
         return

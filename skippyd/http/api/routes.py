@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``, ``/health`` and llama-server's utility endpoints.
 
-Handlers parse and validate the body (:mod:`requests`), render and tokenize the prompt
-and compile any grammar off the event loop (:mod:`prepare`), check the prompt against
-the limits and the context, submit one generation per choice to the backend and turn
-their text into a JSON body or a stream of server-sent events (:mod:`choices`). Every
-error uses the OpenAI error shape. A client that goes away cancels its generations.
+Handlers parse and validate the body (:mod:`~skippyd.http.parsing.request_params`),
+render and tokenize the prompt and compile any grammar off the event loop
+(:mod:`~skippyd.http.api.prepare`), check the prompt against the limits and the
+context, submit one generation per choice to the backend and turn their text into a
+JSON body or a stream of server-sent events (:mod:`~skippyd.http.shaping.choices`).
+Every error uses the OpenAI error shape. A client that goes away cancels its
+generations.
 """
 
 from __future__ import annotations
@@ -28,18 +30,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from skippyd.engine.runtime.contract import SamplingConfig
-from skippyd.http.api_errors import ApiError, invalid_field
-from skippyd.http.backend import ServingBackend
-from skippyd.http.choices import Choice, Shaping, complete_response, stream_events
-from skippyd.http.generation import GenerationStream
-from skippyd.http.middleware import ApiKeyMiddleware, ConcurrencyLimitMiddleware, read_json_body
-from skippyd.http.prepare import (
+from skippyd.http.api.prepare import (
     check_local_sampling,
     constraint_grammar,
     prepare_chat_request,
     render_chat,
 )
-from skippyd.http.requests import (
+from skippyd.http.api.utility import (
+    parse_detokenize,
+    parse_tokenize,
+    props_body,
+    tokenize_body,
+)
+from skippyd.http.api_errors import ApiError, invalid_field
+from skippyd.http.backend import ServingBackend
+from skippyd.http.guard.middleware import (
+    ApiKeyMiddleware,
+    ConcurrencyLimitMiddleware,
+    read_json_body,
+)
+from skippyd.http.parsing.request_params import (
     DEFAULT_SAMPLING,
     ChatParams,
     GenerationParams,
@@ -47,16 +57,12 @@ from skippyd.http.requests import (
     parse_chat_request,
     parse_completion_request,
 )
-from skippyd.http.sse import EventStreamResponse, ResponseShape
-from skippyd.http.utility import (
-    parse_detokenize,
-    parse_tokenize,
-    props_body,
-    tokenize_body,
-)
+from skippyd.http.shaping.choices import Choice, Shaping, complete_response, stream_events
+from skippyd.http.shaping.generation import GenerationStream
+from skippyd.http.shaping.sse import EventStreamResponse, ResponseShape
 
 if TYPE_CHECKING:
-    from skippyd.http.metrics import ServingMetrics
+    from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +70,9 @@ T = TypeVar("T")
 #: Threads that tokenize long prompts and render long chats.
 TEXT_THREADS = 2
 #: Texts of at most this many characters are tokenized (chats rendered) on the event
-#: loop: about 0.1 ms for a 250-character prompt and 0.5 ms for a short chat, against
-#: 0.6-1.4 ms for the round trip through the pool on a 2-core machine whose cores
-#: llama.cpp keeps busy. The work is Python (or a ctypes call) either way and holds
-#: the GIL, so the pool only pays for itself when a text is long.
+#: loop: a short text takes less time there than the round trip through the pool on a
+#: machine whose cores llama.cpp keeps busy. The work is Python (or a ctypes call)
+#: either way and holds the GIL, so the pool only pays for itself when a text is long.
 INLINE_TEXT_CHARS = 2048
 
 #: Seconds without output after which a stream sends an SSE keep-alive comment.

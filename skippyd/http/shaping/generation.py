@@ -19,26 +19,25 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from skippyd.engine.runtime.contract import SamplingConfig, TokenLogprob
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     GenerationRequest,
     PromptLogprobsEvent,
-    QueueFullError,
     TokenControl,
     TokenEvent,
-    WorkerError,
 )
+from skippyd.engine.worker.worker_errors import QueueFullError, WorkerError
 from skippyd.http.api_errors import ApiError
 from skippyd.http.backend import ServingBackend
 from skippyd.http.event_relay import EventRelay, relay_for
-from skippyd.http.requests import GenerationParams
-from skippyd.http.stops import StopMatcher
+from skippyd.http.parsing.request_params import GenerationParams
+from skippyd.http.shaping.stops import StopMatcher
 
 if TYPE_CHECKING:
-    from skippyd.http.metrics import ServingMetrics
+    from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

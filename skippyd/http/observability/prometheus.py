@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from skippyd.engine.worker.commands import WorkerStats
-from skippyd.http.link_metrics import link_probe_families
+from skippyd.engine.worker.worker_stats import WorkerStats
+from skippyd.http.observability.link_metrics import link_probe_families
 
 if TYPE_CHECKING:
     from skippyd.http.backend import HealthStatus
-    from skippyd.http.metrics import ServingMetrics
+    from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from skippyd.engine.worker.commands import (
+from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
     ErrorEvent,
     GenerationEvent,
     TokenEvent,
 )
-from skippyd.http.request_log import CLIENT_CLOSED
+from skippyd.http.observability.request_log import CLIENT_CLOSED
 
 if TYPE_CHECKING:
-    from skippyd.http.metrics import ServingMetrics
+    from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

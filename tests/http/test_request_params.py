@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from skippyd.engine.runtime.contract import SamplingConfig
-from skippyd.http import unsupported
 from skippyd.http.api_errors import ApiError
-from skippyd.http.requests import (
+from skippyd.http.parsing import unsupported
+from skippyd.http.parsing.request_params import (
     DEFAULT_SAMPLING,
     HttpLimits,
     parse_chat_request,
@@ -283,7 +283,7 @@ def test_echo_is_a_completions_option() -> None:
 def test_unknown_fields_are_logged_once(caplog, monkeypatch) -> None:
     # Earlier tests of the session may have filled the bounded set of names seen.
     monkeypatch.setattr(unsupported, "_unknown_seen", set())
-    with caplog.at_level("WARNING", logger="skippyd.http.unsupported"):
+    with caplog.at_level("WARNING", logger="skippyd.http.parsing.unsupported"):
         for _ in range(3):
             parse_completion_request(completion(frobnicate_unknown=1), LIMITS)
     assert [r.getMessage() for r in caplog.records].count(

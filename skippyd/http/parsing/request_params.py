@@ -2,7 +2,7 @@
 
 Every check names the offending field (``param``) in a 400, and limits name the limit.
 Options the server cannot honour are refused with a 400 instead of being ignored (see
-:mod:`~skippyd.http.unsupported` for which fields are acted on, ignored or refused).
+:mod:`~skippyd.http.parsing.unsupported` for which fields are acted on, ignored or refused).
 Parsing changes no state; the tokenizer-dependent checks (prompt length, context size)
 and the grammar checks happen in the app once the prompt is tokenized.
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 from skippyd.engine.runtime.contract import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingConfig
 from skippyd.http.api_errors import ApiError, invalid_field
-from skippyd.http.constraints import OutputConstraint, parse_constraint
-from skippyd.http.prompts import parse_messages, parse_prompt
-from skippyd.http.tools import ToolSpec, parse_tools
-from skippyd.http.unsupported import check_choice_count, is_int, reject_unsupported
+from skippyd.http.parsing.constraints import OutputConstraint, parse_constraint
+from skippyd.http.parsing.prompts import parse_messages, parse_prompt
+from skippyd.http.parsing.tools import ToolSpec, parse_tools
+from skippyd.http.parsing.unsupported import check_choice_count, is_int, reject_unsupported
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from skippyd.http.api_errors import ApiError, invalid_field
-from skippyd.http.requests import find_invalid_text
+from skippyd.http.parsing.request_params import find_invalid_text
 from skippyd.throttle import ThrottledLog
 
 if TYPE_CHECKING:
-    from skippyd.http.metrics import ServingMetrics
+    from skippyd.http.observability.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One ``info`` line per finished request, as llama-server prints one per task.
 
-The line is built from what the request's :class:`~skippyd.http.request_timer.RequestTimer`
+The line is built from what the request's :class:`~skippyd.http.observability.request_timer.RequestTimer`
 already measured on the event loop (submit, admission, first and last token, the
 prompt tokens its admission restored from the prefix cache): no work is added on the
 worker thread. With ``telemetry.log_format = "json"`` the same values come as
@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from skippyd.http.request_timer import RequestTimer
+    from skippyd.http.observability.request_timer import RequestTimer
 
 logger = logging.getLogger(__name__)
 

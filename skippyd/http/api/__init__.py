@@ -1,0 +1,1 @@
+"""The HTTP routes and what a request needs before it is submitted."""

@@ -1,0 +1,1 @@
+"""What protects the port: connection deadlines and caps, the API key, bounded bodies."""

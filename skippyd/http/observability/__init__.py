@@ -1,0 +1,1 @@
+"""What the API measures and reports: metrics, the request log, Prometheus."""

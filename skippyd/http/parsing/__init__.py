@@ -1,0 +1,1 @@
+"""Request bodies into typed parameters; parsing changes no state."""

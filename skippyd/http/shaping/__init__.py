@@ -1,0 +1,1 @@
+"""One generation's events into what the API returns."""
