@@ -1,8 +1,9 @@
 """Float16 activation rows against float32: link bytes and greedy-token agreement.
 
-Runs SmolLM2 split in two (layers 0-17 and 17-30) in one process, stage 1's input rows
-passing through the real stage-link codec (``encode_iteration`` / ``decode_stream``)
-as float32 or as float16 (``link.activation_dtype``). For a fixed prompt set it
+Runs the model (SmolLM2 by default) split in two (layers 0-17 and 17-30 of SmolLM2) in
+one process, stage 1's input rows passing through the real stage-link codec
+(``encode_iteration`` / ``decode_stream``) as float32 or as float16
+(``link.activation_dtype``). For a fixed prompt set it
 generates ``--tokens`` greedy tokens each way and reports how many generated tokens
 agree before the first difference, how many prompts agree completely, and the
 ITERATION bytes per row. float32 rows are exact (the chain equals the unsplit model);
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from skippyd.config.defaults import default_model_path
+from skippyd.bench.models import add_model_option, layer_bounds, model_layers, model_path
 from skippyd.engine.runtime.contract import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import ChainEntry
@@ -27,7 +28,6 @@ from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.gguf.slice import cached_slice
 from skippyd.link.wire import LinkLimits, decode_stream, encode_iteration
 
-SPLIT_AT = 17
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [
     "The capital of France is",
@@ -77,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    add_model_option(parser)
     args = parser.parse_args(argv)
-    model = default_model_path()
+    model = model_path(args)
+    n_layer = model_layers(model)
+    split_at = layer_bounds(n_layer, 2)[1]
     tokenizer = Tokenizer(model)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [cached_slice(model, 0, SPLIT_AT, tmp), cached_slice(model, SPLIT_AT, 30, tmp)]
+        paths = [cached_slice(model, 0, split_at, tmp), cached_slice(model, split_at, n_layer, tmp)]
         stages = [LlamaRuntime(RuntimeOptions(str(path), lane_count=1, ctx_size=512,
                                               n_batch=256, n_ubatch=256, threads=1,
                                               first_stage=i == 0,

@@ -38,6 +38,14 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
+from skippyd.bench.models import (
+    CUT_SHARES,
+    add_model_option,
+    layer_bounds,
+    model_layers,
+    model_line,
+    model_path,
+)
 from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.shaper import READY_LINE
@@ -47,8 +55,6 @@ from skippyd.link.dialer import query_status
 logger = logging.getLogger(__name__)
 
 SECRET = "split-links-bench-secret-0123456789"
-#: Layer bounds per chain length: the final stage also computes the output head.
-BOUNDS = {2: (0, 17, 30), 3: (0, 11, 22, 30)}
 #: Target: at this RTT, 8 streams keep at least this share of the 0 ms figure.
 TARGET = (5.0, 0.8)
 console = Console(width=None if Console().is_terminal else 120)
@@ -67,9 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--activation-dtype", choices=("f32", "f16"), default="f32")
     parser.add_argument("--json", type=Path, default=None)
+    add_model_option(parser)
     args = parser.parse_args(argv)
-    if any(n not in BOUNDS for n in args.stages):
-        parser.error(f"--stages: each must be one of {sorted(BOUNDS)}")
+    if any(n not in CUT_SHARES for n in args.stages):
+        parser.error(f"--stages: each must be one of {sorted(CUT_SHARES)}")
+    args.n_layer = model_layers(model_path(args))
     return args
 
 
@@ -78,7 +86,7 @@ class Pipeline:
 
     def __init__(self, workdir: Path, num_stages: int, args: argparse.Namespace) -> None:
         self.workdir = workdir
-        self.bounds = BOUNDS[num_stages]
+        self.bounds = layer_bounds(args.n_layer, num_stages)
         self.args = args
         self.link_ports = [free_port() for _ in range(num_stages)]
         # Shaper i forwards to stage i+1; the last one carries the return path to the
@@ -89,7 +97,8 @@ class Pipeline:
 
     def config(self, i: int) -> Path:
         last = len(self.bounds) - 2
-        text = (f'[stage]\nid = "stage-{i}"\nindex = {i}\nlayer_start = {self.bounds[i]}\n'
+        text = (f'[stage]\nid = "stage-{i}"\n{model_line(self.args)}index = {i}\n'
+                f"layer_start = {self.bounds[i]}\n"
                 f"layer_end = {self.bounds[i + 1]}\n[runtime]\nctx_size = 4096\n"
                 f"lane_count = {self.args.lanes}\nthreads = 1\nthreads_batch = 1\n"
                 f'slice_cache_dir = "{self.workdir.parent / "slices"}"\n'

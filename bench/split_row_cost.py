@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from skippyd.config.defaults import default_model_path
+from skippyd.bench.models import add_model_option, layer_bounds, model_path
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import split_token_groups
@@ -75,15 +75,21 @@ def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--split-at", type=int, default=17)
+    add_model_option(parser)
+    parser.add_argument("--split-at", type=int, default=None,
+                        help="first layer of stage 1 (default: 17 of 30, scaled to the model)")
     parser.add_argument("--threads", type=int, default=2, help="the unsplit model's threads")
     parser.add_argument("--steps", type=int, default=30, help="decode steps per row count")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)),
                         help="row counts to time (the ceiling needs 1, 2, 3, 4 and 8)")
     args = parser.parse_args()
     row_counts = tuple(sorted({int(r) for r in args.rows.split(",")} | set(ROWS)))
-    source = default_model_path()
+    source = model_path(args)
     info = inspect_model(source)
+    if args.split_at is None:
+        args.split_at = layer_bounds(info.n_layer, 2)[1]
+    if not 0 < args.split_at < info.n_layer:
+        parser.error(f"--split-at: must be within 1..{info.n_layer - 1}")
     stage_threads = max(1, args.threads // 2)
     targets = [
         (f"unsplit, {args.threads} threads", str(source), args.threads, True, True),

@@ -45,6 +45,13 @@ from skippyd.bench.loadgen import (
     run_level,
     warm_up,
 )
+from skippyd.bench.models import (
+    add_model_option,
+    layer_bounds,
+    model_layers,
+    model_line,
+    model_path,
+)
 from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
@@ -80,11 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run every server under `taskset -c CPUS` (e.g. 1): measures the "
                              "cost of splitting on equal CPU when the machine is shared")
     parser.add_argument("--lanes", type=int, default=8)
-    parser.add_argument("--split-at", type=int, default=17,
-                        help="first layer of stage 1 (SmolLM2 has 30 layers; the final stage "
-                             "also computes the output head, about eight layers' worth at "
-                             "decode, so 17 balances a request of 60 prompt and 64 output "
-                             "tokens)")
+    add_model_option(parser)
+    parser.add_argument("--split-at", type=int, default=None,
+                        help="first layer of stage 1 (default: 17 of 30 layers, scaled to the "
+                             "model's depth; the final stage also computes the output head, "
+                             "about eight of SmolLM2's layers' worth at decode)")
     parser.add_argument("--decode-groups", type=int, default=None,
                         help="runtime.pipeline_decode_groups of the chain (default: one per "
                              "stage plus one)")
@@ -92,14 +99,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only-split", action="store_true",
                         help="measure only the chain (its busy fractions and timeline)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.n_layer = model_layers(model_path(args))
+    if args.split_at is None:
+        args.split_at = layer_bounds(args.n_layer, 2)[1]
+    if not 0 < args.split_at < args.n_layer:
+        parser.error(f"--split-at: must be within 1..{args.n_layer - 1}")
+    return args
 
 
 def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str,
-                 groups: int | None = None) -> Path:
+                 groups: int | None = None, model: str = "") -> Path:
     path = workdir / f"{name}.toml"
     path.write_text(
-        f'[stage]\nid = "{name}"\n{extra}'
+        f'[stage]\nid = "{name}"\n{model}{extra}'
         f"[runtime]\nctx_size = 4096\nlane_count = {lanes}\nthreads = {threads}\n"
         f'threads_batch = {threads}\nslice_cache_dir = "{workdir / "slices"}"\n'
         + (f"pipeline_decode_groups = {groups}\n" if groups else "")
@@ -118,15 +131,17 @@ def start_servers(workdir: Path, args: argparse.Namespace,
     half = args.stage_threads or max(1, args.threads // 2)
     link = f'[link]\nsecret = "{SECRET}"\n'
     stage1 = stage_config(workdir, "stage-1", half, args.lanes,
-                          f"index = 1\nlayer_start = {args.split_at}\nlayer_end = 30\n"
+                          f"index = 1\nlayer_start = {args.split_at}\n"
+                          f"layer_end = {args.n_layer}\n"
                           f'{link}listen = "127.0.0.1:{ports[1]}"\n'
-                          f'[upstream]\nstage_id = "stage-0"\nendpoint = "127.0.0.1:{ports[0]}"\n')
+                          f'[upstream]\nstage_id = "stage-0"\nendpoint = "127.0.0.1:{ports[0]}"\n',
+                          model=model_line(args))
     stage0 = stage_config(workdir, "stage-0", half, args.lanes,
                           f"index = 0\nlayer_start = 0\nlayer_end = {args.split_at}\n"
                           f'{link}listen = "127.0.0.1:{ports[0]}"\n'
                           f'[downstream]\nstage_id = "stage-1"\n'
                           f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n',
-                          groups=args.decode_groups)
+                          groups=args.decode_groups, model=model_line(args))
     env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else None
     stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin, env))
     head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin, env))
@@ -135,7 +150,7 @@ def start_servers(workdir: Path, args: argparse.Namespace,
         for name, threads in (("unsplit", args.unsplit_threads or args.threads),
                               (ONE_THREAD, half)):
             single = stage_config(workdir, name, threads, args.lanes,
-                                  '[http]\nlisten = "127.0.0.1:0"\n')
+                                  '[http]\nlisten = "127.0.0.1:0"\n', model=model_line(args))
             urls[name] = stack.enter_context(
                 serve(single, SKIPPYD_READY, name, args.pin, env)).url
     deadline = time.monotonic() + 60

@@ -31,7 +31,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 config_app = typer.Typer(help="Write, check and show stage configs.", no_args_is_help=True)
-model_app = typer.Typer(help="Inspect and slice GGUF models.", no_args_is_help=True)
+model_app = typer.Typer(help="Inspect, slice and synthesize GGUF models.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app)  # no name: `skippyd bench` is a top-level command
@@ -251,6 +251,78 @@ def model_slice(
         except ModelFileError as exc:
             raise fail(str(exc), ExitCode.MODEL) from None
     stdout.print(f"wrote {escape(str(output))} (layers {start}:{end} of {escape(path.name)})")
+
+
+@model_app.command("synth")
+def model_synth(
+    shape: Annotated[str, typer.Option("--shape", help="0.5b (Qwen2.5-0.5B widths), 1b "
+                                       "(TinyLlama-1.1B), 3b (Llama-3.2-3B) or 8b (Llama-3-8B).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="GGUF file to write.")],
+    quant: Annotated[str, typer.Option("--quant", help="Q4_0, Q4_K_M, Q8_0, or F16 (none).")]
+        = "Q4_0",
+    ctx: Annotated[int, typer.Option("--ctx", min=1, help="Trained context written into the model.")]
+        = 8192,
+    vocab: Annotated[int | None, typer.Option("--vocab", min=1, help="Vocabulary size "
+                     "(default: the real model's).", show_default=False)] = None,
+    layers: Annotated[int | None, typer.Option("--layers", min=1, help="Override the number of "
+                      "layers (a shallower model of the same widths).", show_default=False)] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seeds the random weights.")] = 0,
+) -> None:
+    """Write a random-weight model of a real model's shape: real cost per token, noise for text.
+
+    It has the embedded model's tokenizer and chat template, its vocabulary padded (or cut)
+    to the real model's size, and is quantized by llama.cpp's own quantizer.
+    """
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from skippyd.config.defaults import available_cpus, default_model_path
+    from skippyd.gguf.model_info import ModelFileError
+    from skippyd.gguf.synth import read_tokenizer, shape_named, write_f16_model
+
+    quant = quant.upper()
+    quants = ("Q4_0", "Q4_K_M", "Q8_0", "F16")
+    if quant not in quants:
+        raise typer.BadParameter(f"choose one of {', '.join(quants)}", param_hint="--quant")
+    try:
+        model_shape = shape_named(shape, n_layer=layers, n_vocab=vocab)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--shape") from None
+    if output.is_dir():
+        raise fail(f"{output} is a directory; -o names the file to write")
+    if not output.parent.is_dir():
+        raise fail(f"{output.parent} does not exist")
+    partial = output.with_name(output.name + ".f16.partial")
+    columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+               TimeRemainingColumn())
+    try:
+        tokenizer = read_tokenizer(default_model_path())
+        with Progress(*columns, console=stderr, transient=False) as progress:
+            task = progress.add_task(f"writing {shape} weights", total=None)
+            write_f16_model(model_shape, partial, tokenizer, n_ctx=ctx, seed=seed,
+                            progress=lambda done, total: progress.update(task, completed=done,
+                                                                         total=total))
+            if quant == "F16":
+                partial.replace(output)
+            else:
+                from skippyd.engine.runtime.quantize import QuantizeError, quantize_model
+
+                progress.add_task(f"quantizing to {quant} (llama.cpp)", total=None)
+                try:
+                    quantize_model(partial, output, quant, threads=available_cpus())
+                except QuantizeError as exc:
+                    raise fail(str(exc), ExitCode.MODEL) from None
+    except ConfigError as exc:
+        raise fail(str(exc), ExitCode.CONFIG) from None
+    except (ModelFileError, ValueError) as exc:
+        raise fail(str(exc), ExitCode.MODEL) from None
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    size = output.stat().st_size / 2**20
+    stdout.print(f"wrote {escape(str(output))}: {model_shape.like} shape, "
+                 f"{model_shape.parameter_count() / 1e9:.2f} B parameters, {model_shape.n_layer} "
+                 f"layers, vocab {model_shape.n_vocab}, context {ctx}, {quant}, {size:.0f} MiB")
 
 
 def main() -> None:
