@@ -40,6 +40,7 @@ _COMMENTED: dict[str, Any] = {
     "runtime.threads": 8,
     "runtime.threads_batch": 8,
     "runtime.slice_cache_dir": "~/.cache/skippyd/slices",
+    "runtime.tensor_split": "3,1",
     "runtime.pipeline_decode_groups": 2,
     "http.api_key": "change-me",
     "http.model_alias": "my-model",

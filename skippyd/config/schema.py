@@ -56,6 +56,8 @@ MAX_LANES = 255
 #: ``sun_path`` holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
 MIN_SECRET_CHARS = 16
+#: llama.cpp's ``llama_max_devices()``: the most devices a tensor split may name.
+MAX_GPU_DEVICES = 16
 MIB = 1 << 20
 #: ``stage.id`` when the config does not set one.
 DEFAULT_STAGE_ID = "stage-0"
@@ -121,6 +123,27 @@ def _check_non_empty(value: str) -> str:
     if not value:
         raise ValueError("must not be empty (leave the key out instead)")
     return value
+
+
+def parse_tensor_split(value: str) -> tuple[float, ...]:
+    """``"3,1"`` as proportions ``(3.0, 1.0)``; raises ``ValueError`` naming the problem."""
+    parts = [part.strip() for part in value.split(",")]
+    try:
+        shares = tuple(float(part) for part in parts)
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers such as \"3,1\" (got {value!r})"
+                         ) from None
+    if any(not share >= 0 or share == float("inf") for share in shares):
+        raise ValueError(f"every share must be a finite number >= 0 (got {value!r})")
+    if not any(shares):
+        raise ValueError(f"at least one share must be above 0 (got {value!r})")
+    if len(shares) > MAX_GPU_DEVICES:
+        raise ValueError(f"at most {MAX_GPU_DEVICES} devices (got {len(shares)})")
+    return shares
+
+
+def _check_tensor_split(value: str) -> str:
+    return ",".join(f"{share:g}" for share in parse_tensor_split(value))
 
 
 def _check_secret(value: str) -> str:
@@ -200,6 +223,16 @@ class RuntimeSection:
     """Element type of the V cache; quantized types need flash attention."""
     flash_attn: FlashAttn = "auto"
     """Flash attention: let llama.cpp decide, force it on, or off."""
+    gpu_layers: int = _setting(0, lo=-1, hi=1 << 20)
+    """Layers of this stage's model offloaded to the GPU (llama.cpp's ``n_gpu_layers``,
+    llama-server's ``-ngl``); -1 offloads all of them and the output head. Needs a
+    llama-cpp-python built with a GPU backend (CUDA, Metal, Vulkan, ROCm); on a CPU-only
+    build the model stays on the CPU and the start-up log says so."""
+    main_gpu: int = _setting(0, lo=0, hi=MAX_GPU_DEVICES - 1)
+    """The GPU that holds the model when it is not split across GPUs (``--main-gpu``)."""
+    tensor_split: str | None = _setting(None, check=_check_tensor_split)
+    """How to share the offloaded layers between GPUs, as proportions: ``"3,1"`` puts
+    three quarters on the first GPU (``--tensor-split``); ``None``: by free memory."""
     safe_mode: bool = False
     """Serialise every sequence (one per decode): a debugging fallback; also turned on
     by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.config import StageConfig
+from skippyd.config.schema import parse_tensor_split
 from skippyd.daemon.split import SplitStage, make_split
 from skippyd.daemon.startup import StartupProgress
 from skippyd.engine.prefix_cache import (
@@ -29,7 +30,7 @@ from skippyd.engine.prefix_cache import (
 from skippyd.engine.runtime import native
 from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.runtime.json_grammar import schema_to_grammar
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions, offload_facts
 from skippyd.engine.runtime.tokenizer import (
     IncrementalDetokenizer,
     TemplateRewritesContent,
@@ -156,6 +157,9 @@ def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
         cache_type_k=rt.cache_type_k,
         cache_type_v=rt.cache_type_v,
         flash_attn=rt.flash_attn,
+        gpu_layers=rt.gpu_layers,
+        main_gpu=rt.main_gpu,
+        tensor_split=parse_tensor_split(rt.tensor_split) if rt.tensor_split else (),
         first_stage=config.is_first,
         final_stage=config.is_final,
     )
@@ -178,6 +182,8 @@ class StageEngine:
         self.ctx_size = config.runtime.ctx_size
         """Most tokens one request can hold; its lane's KV once the model is loaded."""
         self.kv_pool_tokens = config.runtime.ctx_size
+        self.offload = offload_facts(runtime_options(config, config.resolved_model_path))
+        """What the stage asks of the GPU, and whether llama.cpp has a GPU backend."""
         """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
         self.n_vocab = 0
         self.info: ModelInfo | None = None
@@ -217,6 +223,7 @@ class StageEngine:
         self.startup.step("loading the model")
         options = runtime_options(self.config, path)
         local = LlamaRuntime(dataclasses.replace(options, load_progress=self.startup.advance))
+        self.offload = local.offload
         self.startup.step("starting the worker")
         faults = self._fault_switch()
         self._split = make_split(self.config, local, self.telemetry.publish)
@@ -244,11 +251,28 @@ class StageEngine:
                     stage.id, self.model_id, stage.layer_start, stage.layer_end,
                     self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
         logger.info("stage %s fast paths: %s", stage.id, native.describe_fast_paths())
+        self._log_offload()
         missing = native.helpers().missing
         if missing is not None and not self.config.is_final:
             logger.warning("stage %s captures its layer output with a Python callback (native "
                            "helpers: %s): each step can take many times longer; reinstall "
                            "skippyd where a C compiler is available", stage.id, missing)
+
+    def _log_offload(self) -> None:
+        layers, backend = self.offload["gpu_layers"], self.offload["gpu_backend"]
+        stage_id = self.config.stage.id
+        if layers and not backend:
+            logger.warning("stage %s: runtime.gpu_layers = %s, but this llama.cpp build has no "
+                           "GPU backend: the model runs on the CPU (README, \"GPUs\", says how "
+                           "to build llama-cpp-python for one)", stage_id, layers)
+        elif layers:
+            split = self.offload["tensor_split"]
+            logger.info("stage %s offloads %s layers to the GPU (main GPU %s%s)", stage_id,
+                        "all" if layers == -1 else layers, self.offload["main_gpu"],
+                        f", split {split}" if split else "")
+        elif backend:
+            logger.info("stage %s runs on the CPU; this llama.cpp build can offload to a GPU: "
+                        "set runtime.gpu_layers (-1 for all layers)", stage_id)
 
     @staticmethod
     def _fault_switch() -> FaultSwitch:
@@ -426,6 +450,7 @@ class StageEngine:
             "n_layer": info.n_layer if info else None,
             "model_path": str(self.config.resolved_model_path),
             "fast_paths": native.fast_paths(),
+            "offload": self.offload,
         }
         if tokenizer is not None:
             facts["bos_token"] = tokenizer.detokenize([tokenizer.bos_token_id])

@@ -28,6 +28,7 @@ class SnapshotEngine(Protocol):
     config: StageConfig
     model_id: str
     ctx_size: int
+    offload: dict[str, Any]
 
     @property
     def worker(self) -> Any: ...
@@ -112,7 +113,8 @@ def _stage(engine: SnapshotEngine) -> dict[str, Any]:
         info.n_layer if info is not None else 0)
     return {"id": stage.id, "index": stage.index, "model": engine.model_id,
             "layer_start": stage.layer_start, "layer_end": layer_end,
-            "is_first": config.is_first, "is_final": config.is_final}
+            "is_first": config.is_first, "is_final": config.is_final,
+            "offload": engine.offload}
 
 
 def _kv(metrics: ServingMetrics) -> dict[str, Any]:

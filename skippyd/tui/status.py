@@ -181,7 +181,22 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
                       f"{fmt_percent(number(sch.get('overhead_ratio')))}"),
         ("fast paths", " · ".join(f"{name.replace('_', ' ')} {how}"
                                   for name, how in fast.items()) or "-"),
+        ("offload", _offload(section(section(snap, "stage"), "offload"))),
     ]
+
+
+def _offload(offload: Mapping[str, Any]) -> str:
+    """Where the stage's layers run: ``CPU``, or how many go to which GPU."""
+    layers = int(number(offload.get("gpu_layers")))
+    backend = offload.get("gpu_backend")
+    if not layers:
+        return "CPU" + (" (a GPU backend is available)" if backend else "")
+    if backend is False:
+        return f"CPU: gpu_layers {layers} asked, but llama.cpp has no GPU backend"
+    split = offload.get("tensor_split") or []
+    return (f"GPU: {'all' if layers == -1 else layers} layers, main GPU "
+            f"{int(number(offload.get('main_gpu')))}"
+            + (f", split {','.join(f'{float(s):g}' for s in split)}" if split else ""))
 
 
 def _link(link: Mapping[str, Any]) -> Table:

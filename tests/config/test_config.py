@@ -226,9 +226,30 @@ def test_choice_errors_list_the_choices(data: dict, expected: str) -> None:
      'stage.id: must be 1-64 letters, digits, ".", "_" or "-", starting with a letter or '
      'digit (got "a/b")'),
     ({"http": {"api_key": ""}}, "http.api_key: must not be empty (leave the key out instead)"),
+    ({"runtime": {"tensor_split": "3;1"}},
+     'runtime.tensor_split: expected comma-separated numbers such as "3,1" (got \'3;1\')'),
+    ({"runtime": {"tensor_split": "0,0"}},
+     "runtime.tensor_split: at least one share must be above 0 (got '0,0')"),
+    ({"runtime": {"tensor_split": "1,-1"}},
+     "runtime.tensor_split: every share must be a finite number >= 0 (got '1,-1')"),
+    ({"runtime": {"tensor_split": ",".join(["1"] * 17)}},
+     "runtime.tensor_split: at most 16 devices (got 17)"),
+    ({"runtime": {"gpu_layers": -2}},
+     "runtime.gpu_layers: must be between -1 and 1048576 (got -2)"),
+    ({"runtime": {"main_gpu": 16}}, "runtime.main_gpu: must be between 0 and 15 (got 16)"),
 ])
 def test_format_errors(data: dict, expected: str) -> None:
     assert issues_of(data) == [expected]
+
+
+def test_gpu_offload_keys_default_to_the_cpu_and_normalise_the_split() -> None:
+    default = parse_config({})
+    assert (default.runtime.gpu_layers, default.runtime.main_gpu) == (0, 0)
+    assert default.runtime.tensor_split is None
+    chosen = parse_config({"runtime": {"gpu_layers": -1, "main_gpu": 1,
+                                       "tensor_split": " 3, 1.0 "}})
+    assert (chosen.runtime.gpu_layers, chosen.runtime.main_gpu) == (-1, 1)
+    assert chosen.runtime.tensor_split == "3,1"
 
 
 def test_short_secret_is_rejected_without_echoing_it() -> None:

@@ -177,7 +177,9 @@ async def test_requests_move_metrics_and_the_snapshot(stage: Stage) -> None:
         snapshot = await control.status()
     assert snapshot["stage"] == {"id": "tiny", "index": 0, "model": stage.engine.model_id,
                                  "layer_start": 0, "layer_end": 4, "is_first": True,
-                                 "is_final": True}
+                                 "is_final": True,
+                                 "offload": {"gpu_layers": 0, "main_gpu": 0, "tensor_split": [],
+                                             "gpu_backend": False}}
     assert snapshot["health"] == {"status": "ok", "reason": None}
     assert snapshot["lane_count"] == LANES
     assert [lane["lane"] for lane in snapshot["lanes"]] == list(range(LANES))

@@ -27,7 +27,9 @@ def make_snapshot(**overrides: Any) -> dict[str, Any]:
     latency = {"p50": None, "p95": None, "p99": None, "count": 0}
     snapshot: dict[str, Any] = {
         "stage": {"id": "stage-0", "index": 0, "model": "tiny", "layer_start": 0,
-                  "layer_end": 4, "is_first": True, "is_final": True},
+                  "layer_end": 4, "is_first": True, "is_final": True,
+                  "offload": {"gpu_layers": 0, "main_gpu": 0, "tensor_split": [],
+                              "gpu_backend": False}},
         "uptime_s": 1.0,
         "health": {"status": "ok", "reason": None},
         "lane_count": 2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -60,6 +61,8 @@ class FakeEngine:
                                     "runtime": {"lane_count": 3, "ctx_size": 1024}})
         self.model_id = "some-model"
         self.ctx_size = 1024
+        self.offload = {"gpu_layers": 0, "main_gpu": 0, "tensor_split": [],
+                        "gpu_backend": False}
         self.worker = FakeWorker(stats)
         self._health = health
         self._link = link
@@ -116,7 +119,8 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     assert set(snap["fast_paths"]) == {"activation_capture", "wake_before_decode",
                                        "greedy_pick"}
     assert snap["stage"] == {"id": "beta", "index": 0, "model": "some-model", "layer_start": 0,
-                             "layer_end": 12, "is_first": True, "is_final": True}
+                             "layer_end": 12, "is_first": True, "is_final": True,
+                             "offload": engine.offload}
     assert 5.0 <= snap["uptime_s"] < 60.0
     assert snap["health"] == {"status": "failed", "reason": "worker panicked"}
     assert snap["lanes"] == [
@@ -164,6 +168,22 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "waiting 2" in text
     assert "last step 3.00 ms (target 500 ms)" in text
     assert "fast paths" in text and "greedy pick numpy" in text
+    assert re.search(r"offload +CPU *\n", text)
+
+
+@pytest.mark.parametrize(("offload", "shown"), [
+    ({"gpu_layers": 0, "gpu_backend": True}, "CPU (a GPU backend is available)"),
+    ({"gpu_layers": 20, "gpu_backend": False},
+     "CPU: gpu_layers 20 asked, but llama.cpp has no GPU backend"),
+    ({"gpu_layers": -1, "main_gpu": 1, "tensor_split": [3.0, 1.0], "gpu_backend": True},
+     "GPU: all layers, main GPU 1, split 3,1"),
+])
+def test_status_says_where_the_layers_run(offload: dict, shown: str) -> None:
+    engine = FakeEngine(busy_stats(), ("ok", None))
+    engine.offload = offload
+    console = Console(record=True, width=160)
+    console.print(render_status(build_snapshot(engine, ServingMetrics(), time.monotonic())))
+    assert shown in console.export_text()
 
 
 def test_snapshot_carries_the_link_of_a_split_stage() -> None:

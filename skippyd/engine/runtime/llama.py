@@ -100,6 +100,11 @@ class RuntimeOptions:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     flash_attn: str = "auto"
+    gpu_layers: int = 0
+    """Layers offloaded to the GPU (llama.cpp's ``n_gpu_layers``; -1: all)."""
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] = ()
+    """Proportions of the offloaded layers per GPU; empty: llama.cpp's choice."""
     first_stage: bool = True
     final_stage: bool = True
     load_progress: Callable[[float], None] | None = field(default=None, compare=False)
@@ -116,6 +121,37 @@ class RuntimeOptions:
                 raise ValueError(f"{name}: unknown KV cache type {getattr(self, name)!r}")
         if self.flash_attn not in FLASH_ATTN_TYPES:
             raise ValueError(f"flash_attn: must be one of {sorted(FLASH_ATTN_TYPES)}")
+        if self.gpu_layers < -1 or self.main_gpu < 0:
+            raise ValueError("gpu_layers must be >= -1 and main_gpu >= 0")
+        if len(self.tensor_split) > int(L.llama_max_devices()):
+            raise ValueError(f"tensor_split: at most {int(L.llama_max_devices())} devices")
+
+
+@dataclass(slots=True)
+class ModelParams:
+    """``llama_model_params`` for a load, with the tensor-split array it points to."""
+
+    struct: L.llama_model_params
+    tensor_split_keepalive: ctypes.Array | None
+
+
+def model_params(options: RuntimeOptions) -> ModelParams:
+    """The ``llama_model_params`` a runtime loads its model with (GPU offload included)."""
+    params = L.llama_model_default_params()
+    params.n_gpu_layers = options.gpu_layers
+    params.main_gpu = options.main_gpu
+    split = None
+    if options.tensor_split:
+        split = (ctypes.c_float * int(L.llama_max_devices()))(*options.tensor_split)
+        params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
+    return ModelParams(params, split)
+
+
+def offload_facts(options: RuntimeOptions) -> dict[str, object]:
+    """What a stage asked of the GPU, and whether llama.cpp can offload at all."""
+    return {"gpu_layers": options.gpu_layers, "main_gpu": options.main_gpu,
+            "tensor_split": list(options.tensor_split),
+            "gpu_backend": bool(L.llama_supports_gpu_offload())}
 
 
 @dataclass(slots=True)
@@ -149,7 +185,9 @@ class LlamaRuntime:
         self.options = options
         self.info = inspect_model(options.model_path)
         self.n_embd = self.info.n_embd
-        self._model = self._load_model(options.model_path, options.load_progress)
+        self.offload = offload_facts(options)
+        """What was asked of the GPU and whether this llama.cpp build has one."""
+        self._model = self._load_model(options)
         self._capture = (
             None if options.final_stage
             else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
@@ -183,9 +221,10 @@ class LlamaRuntime:
 
     # -- lifecycle -------------------------------------------------------------------
     @staticmethod
-    def _load_model(path: str, progress: Callable[[float], None] | None = None):
-        params = L.llama_model_default_params()
-        params.n_gpu_layers = 0
+    def _load_model(options: RuntimeOptions):
+        path, progress = options.model_path, options.load_progress
+        # Holds the tensor-split array too, for as long as the load reads it.
+        params = model_params(options)
         if progress is not None:
             @L.llama_progress_callback
             def on_progress(fraction: float, _user_data) -> bool:
@@ -196,8 +235,8 @@ class LlamaRuntime:
                 return True
 
             # Referenced by this frame until the load returns: llama.cpp calls it only then.
-            params.progress_callback = on_progress
-        model = L.llama_model_load_from_file(os.fsencode(path), params)
+            params.struct.progress_callback = on_progress
+        model = L.llama_model_load_from_file(os.fsencode(path), params.struct)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
         return model

@@ -96,5 +96,6 @@ def props_body(backend: ServingBackend, sampling: SamplingConfig,
         "layer_end": facts.get("layer_end"),
         "n_layer": facts.get("n_layer"),
         "fast_paths": facts.get("fast_paths"),
+        "offload": facts.get("offload"),
         "build_info": "skippyd",
     }
