@@ -5,7 +5,7 @@ pipeline (weighted longest-prefix match), and it gains credit for every turn it 
 (aging, against starvation). Among equally valued requests, an ephemeral radix walk over
 the *waiting* prompts puts the heaviest shared-prefix subtree first, so the first cold
 request of a family materialises reusable KV before its peers run (DFS grouping). The
-walk never touches a real cache.
+walk never touches a real cache. ``docs/scheduler.md``, *Cache-aware ordering*.
 """
 
 from __future__ import annotations
@@ -141,13 +141,11 @@ def waiting_prefix_dfs_order(
 ) -> list[int]:
     """Depth-first order of waiting prompts over their shared-prefix tree.
 
-    At every branch point the heaviest subtree (most prompts) goes first, then the one whose
-    earliest member was enqueued first, then the smaller token. Prompts that end exactly at
-    a branch point come after the subtrees that extend them, by enqueue order.
-
-    Shared runs are skipped in one step, and the walk uses an explicit stack, so neither a
-    100 000-token common prefix nor a long chain of nested prompts touches Python's
-    recursion limit.
+    At every branch the subtree with most prompts goes first, then the one with the
+    earliest-enqueued member, then the smaller token; prompts ending at a branch follow
+    the subtrees that extend them, by enqueue order.
+    Shared runs are skipped in one step and the walk keeps its own stack, so no prompt
+    reaches Python's recursion limit (``docs/scheduler.md``, *Cache-aware ordering*).
 
     Args:
         prompts: Token lists of the waiting items.

@@ -153,13 +153,12 @@ def plan_budgeted(
 ) -> tuple[list[IterationWork], int]:
     """Plan every decode row, then at most ``prefill_budget`` prompt tokens.
 
-    The prompt tokens go to the sequences in ``prefill_order`` (see :func:`prompt_order`:
-    prompts that finish in this step, then the oldest first, so prompts finish one after
-    another instead of every prompt advancing a little), each chunk at most
-    ``prefill_chunk_tokens``. After the first prompt served, a prompt that fits in
-    ``prefill_budget`` but not in what is left is not cut: it goes whole in a later step,
-    and a smaller one behind it may take the room. ``oldest_prompt`` is never held back
-    (it keeps what :func:`prompt_order` reserves for it), so every prompt gets its turn.
+    Prompt tokens go to ``prefill_order`` (:func:`prompt_order`), at most
+    ``prefill_chunk_tokens`` a chunk; a first prompt longer than the budget gets an equal
+    chunk of its rest (:func:`even_chunk`), and a later prompt the step could hold whole
+    but not in what is left waits for a step with room, except ``oldest_prompt``, which
+    is never held back. Why: ``docs/scheduler.md``, *Planning an iteration* ("A long
+    prompt goes in equal chunks").
 
     Args:
         sequences: Admitted sequences in sorted-id order (the decode rotation's order).
@@ -222,16 +221,12 @@ def even_chunk(remaining: int, most: int) -> int:
 
 def prompt_order(by_admission: SequenceOf[ScheduledSequence], prefill_budget: int, reserve: int,
                  max_sequences: int) -> list[ScheduledSequence]:
-    """The order prompt work is served in: short prompts first, then oldest first.
+    """The order prompt work is served in: prompts that finish in this step, then oldest first.
 
-    A prompt whose remaining tokens fit in this step (with the ones already promoted, and
-    ``reserve`` tokens left over) goes ahead of older prompts, in admission order: it
-    finishes in this step, so a stream that restarts beside a long prompt being chunked
-    does not wait for that prompt's whole prefill. Everything else keeps admission order,
-    and because promoted prompts never take more than ``prefill_budget - reserve``, the
-    oldest remaining prompt still gets at least ``reserve`` tokens (and one of the
-    ``max_sequences`` prompt slots) a step: a stream of short prompts cannot starve a
-    long one.
+    Promoted prompts keep admission order and never take more than ``prefill_budget -
+    reserve`` tokens or every one of the ``max_sequences`` slots, so the oldest other
+    prompt still advances every step: short prompts cannot starve a long one. Why:
+    ``docs/scheduler.md``, *Planning an iteration* ("The step-time budget").
 
     Args:
         by_admission: Admitted sequences, oldest admission first.

@@ -252,10 +252,9 @@ class Scheduler:
     ) -> IterationTelemetry:
         """Apply the tokens sampled for ``plan`` and retire finished sequences.
 
-        A sampling row without a (unique) prediction fails its sequence; a negative token
-        finishes it without being appended; otherwise the token is appended and the
-        sequence finishes at ``max_tokens``. Rows of sequences that went away while the
-        plan ran (cancelled) are skipped.
+        A sampling row without a (unique) prediction fails its sequence, a negative token
+        ends it; rows of sequences cancelled while the plan ran are skipped
+        (``docs/scheduler.md``, *Completion*).
 
         Args:
             plan: A plan returned by :meth:`plan_iteration` (possibly with works dropped).
@@ -324,8 +323,9 @@ class Scheduler:
     def preempt_for_component_pressure(self, component_used: Iterable[int]) -> list[str]:
         """Adopt observed memory use, then preempt until every component fits.
 
-        The victim is the most recently admitted active sequence. It goes back to the front of the queue for recompute and keeps its
-        ``enqueued_turn``, so its aging credit survives.
+        The victim is the most recently admitted active sequence. It goes back to the
+        front of the queue for recompute and keeps its ``enqueued_turn``, so its aging
+        credit survives.
 
         Args:
             component_used: Observed used bytes per memory component, in config

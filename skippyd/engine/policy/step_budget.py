@@ -1,41 +1,14 @@
 """A step-time budget for prompt work: chunked prefill that keeps decoding streams moving.
 
-With live decoders, a plan that prefills a long prompt in one go freezes every running
-stream for the whole prompt (a 500-word prompt is seconds on a small CPU). With a target
-step time, each iteration carries every decode row plus only as many prompt tokens as fit
-in what the target leaves (Sarathi-Serve's and vLLM's token budget, sized in time rather
-than tokens): running streams get a token every step, and the prompt finishes a few
-steps later. Without live decoders nothing is waiting, so prompts take the whole token
-budget.
+With live decoders a step carries every decode row plus only the prompt tokens that fit
+in a target step time, so running streams get a token every step while a long prompt is
+prefilled over several; without decoders nothing waits and prompts take the whole token
+budget. :class:`TargetStretch` lengthens the target while long prompts queue up (or short
+ones come in a burst); :class:`StepCostModel` learns a step's cost from the plans that
+ran. Pure: no clock, no threads; the driver feeds it durations.
 
-The target holds while long prompts (those that need more than one step at the target)
-come one at a time. When they queue up (a second one is admitted before the first is
-through), a fixed target would leave them less than their full speed for as long as the
-queue lasts, and under a steady stream of long prompts the queue, and every prompt's
-time to first token, would grow without end. So the target stretches with the long
-prompts pending (:class:`TargetStretch`): with ``n`` of them a step may take ``n`` times
-the target, up to :data:`MAX_TARGET_STRETCH` times, and once they have queued it stays
-at least doubled until none is pending, so a steady stream of long prompts is served at
-nearly full speed instead of hovering at the edge of a queue. The streams' gaps grow
-with the queue and shrink back once it is gone. A short prompt, which one step absorbs,
-does not stretch it (a stream that restarts while a long prompt is chunked), but a
-burst of :data:`BURST_PROMPTS` or more short prompts pending at once does, by their
-count and only while it lasts, so a burst is taken in a few large steps, as a server
-that prefills whole batches would, instead of being spread thinly over many.
-
-A chunk smaller than :data:`EFFICIENT_PREFILL_TOKENS` costs more per prompt token than a
-larger one (llama.cpp's CPU attention switches kernels at 64 query rows), and under a
-steady stream of long prompts that loss comes straight out of the decoders' time. So
-when the target leaves room for less, a step takes that many prompt tokens anyway as
-long as it is estimated within :data:`EFFICIENT_CHUNK_STRETCH` times the target; a model
-too slow for that keeps the smaller chunk, down to :data:`MIN_PREFILL_TOKENS`.
-
-:class:`StepCostModel` learns the cost it needs from executed plans: a step's duration as
-a fixed part plus a part per token (decode rows and prompt tokens alike), fitted by least
-squares with exponential forgetting, so it follows the machine as load and context
-lengths change. A line fits because one llama.cpp call costs a fixed graph set-up and
-weight pass plus compute that grows with the tokens. Pure: no clock, no threads; the
-driver feeds it durations.
+The reasoning and the measurements behind the constants: ``docs/scheduler.md``,
+*Planning an iteration* ("The step-time budget", "When long prompts queue up").
 """
 
 from __future__ import annotations
@@ -56,11 +29,9 @@ INITIAL_PREFILL_TOKENS = 32
 #: Prompt tokens an iteration with live decoders always carries, whatever the estimate,
 #: so a prompt always progresses (a budget below one token would starve it).
 MIN_PREFILL_TOKENS = 16
-#: Prompt tokens of a chunk beside decoders that llama.cpp prefills at full speed. Its CPU
-#: flash attention runs a micro-batch of 64 or more query rows through a tiled kernel and
-#: a smaller one row by row: a chunk that continues a prompt (attending to its cached part)
-#: costs a fifth to a third more per prompt token on SmolLM2, a prompt's first chunk about
-#: the same. With one KV stream per lane, llama.cpp puts a chunk's first token in the
+#: Prompt tokens of a chunk beside decoders that llama.cpp prefills at full speed: its CPU
+#: flash attention runs a micro-batch of 64 or more query rows through a tiled kernel, a
+#: smaller one row by row. With one KV stream per lane a chunk's first token goes in the
 #: decoders' micro-batch, so the chunk's own holds 64 of these 65.
 EFFICIENT_PREFILL_TOKENS = 65
 #: How many times its target a step may take to carry an efficient chunk (see above):
@@ -70,7 +41,7 @@ EFFICIENT_CHUNK_STRETCH = 2
 #: chunk (see ``planning.even_chunk``): a chunk's pass over the weights costs about a
 #: decode step, so an eighth more tokens in each of the prompt's steps is cheaper.
 CHUNK_OVERRUN = 1.125
-#: Most times its target a step may take while prompts queue up (see the module doc).
+#: Most times its target a step may take while prompts queue up (see :class:`TargetStretch`).
 MAX_TARGET_STRETCH = 4
 #: Short prompts pending at once that make a burst: the step stretches by their count.
 BURST_PROMPTS = 3
@@ -79,9 +50,10 @@ BURST_PROMPTS = 3
 class TargetStretch:
     """How many times its target a step may take, from the prompts pending.
 
-    One target per pending long prompt, or per short prompt in a burst, at most
-    :data:`MAX_TARGET_STRETCH`; from the moment two long prompts are pending until none
-    is, at least two (see the module doc).
+    One target per pending long prompt (one that needs more than one step at the target),
+    or per short prompt in a burst, at most :data:`MAX_TARGET_STRETCH`; from the moment
+    two long prompts are pending until none is, at least two, so a steady stream of long
+    prompts is served near full speed instead of queueing without end.
     """
 
     def __init__(self) -> None:
@@ -105,7 +77,12 @@ class TargetStretch:
 
 
 class StepCostModel:
-    """Step duration as ``fixed + per_token * tokens`` (µs), learned from executed plans."""
+    """Step duration as ``fixed + per_token * tokens`` (µs), learned from executed plans.
+
+    A line fits because one llama.cpp call costs a fixed graph set-up and pass over the
+    weights plus compute that grows with its tokens; least squares with exponential
+    forgetting (:data:`COST_MEMORY`) follows the machine as load and context lengths change.
+    """
 
     def __init__(self) -> None:
         self._weight = 0.0

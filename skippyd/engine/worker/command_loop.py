@@ -1,25 +1,13 @@
 """The worker thread: commands in, one unit of work per turn out.
 
-A stage has one worker, and its thread is the only code that calls the runtime. The
+A stage has one worker, and its thread is the only code that calls the runtime.
 :class:`CommandLoop` is what every worker shares: the bounded command queue and the
-overflow inbox, the thread, the loop that drains commands and runs turns, the wait
-hooks, the stats snapshot and the containment of a failure. What a turn does is its
-*role*'s business: stage 0 runs a
-:class:`~skippyd.engine.worker.generations.GenerationWorker`, a later stage of a split
-pipeline a :class:`~skippyd.engine.worker.batches.BatchWorker`. ::
-
-    while True:
-        if the role holds nothing: publish stats; block for one command
-        drain up to 64 commands, then the inbox
-        if the role holds something: run one turn
-        publish stats (at most every 50 ms)
-
-A command taken off the queue is always answered: if handling it raises, it gets the
-error before the failure is contained. A failure anywhere else in the loop is a bug the
-loop cannot see the extent of, so it is *fatal*: the thread publishes
-:class:`~skippyd.engine.telemetry_events.WorkerFailed`, answers everything the role holds and everything still
-queued with an error, records :attr:`CommandLoop.failure`, tells its failure listeners
-and stops. Commands put afterwards are answered at once.
+overflow inbox, the thread and its loop, the wait hooks, the stats snapshot and the
+containment of a failure; what a turn does is its *role*'s business (stage 0:
+:class:`~skippyd.engine.worker.generations.GenerationWorker`, a later stage:
+:class:`~skippyd.engine.worker.batches.BatchWorker`). A command taken off the queue is
+always answered; any other failure in the loop is a bug of unknown extent, so it is
+fatal. ``docs/scheduler.md``, *The run loop* and *Failure*, has the loop and the rest.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """How a fresh generation meets the prefix cache (worker thread only).
 
-:class:`PrefixAdmission` keeps no per-request state: what a request holds of the cache
-(its lease, the request it is parked behind) lives on its
-:class:`~skippyd.engine.worker.record.Generation`.
-
-* **hit**: the prompt starts with a cached prefix. The request leases that entry; its
-  policy ``ScheduledSequence`` gets ``with_prefix_restore`` (the policy's replay rule keeps the
-  last prompt token computed) and a ``CacheAffinity`` from the same lookup, so the
-  policy's cache-aware ordering sees its value. When the request gets a lane it is the
-  entry's own lane if that is idle (nothing to copy), else the entry is copied or, from
-  the host-RAM tier, loaded into it; only the rest of the prompt is prefilled.
-* **in flight**: a request already held (the *leader*) shares a longer prefix than the
-  cache holds. If the leader's KV already holds it, it is recorded from the leader's lane
-  at once; otherwise the new request is *parked* until the leader's prefill passes the
-  shared point, which is then recorded (a shared-prefix record, at most
-  ``shared_prefix_record_limit`` per leader, each extending what is cached by at least
-  ``shared_prefix_stride_tokens``) and the parked request restores it. So a burst sharing
-  a long system prompt prefills it once, not once per request.
-* finished requests record their whole KV history (prompt plus generated tokens) as
-  their lane is freed (the lane keeps its KV): the next turn of a chat matches it.
+On a **hit** the request leases a cached prefix and starts in that entry's lane, or gets
+the prefix copied or loaded into its own; **in flight**, a request sharing a longer prefix
+with one still prefilling is *parked* until that prefix has been computed once and
+recorded, so a burst with one long system prompt prefills it once; a **finished** request
+records its whole KV history as its lane is freed. :class:`PrefixAdmission` keeps no
+per-request state: a request's lease and parking live on its
+:class:`~skippyd.engine.worker.record.Generation`. ``docs/scheduler.md``, *A fresh
+request and the prefix cache*, has the rules.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """One record per generation on the worker thread: its state and everything it holds.
 
-A :class:`Generation` is created when the worker takes a generation's ``Submit`` off its
-queue and lives until it has sent its one final event. It holds, by reference, all that
-the generation owns: the policy's :class:`~skippyd.engine.policy.Sequence` (the very
-object the policy schedules), its lease on a prefix-cache entry, the request it is parked
-behind, its sibling choices, whether it holds a runtime session, and its unanswered token
-acknowledgements. Nothing else keeps a per-request map, so there is nothing to keep in
-step by hand.
-
-Its :class:`GenerationStatus` moves only along the edges of :data:`TRANSITIONS`::
-
-    NEW ──> WAITING ──> PREFILLING <──> DECODING
-     │        ^   ^          │              │
-     ├─> PARKED   │          └─> PREEMPTED <┘
-     └─> AWAITING_PROMPT     (re-admitted: PREFILLING)
-
-and every status may end in FINISHED.
+A :class:`Generation` lives from the moment the worker takes its ``Submit`` off the queue
+until it has sent its one final event, and holds by reference all the generation owns
+(the policy's ``ScheduledSequence`` itself, its prefix-cache lease and parking, its
+sibling choices, its session, its unanswered acks): nothing else keeps a per-request map,
+so nothing has to be kept in step by hand. Its :class:`GenerationStatus` moves only along
+:data:`TRANSITIONS`, and every status may end in FINISHED; ``docs/scheduler.md``, *One
+record per generation*, has the status table.
 """
 
 from __future__ import annotations
