@@ -78,11 +78,9 @@ def resolve_socket_path(socket_path: Path | None = None, config: Path | None = N
                         wait: bool = False) -> Path:
     """Find a stage's control socket; ``skippyd status``, ``top`` and ``top --once`` agree.
 
-    In order: ``socket_path`` itself; the config's ``control.socket`` (when that is the
-    default location and nothing listens there, the stage's other default locations are
-    probed too, since the daemon may run with another environment); without a config,
-    the default stage's default locations, then the only ``*.sock`` in the default
-    directories.
+    ``socket_path``, else the config's ``control.socket``, else the default stage's
+    default locations, else the only socket in the default directories;
+    ``docs/control-protocol.md``, *The socket*, has the details.
 
     Args:
         socket_path: ``--socket``, if given.

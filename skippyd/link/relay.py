@@ -1,22 +1,12 @@
 """One CHAIN connection on a later stage: batches in, direct iterations, results out.
 
-Two threads per connection. The *reader* (the connection's own thread) decodes frames
-and submits every entry of a batch to the worker as a direct iteration
-without waiting, so the worker can batch this stage's work while results of earlier
-batches are still being written. The *completer* handles batches strictly in arrival
-order: it waits for each batch's outcomes, then forwards the output rows downstream
-(middle stage) or sends the predictions to stage 0 (final stage).
-
-A DROP is applied by the reader, before it submits anything that follows it: it waits
-for the session's iterations still on the worker, then queues the drop. The worker runs
-commands in order, so the freed lane is back before the next batch (perhaps a new
-session stage 0 admitted into that very lane) asks for one. A session's runtime name
-carries an incarnation number that a DROP bumps, so a replay of the same session after
-a DROP always starts from a fresh runtime session.
-
-Every iteration carries a deadline (``runtime.stall_timeout_s`` from its submission)
-and the connection's closing event as its cancellation: the worker never runs one that
-nobody waits for any more, and the completer never waits past it.
+A *reader* thread decodes frames and submits each batch's entries to the worker without
+waiting, so the worker computes while a *completer* thread, in arrival order, forwards
+earlier batches' rows downstream or sends their predictions to stage 0. The reader
+applies a DROP only once the session's queued iterations have run, so its lane is free
+before the next batch asks for one. Every iteration carries a deadline and the
+connection's closing event, so nothing runs or waits for a caller that is gone.
+``docs/stage-protocol.md``, *What a later stage does*, has the rules.
 """
 
 from __future__ import annotations

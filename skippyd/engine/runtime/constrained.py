@@ -1,22 +1,12 @@
-"""Grammar-constrained sampling over llama.cpp's grammar sampler.
+"""Grammar-constrained sampling over llama.cpp's grammar sampler (worker thread only).
 
-llama.cpp's grammar sampler checks every candidate token against the grammar; over a
-vocabulary of tens of thousands of tokens that costs milliseconds, far more than the rest
-of the chain. So, as llama.cpp's own common sampler does, a constrained session first
-samples *without* the grammar and only asks the grammar about that one token. Most tokens
-of a structured answer are the model's own first choice, so most steps pay one
-single-token check.
-
-When the grammar refuses the token, the sample is drawn again from the grammar-filtered
-candidates. If the choosing samplers can keep at most ``k`` tokens (greedy: 1, ``top_k``:
-k), only the most likely few of them are filtered first: when at least ``k`` of those
-pass, they are exactly the ``k`` best tokens the grammar allows, so the draw is the same
-as after filtering the whole vocabulary, at a small fraction of the cost. Otherwise the
-whole vocabulary is filtered. Every sampled token is then accepted by the grammar and the
-chains.
-
-Only the worker thread uses these objects (the HTTP side only parses a grammar once with
-:func:`check_grammar`, on a vocabulary of its own).
+Checking every candidate against the grammar costs milliseconds over a vocabulary of tens
+of thousands of tokens, far more than the rest of the sampler chain. So a constrained
+session samples *without* the grammar first and asks the grammar only about that token:
+most tokens of a structured answer are the model's own first choice. A refused token is
+drawn again from the grammar-filtered candidates (:func:`_resample`). Every token sampled
+is accepted by the grammar and the chains. The HTTP side only parses a grammar once, with
+:func:`check_grammar`, on a vocabulary of its own.
 """
 
 from __future__ import annotations
@@ -212,7 +202,13 @@ def sample_constrained(sampler: ConstrainedSampler, ctx: int, row: int,
 
 
 def _resample(sampler: ConstrainedSampler, ctx: int, row: int) -> int | None:
-    """Draw from the candidates the grammar allows; None when it allows none."""
+    """Draw from the candidates the grammar allows; None when it allows none.
+
+    When the choosing samplers keep at most ``k`` tokens (greedy: 1, ``top_k``: k), only
+    the most likely few are filtered first: if ``k`` of them pass, they are the ``k`` best
+    tokens the grammar allows, so the draw equals one over the filtered whole vocabulary
+    at a fraction of the cost. Otherwise the whole vocabulary is filtered.
+    """
     candidates = sampler.candidates
     kept = sampler.kept_tokens
     candidates.load(ctx, row)

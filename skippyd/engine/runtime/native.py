@@ -1,20 +1,12 @@
 """The native helpers ``pip install`` built (``skippyd/_native``), loaded and checked once.
 
-Two hot spots cost the interpreter more than the work they do, so they run as C that
-the install compiled (an optional extension: an install without a compiler still
-serves, on the Python paths):
-
-* **activation capture** on a non-final stage: llama.cpp's eval callback, called for
-  every node of every graph (:class:`NativeLayerCapture`);
-* **wake before decode**: the eventfd write that wakes the HTTP loop, inside the same
-  foreign call as ``llama_decode`` (:mod:`~skippyd.engine.runtime.wake_decode`).
-
-Nothing is compiled while serving. At first use the library is loaded and every struct
-it shares with Python or llama.cpp is compared with its ctypes declaration
-(``ctypes.sizeof``); on a mismatch the helpers are refused with an error line and the
-Python paths serve. ``SKIPPYD_NATIVE=off`` refuses them on purpose (to rule them out
-when chasing a problem). :func:`fast_paths` says which paths are active: the start-up
-log, ``skippyd status`` and ``/props`` show it.
+Two hot spots cost the interpreter more than the work they do, so they run as C: the
+activation capture of a non-final stage (:class:`NativeLayerCapture`, called for every
+graph node) and the eventfd write that wakes the HTTP loop inside the same foreign call
+as ``llama_decode`` (:mod:`~skippyd.engine.runtime.wake_decode`). They are optional: at
+first use every struct shared with Python or llama.cpp is checked against its ctypes
+declaration, and without a compiler, on a mismatch or with ``SKIPPYD_NATIVE=off`` the
+Python paths serve. :func:`fast_paths` says which paths are active.
 """
 
 from __future__ import annotations

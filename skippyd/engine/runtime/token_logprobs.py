@@ -94,12 +94,10 @@ def prompt_row_logprobs(
     k: int,
     carry: tuple[int, np.ndarray] | None,
 ) -> tuple[list[tuple[int, TokenLogprob]], tuple[int, np.ndarray]]:
-    """Log-probabilities of a prefill chunk's tokens, each from the row before it.
+    """Log-probabilities of a prefill chunk's tokens, each scored by the row before it.
 
-    Row ``i`` (position ``start + i``) predicts the token at ``start + i + 1``: the chunk's
-    own next token, or, for its last row, the first token of the next chunk. That row's
-    logits are returned as the new carry; a carry from the position right before
-    ``start`` scores this chunk's first token.
+    The last row predicts the next chunk's first token, so its logits are the returned
+    carry; a ``carry`` from position ``start - 1`` scores this chunk's first token.
 
     Args:
         ctx: The llama context (right after the decode that computed the rows).

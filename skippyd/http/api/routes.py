@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions``, ``/health`` and llama-server's utility endpoints.
+``/v1/chat/completions``, ``/health`` and the utility endpoints (``/tokenize``,
+``/detokenize``, ``/apply-template``, ``/props``).
 
 Handlers parse and validate the body (:mod:`~skippyd.http.parsing.request_params`),
 render and tokenize the prompt and compile any grammar off the event loop
@@ -112,6 +113,9 @@ def create_app(
 
     Returns:
         The ASGI app.
+
+    Raises:
+        ValueError: ``default_max_tokens`` is not positive.
     """
     if default_max_tokens is not None and default_max_tokens <= 0:
         raise ValueError(f"default_max_tokens: must be > 0 (got {default_max_tokens})")

@@ -1,24 +1,14 @@
 """Connection-level limits for the HTTP port: deadlines, a cap, and who gives way.
 
-uvicorn only closes a connection that stays silent after a response (its keep-alive
-timer, re-armed by every byte); a connection that never sends a byte, or drips one
-every few seconds, holds its socket forever, and enough of them exhaust the process.
-:func:`guarded_protocol` wraps whichever uvicorn HTTP protocol class is configured
-(h11 or httptools) so that every connection is always under exactly one deadline:
-
-* **waiting** for a request head (just connected, or idle between keep-alive requests):
-  the whole head must arrive within ``header_timeout_s`` (``keep_alive_timeout_s``
-  after a response), and be at most ``max_head_bytes``;
-* **reading the body**: all of it within ``body_timeout_s`` of the head;
-* **handled by the app**: no deadline (a long generation is legitimate), except that a
-  client that stops reading the response for ``send_timeout_s`` is dropped.
-
-Deadlines are absolute: bytes arriving do not extend them (nginx's header and body
-timeouts in spirit, minus its reset-on-read loophole). At most
-``max_open_connections`` are open; a new one then takes the place of the connection
-that has waited longest for a request head, so idle or slow connections can never lock
-out a health probe or a real client. Timers are set only when a connection changes
-phase, never per chunk of response: the token stream pays nothing.
+uvicorn closes only a connection that stays silent after a response: one that never
+sends a byte, or drips one every few seconds, would hold its socket forever.
+:func:`guarded_protocol` wraps the configured uvicorn protocol class (h11 or httptools)
+so that a connection is always under exactly one absolute deadline, by :class:`Phase`:
+its head, its body, or, while the app answers (a generation may be long), a client that
+stops reading. Bytes never extend a deadline, and timers change only with the phase,
+never per chunk of response. Beyond ``max_open_connections`` a new connection replaces
+the one that has waited longest for a head, so idle connections never lock out a health
+probe. README.md, *Exposing it: keys, connections, hostile clients*, has the keys.
 """
 
 from __future__ import annotations

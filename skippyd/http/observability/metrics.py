@@ -1,21 +1,13 @@
 """Request-level serving metrics: rolling windows for ``skippyd top`` and Prometheus.
 
-:class:`ServingMetrics` follows each HTTP generation through its life (submitted,
-admitted, first token, each token, finished / failed / cancelled / rejected) through a
-per-request :class:`RequestTimer`, and reads the worker's step events
-(:class:`~skippyd.engine.telemetry_events.StepFinished`) for iteration times and
-prefix-cache counts, and its admissions for the prompt tokens served from the cache. It keeps the last
-``window_s`` seconds of samples for the control socket's snapshot (tok/s, p50/p95/p99)
-and feeds a private ``prometheus_client`` registry (scrape-time gauges, build info and
-the link live in :mod:`skippyd.http.observability.prometheus`, served by its ``metrics_route``; the
-registry also carries prometheus_client's process, platform and GC collectors). What is
-recorded per token or per worker turn goes to the cheap histograms and counters of
-:mod:`skippyd.http.observability.loop_metrics`: this thread's time comes out of the decode. Each
-ended request is handed to :class:`~skippyd.http.observability.request_log.RequestLog` for its line.
-
-Every hook runs on the event loop thread. The worker thread only publishes to the hub;
-its events reach this object through the loop's event relay, in order with the token
-deliveries of the same worker turn.
+:class:`ServingMetrics` follows each HTTP generation through a :class:`RequestTimer` and
+reads the worker's step and admission events; it keeps the last ``window_s`` seconds for
+the control socket's snapshot and feeds a private ``prometheus_client`` registry (the
+scrape-time series are in :mod:`~skippyd.http.observability.prometheus`). What is
+recorded per token or per worker turn goes to the cheap
+:mod:`~skippyd.http.observability.loop_metrics`: this thread's time comes out of the
+decode. Every hook runs on the event loop thread; worker events arrive through the
+loop's event relay, in order with the token deliveries of the same turn.
 """
 
 from __future__ import annotations
