@@ -38,11 +38,21 @@ class StartupProgress:
         self._step = "starting"
         self._fraction: float | None = None
         self._advanced_at = clock()
+        self._on_step: Callable[[str], None] | None = None
+
+    def on_step(self, listener: Callable[[str], None] | None) -> None:
+        """Call ``listener(status)`` as each later step begins, on the loading thread
+        (quick, never blocking); None stops the calls."""
+        with self._lock:
+            self._on_step = listener
 
     def step(self, name: str) -> None:
         """A new step begins (counts as progress)."""
         with self._lock:
             self._step, self._fraction, self._advanced_at = name, None, self._clock()
+            listener = self._on_step
+        if listener is not None:
+            listener(self.status())
 
     def advance(self, fraction: float) -> None:
         """The current step moved on to ``fraction`` (0..1) of its work."""
@@ -73,15 +83,19 @@ async def load_with_progress(load: Callable[[], Any], progress: StartupProgress,
     Raises:
         Whatever ``load`` raised.
     """
-    task = asyncio.ensure_future(asyncio.to_thread(load))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=interval_s)
-        if done:
-            return task.result()
-        status = progress.status()
-        if progress.idle_for() < window_s:
-            notifier.notify(EXTEND_TIMEOUT_USEC=int(window_s * 1_000_000), STATUS=status)
-        else:
-            logger.warning("start-up has not advanced for %.0f s (%s)", progress.idle_for(),
-                           status)
-            notifier.notify(STATUS=status + ", not advancing")
+    progress.on_step(lambda status: notifier.notify(STATUS=status))
+    try:
+        task = asyncio.ensure_future(asyncio.to_thread(load))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval_s)
+            if done:
+                return task.result()
+            status = progress.status()
+            if progress.idle_for() < window_s:
+                notifier.notify(EXTEND_TIMEOUT_USEC=int(window_s * 1_000_000), STATUS=status)
+            else:
+                logger.warning("start-up has not advanced for %.0f s (%s)",
+                               progress.idle_for(), status)
+                notifier.notify(STATUS=status + ", not advancing")
+    finally:
+        progress.on_step(None)

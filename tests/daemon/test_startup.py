@@ -49,6 +49,8 @@ async def test_extensions_follow_progress_and_stop_when_it_stops():
 
     async def drive() -> None:
         first = await asyncio.to_thread(notifier.next)
+        while "EXTEND_TIMEOUT_USEC" not in first:  # the step's own STATUS came first
+            first = await asyncio.to_thread(notifier.next)
         assert first == {"EXTEND_TIMEOUT_USEC": 60_000_000,
                          "STATUS": "loading: slicing layers 0:15 (25%)"}
         clock.now += 61.0  # nothing advanced for longer than the window
@@ -58,7 +60,8 @@ async def test_extensions_follow_progress_and_stop_when_it_stops():
         assert stalled == {"STATUS": "loading: slicing layers 0:15 (25%), not advancing"}
         go_on.set()  # the next step starts: progress again
         resumed = await asyncio.to_thread(notifier.next)
-        while resumed.get("STATUS") != "loading: loading the model":
+        while (resumed.get("STATUS") != "loading: loading the model"
+               or "EXTEND_TIMEOUT_USEC" not in resumed):
             resumed = await asyncio.to_thread(notifier.next)
         assert resumed["EXTEND_TIMEOUT_USEC"] == 60_000_000
         finish.set()
@@ -67,6 +70,21 @@ async def test_extensions_follow_progress_and_stop_when_it_stops():
     result = await load_with_progress(load, progress, notifier, interval_s=0.01, window_s=60.0)
     await driver
     assert result == "loaded"
+
+
+async def test_each_step_is_announced_as_it_begins_even_in_a_load_shorter_than_a_tick():
+    notifier, progress = Notifier(), StartupProgress()
+
+    def load() -> str:
+        progress.step("reading the model header")
+        progress.step("loading the model")
+        return "loaded"
+
+    assert await load_with_progress(load, progress, notifier, interval_s=60.0) == "loaded"
+    assert notifier.messages == [{"STATUS": "loading: reading the model header"},
+                                 {"STATUS": "loading: loading the model"}]
+    progress.step("after the load")  # nobody is told any more
+    assert len(notifier.messages) == 2
 
 
 async def test_a_failed_load_raises_its_error():
