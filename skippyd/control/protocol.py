@@ -68,7 +68,7 @@ def event_message(event: TelemetryEvent) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class ControlRequest:
     """A validated client request."""
 
     req_id: Any
@@ -79,7 +79,7 @@ class Request:
     patterns: tuple[str, ...] = ()
 
 
-def parse_request(line: bytes) -> Request:
+def parse_request(line: bytes) -> ControlRequest:
     """Decode and validate one request line.
 
     Raises:
@@ -105,11 +105,11 @@ def parse_request(line: bytes) -> Request:
         raise ProtocolError("unknown_op", f"op: unknown {op!r}; expected one of "
                             + ", ".join(OPS), req_id)
     if op == "subscribe":
-        return Request(req_id, op, _interval(data, req_id), _flag(data, "events", req_id),
+        return ControlRequest(req_id, op, _interval(data, req_id), _flag(data, "events", req_id),
                        _patterns(data, req_id))
     if op == "events":
-        return Request(req_id, op, None, True, _patterns(data, req_id))
-    return Request(req_id, op)
+        return ControlRequest(req_id, op, None, True, _patterns(data, req_id))
+    return ControlRequest(req_id, op)
 
 
 def _interval(data: dict[str, Any], req_id: Any) -> int:

@@ -33,8 +33,8 @@ from skippyd import __version__
 from skippyd.control.protocol import (
     MAX_LINE_BYTES,
     PROTOCOL_VERSION,
+    ControlRequest,
     ProtocolError,
-    Request,
     encode,
     error_message,
     event_message,
@@ -169,7 +169,7 @@ class _Subscriber:
     behind; a sender task writes them out, announcing drops first.
     """
 
-    def __init__(self, conn: _Connection, request: Request) -> None:
+    def __init__(self, conn: _Connection, request: ControlRequest) -> None:
         self._conn = conn
         self._loop = asyncio.get_running_loop()
         self._interval_s = None if request.interval_ms is None else request.interval_ms / 1000

@@ -125,7 +125,7 @@ def shape_named(name: str, *, n_layer: int | None = None, n_vocab: int | None = 
 
 
 @dataclass(frozen=True, slots=True)
-class Tokenizer:
+class TokenizerMetadata:
     """The ``tokenizer.*`` metadata of a GGUF, sized to a vocabulary."""
 
     model: str
@@ -139,7 +139,7 @@ class Tokenizer:
     add_space_prefix: bool | None
     chat_template: str | None
 
-    def sized(self, n_vocab: int) -> Tokenizer:
+    def sized(self, n_vocab: int) -> TokenizerMetadata:
         """This vocabulary padded with unused tokens to ``n_vocab``, or cut down to it."""
         have = len(self.tokens)
         if n_vocab == have:
@@ -163,7 +163,7 @@ class Tokenizer:
                        token_types=self.token_types[:n_vocab], merges=merges)
 
 
-def read_tokenizer(path: str | Path) -> Tokenizer:
+def read_tokenizer(path: str | Path) -> TokenizerMetadata:
     """The tokenizer and chat template of the GGUF at ``path``."""
     try:
         reader = gguf.GGUFReader(str(path))
@@ -185,7 +185,7 @@ def read_tokenizer(path: str | Path) -> Tokenizer:
         found = value(f"tokenizer.ggml.{key}")
         if found is not None:
             special[name] = int(found)
-    return Tokenizer(
+    return TokenizerMetadata(
         model=str(model), pre=value("tokenizer.ggml.pre"), tokens=list(tokens),
         token_types=[int(t) for t in types], merges=list(value("tokenizer.ggml.merges") or []),
         special_ids=special, add_bos=value("tokenizer.ggml.add_bos_token"),
@@ -205,7 +205,7 @@ def _random_rows(shape: tuple[int, ...], seed: int, index: int) -> Iterator[np.n
         yield block.astype(np.float16)
 
 
-def write_f16_model(shape: ModelShape, output: str | Path, tokenizer: Tokenizer, *,
+def write_f16_model(shape: ModelShape, output: str | Path, tokenizer: TokenizerMetadata, *,
                     n_ctx: int = DEFAULT_CONTEXT, seed: int = 0,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write ``shape`` with random f16 weights (f32 norms of ones) to ``output``.
