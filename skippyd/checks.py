@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from skippyd.config import ConfigError, StageConfig, check_layer_range, check_pipeline, load_config
 from skippyd.exitcodes import ExitCode
+
+if TYPE_CHECKING:
+    from skippyd.gguf.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,23 @@ def check_config_file(path: Path | None, **overrides: Any) -> StageConfig:
     if any(value is not None for value in overrides.values()):
         config = apply_overrides(config, **overrides)
     info = inspect_model(config.resolved_model_path)
-    return check_layer_range(config, info.n_layer)
+    config = check_layer_range(config, info.n_layer)
+    return context_for_model(config, info)[0]
+
+
+def context_for_model(config: StageConfig, info: ModelInfo) -> tuple[StageConfig, str | None]:
+    """``config`` with ``runtime.ctx_size`` sized from the model when it is left open
+    (:func:`~skippyd.config.resolve_context`), and the sentence saying why."""
+    from skippyd.config import available_memory_bytes, resolve_context
+
+    start = config.stage.layer_start
+    end = config.stage.layer_end or info.n_layer
+    available = available_memory_bytes()
+    if available is not None:  # less what this stage's share of the weights will take
+        share = (end - start) / max(1, info.n_layer)
+        available = max(0, available - int(info.file_bytes * share))
+    return resolve_context(config, n_ctx_train=info.n_ctx_train, available_bytes=available,
+                           kv_values_per_token=info.kv_values_per_token(start, end))
 
 
 def check_one(path: Path) -> ConfigVerdict:

@@ -9,9 +9,10 @@ stage-to-stage link (``[link]``, ``[upstream]``, ``[downstream]``).
 :func:`load_config` and :func:`parse_config` collect every problem before raising one
 :class:`ConfigError` whose issues name their key path (``runtime.lane_count``).
 Defaults that depend on other values or on the machine (threads, the control socket,
-the model id, the prompt limit) are resolved while parsing, so a loaded config holds
-concrete values and :func:`config_to_toml` writes it back as an equal config. Only
-``stage.layer_end`` stays open until :func:`check_layer_range` sees the model.
+the model id) are resolved while parsing, so a loaded config holds concrete values and
+:func:`config_to_toml` writes it back as an equal config. ``stage.layer_end`` and
+``runtime.ctx_size`` may stay open until the model is known (:func:`check_layer_range`,
+:func:`resolve_context`).
 
 Modules: ``schema`` (the tree and per-key rules), ``loader`` (parsing, overrides),
 ``rules`` (cross-key and pipeline rules), ``dump`` (writing), ``defaults`` (machine
@@ -22,6 +23,7 @@ from skippyd.config.defaults import (
     DEFAULT_MODEL_FILE,
     MODEL_PACKAGE,
     available_cpus,
+    available_memory_bytes,
     candidate_socket_paths,
     default_model_path,
     default_socket_path,
@@ -36,6 +38,7 @@ from skippyd.config.loader import (
     default_config,
     load_config,
     parse_config,
+    resolve_context,
 )
 from skippyd.config.rules import check_pipeline
 from skippyd.config.schema import (
@@ -90,8 +93,10 @@ __all__ = [
     "TelemetrySection",
     "apply_overrides",
     "available_cpus",
+    "available_memory_bytes",
     "candidate_socket_paths",
     "check_layer_range",
+    "resolve_context",
     "check_pipeline",
     "config_to_dict",
     "config_to_toml",

@@ -29,6 +29,21 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the system could give this process now (``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def candidate_socket_paths(
     stage_id: str, environ: Mapping[str, str] | None = None
 ) -> list[Path]:

@@ -37,6 +37,7 @@ _COMMENTED: dict[str, Any] = {
     "stage.model_id": "my-model.Q4_K_M",
     "stage.model_path": "models/my-model.Q4_K_M.gguf",
     "stage.layer_end": 30,
+    "runtime.ctx_size": 8192,
     "runtime.threads": 8,
     "runtime.threads_batch": 8,
     "runtime.slice_cache_dir": "~/.cache/skippyd/slices",
@@ -69,7 +70,8 @@ _KEY_NOTES: dict[str, str] = {
     "runtime.threads": "default: the CPUs available to the process",
     "runtime.threads_batch": "default: threads",
     "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline, plus one",
-    "http.max_prompt_tokens": "default: runtime.ctx_size",
+    "http.max_prompt_tokens": "default: what one request may hold",
+    "runtime.ctx_size": "default: the model's trained context, within half the free memory",
     "http.default_max_tokens": "default: until the end of generation or a full context",
     "http.chat_template_file": "default: the model's own chat template",
     "control.socket": "default: $XDG_RUNTIME_DIR/skippyd/<stage id>.sock, else "

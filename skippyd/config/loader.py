@@ -27,6 +27,7 @@ from skippyd.config.environment import apply_environment
 from skippyd.config.errors import ConfigError, ConfigIssue, IssueCollector
 from skippyd.config.rules import check_rules
 from skippyd.config.schema import (
+    CACHE_TYPE_BYTES,
     SECTIONS,
     ControlSection,
     HttpSection,
@@ -150,6 +151,54 @@ def apply_overrides(config: StageConfig, **overrides: Any) -> StageConfig:
             value = os.fspath(value)
         data.setdefault(section, {})[key] = value
     return parse_config(data, "<overrides>")
+
+
+#: Share of the memory available at start a default-sized KV cache may take.
+KV_MEMORY_SHARE = 0.5
+#: Context of a model whose metadata does not say what it was trained for.
+FALLBACK_CONTEXT = 4096
+#: llama.cpp pads a context to a multiple of this many cells.
+CONTEXT_STEP = 256
+
+
+def resolve_context(config: StageConfig, *, n_ctx_train: int | None, kv_values_per_token: int,
+                    available_bytes: int | None) -> tuple[StageConfig, str | None]:
+    """Size ``runtime.ctx_size`` from the model when the config leaves it open.
+
+    The pool gets the model's trained context, capped so the KV cache takes at most
+    :data:`KV_MEMORY_SHARE` of ``available_bytes``.
+
+    Args:
+        config: A validated config.
+        n_ctx_train: The context the model was trained for, if its metadata says.
+        kv_values_per_token: K and V values one token takes over this stage's layers.
+        available_bytes: Memory available beside the model; None if unknown.
+
+    Returns:
+        The config with ``ctx_size`` set, and a sentence saying what was chosen and
+        why (None when the config set it).
+    """
+    runtime = config.runtime
+    if runtime.ctx_size is not None:
+        return config, None
+    trained = n_ctx_train if n_ctx_train and n_ctx_train > 0 else FALLBACK_CONTEXT
+    value_bytes = (CACHE_TYPE_BYTES[runtime.cache_type_k]
+                   + CACHE_TYPE_BYTES[runtime.cache_type_v]) / 2
+    cell_bytes = max(1.0, kv_values_per_token * value_bytes)
+    cells, why = trained, f"the model's trained context ({trained} tokens)"
+    if n_ctx_train is None or n_ctx_train <= 0:
+        why = f"{FALLBACK_CONTEXT} tokens (the model does not say its trained context)"
+    if available_bytes is not None:
+        budget = int(available_bytes * KV_MEMORY_SHARE / cell_bytes)
+        budget -= budget % CONTEXT_STEP
+        if budget < cells:
+            cells = max(CONTEXT_STEP, budget)
+            why = (f"what fits half of the {available_bytes / 2**30:.1f} GiB available "
+                   f"(the model was trained for {trained})")
+    size = cells * cell_bytes / 2**20
+    message = (f"runtime.ctx_size = {cells} cells ({size:.0f} MiB of KV cache): {why}; "
+               "set runtime.ctx_size to choose")
+    return replace(config, runtime=replace(runtime, ctx_size=cells)), message
 
 
 def check_layer_range(config: StageConfig, n_layer: int) -> StageConfig:
@@ -368,7 +417,7 @@ def _build(given: dict[str, dict], issues: IssueCollector, raw: dict) -> StageCo
     runtime = RuntimeSection(**{"threads": threads, "threads_batch": threads, **runtime_keys})
     http = None
     if stage.is_first:
-        http = HttpSection(**{"max_prompt_tokens": runtime.ctx_size, **given.get("http", {})})
+        http = HttpSection(**given.get("http", {}))
     control = ControlSection(**{"socket": str(default_socket_path(stage.id)),
                                 **given.get("control", {})})
     return StageConfig(

@@ -79,11 +79,12 @@ def _http_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
     http = config.http
     if http is None:
         return
-    ctx_size = config.runtime.ctx_size
-    if (issues.clean("http.max_prompt_tokens", "runtime.ctx_size")
-            and http.max_prompt_tokens > ctx_size):
-        issues.add("http.max_prompt_tokens", f"must be at most runtime.ctx_size "
-                   f"(got {http.max_prompt_tokens} > {ctx_size})")
+    room = config.runtime.session_tokens
+    if (issues.clean("http.max_prompt_tokens", "runtime.ctx_size", "runtime.lane_count")
+            and http.max_prompt_tokens is not None and room is not None
+            and http.max_prompt_tokens > room):
+        issues.add("http.max_prompt_tokens", "must be at most what one request may hold "
+                   f"(got {http.max_prompt_tokens} > {room})")
     if (issues.clean("http.default_max_tokens", "http.max_tokens_limit")
             and http.default_max_tokens is not None
             and http.default_max_tokens > http.max_tokens_limit):
@@ -216,7 +217,7 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
     for position, config in enumerate(configs[1:], start=1):
         for name in ("lane_count", "ctx_size", "n_batch"):
             have, need = getattr(config.runtime, name), getattr(head, name)
-            if have < need:
+            if have is not None and need is not None and have < need:
                 # Every stage holds every session of stage 0, and a batch crosses the
                 # chain whole: stage 0 refuses a chain that cannot carry its own load.
                 issues.add(f"stages[{position}].runtime.{name}",
@@ -228,13 +229,15 @@ def check_pipeline(configs: Sequence[StageConfig]) -> None:
 
 def _check_session_room(position: int, head: RuntimeSection, runtime: RuntimeSection,
                         issues: IssueCollector) -> None:
-    """Each session has a lane of its own (``ctx_size / lane_count`` tokens) on every
-    stage: more lanes in the same context leave a later stage less room per session."""
-    have, need = runtime.ctx_size // runtime.lane_count, head.ctx_size // head.lane_count
+    """Every stage holds every session of stage 0: a later stage must give a session at
+    least the room stage 0 does (the whole pool when unified, ``ctx_size / lane_count``
+    per lane)."""
+    have, need = runtime.session_tokens, head.session_tokens
     key = f"stages[{position}].runtime.ctx_size"
-    if have < need and issues.clean(key):
-        issues.add(key, f"ctx_size / lane_count ({runtime.ctx_size} / {runtime.lane_count} "
-                        f"= {have} tokens per session) must be at least stage 0's {need}")
+    if have is not None and need is not None and have < need and issues.clean(key):
+        issues.add(key, f"{have} tokens per session ({runtime.kv_layout} layout, ctx_size "
+                        f"{runtime.ctx_size}, {runtime.lane_count} lanes) must be at least "
+                        f"stage 0's {need}")
 
 
 def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCollector) -> None:

@@ -35,11 +35,17 @@ KvCachePayload = Literal["auto", "resident-kv", "kv-recurrent", "full-state"]
 ReasoningFormat = Literal["auto", "none"]
 ActivationDtype = Literal["f32", "f16"]
 HttpProtocol = Literal["h11", "httptools", "auto"]
+KvLayout = Literal["unified", "per_lane"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
 GGML_TYPE_IDS: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
     "iq4_nl": 20, "bf16": 30,
+}
+#: Bytes per cached value of each KV cache type (quantized types store blocks of 32).
+CACHE_TYPE_BYTES: dict[str, float] = {
+    "f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+    "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32,
 }
 #: llama.cpp ``LLAMA_FLASH_ATTN_TYPE_*`` values.
 FLASH_ATTN_TYPE_IDS: dict[str, int] = {"auto": -1, "disabled": 0, "enabled": 1}
@@ -204,9 +210,17 @@ class StageSection:
 class RuntimeSection:
     """``[runtime]``: the llama.cpp context and the iteration scheduler."""
 
-    ctx_size: int = _setting(4096, lo=16, hi=1 << 24)
-    """KV cells of all lanes together: each lane (one request) holds ``ctx_size /
-    lane_count`` tokens, as llama-server's ``-c`` does with ``-np`` slots."""
+    ctx_size: int | None = _setting(None, lo=16, hi=1 << 24)
+    """KV cells of all lanes together (llama-server's ``-c``). ``None``: the model's
+    trained context, capped so the KV cache takes at most half of the memory available
+    at start beside the model (the start-up log says what was chosen and why)."""
+    kv_layout: KvLayout = "unified"
+    """``unified``: the lanes share one pool of ``ctx_size`` cells, so one request may
+    use all of it while the others use little; requests are admitted by the cells they
+    need, and when the pool runs out the youngest is preempted and recomputed later.
+    ``per_lane``: each lane has a stream of its own of ``ctx_size / lane_count`` cells
+    (llama-server's ``--no-kv-unified``): a request's attention spans only its own
+    tokens, which is cheaper per step for small models with many short requests."""
     lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
     """Concurrent sequences (llama.cpp sequence ids)."""
     n_batch: int = _setting(2048, lo=1, hi=1 << 16)
@@ -264,6 +278,13 @@ class RuntimeSection:
     """Where sliced stage models are cached; ``None`` means the default cache dir."""
 
     @property
+    def session_tokens(self) -> int | None:
+        """Most tokens one request may hold (None until ``ctx_size`` is resolved)."""
+        if self.ctx_size is None:
+            return None
+        return self.ctx_size if self.kv_layout == "unified" else self.ctx_size // self.lane_count
+
+    @property
     def ggml_type_k(self) -> int:
         """``cache_type_k`` as a llama.cpp ``ggml_type`` id."""
         return GGML_TYPE_IDS[self.cache_type_k]
@@ -294,8 +315,9 @@ class HttpSection:
     generation or a full context, as llama-server and vLLM do."""
     max_body_bytes: int = _setting(MIB, lo=1024, hi=1 << 30)
     """Largest request body accepted."""
-    max_prompt_tokens: int = _setting(4096, lo=1)
-    """Longest prompt accepted; defaults to ``runtime.ctx_size``."""
+    max_prompt_tokens: int | None = _setting(None, lo=1)
+    """Longest prompt accepted; ``None``: as many tokens as one request may hold (the
+    whole pool with the unified layout, a lane's share with ``per_lane``)."""
     max_tokens_limit: int = _setting(4096, lo=1)
     """Largest ``max_tokens`` a request may ask for."""
     max_stop_strings: int = _setting(4, lo=0, hi=64)

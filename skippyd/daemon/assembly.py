@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from skippyd.checks import context_for_model
 from skippyd.config import StageConfig
 from skippyd.config.schema import parse_tensor_split
 from skippyd.daemon.split import SplitStage, make_split
@@ -149,7 +150,9 @@ def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
     return RuntimeOptions(
         model_path=str(model_path),
         lane_count=rt.lane_count,
-        ctx_size=rt.ctx_size,
+        # Sized from the model (context_for_model) before any runtime is built.
+        ctx_size=rt.ctx_size or 0,
+        kv_unified=rt.kv_layout == "unified",
         n_batch=rt.n_batch,
         n_ubatch=rt.n_ubatch,
         threads=rt.threads,
@@ -179,9 +182,9 @@ class StageEngine:
         self.config = config
         self.telemetry = telemetry or TelemetryHub()
         self.model_id = config.served_model_id
-        self.ctx_size = config.runtime.ctx_size
+        self.ctx_size = config.runtime.session_tokens or 0
         """Most tokens one request can hold; its lane's KV once the model is loaded."""
-        self.kv_pool_tokens = config.runtime.ctx_size
+        self.kv_pool_tokens = config.runtime.ctx_size or 0
         self.offload = offload_facts(runtime_options(config, config.resolved_model_path))
         """What the stage asks of the GPU, and whether llama.cpp has a GPU backend."""
         """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
@@ -212,6 +215,9 @@ class StageEngine:
         source = self.config.resolved_model_path
         self.startup.step("reading the model header")
         self.info = inspect_model(source)
+        self.config, why = context_for_model(self.config, self.info)
+        if why is not None:
+            logger.info("stage %s: %s", self.config.stage.id, why)
         stage = self.config.stage
         self.startup.step(f"slicing layers {stage.layer_start}:{stage.layer_end}")
         path = cached_slice(source, stage.layer_start, stage.layer_end or self.info.n_layer,

@@ -72,10 +72,14 @@ def _http(config: StageConfig) -> HttpSection:
 
 
 def http_limits(config: StageConfig) -> HttpLimits:
+    """The API's limits; a prompt limit left open is what one request may hold (the
+    context check against the loaded runtime enforces it)."""
     http = _http(config)
+    prompt_limit = {} if http.max_prompt_tokens is None else {
+        "max_prompt_tokens": http.max_prompt_tokens}
     return HttpLimits(
+        **prompt_limit,
         max_body_bytes=http.max_body_bytes,
-        max_prompt_tokens=http.max_prompt_tokens,
         max_tokens_limit=http.max_tokens_limit,
         max_stop_strings=http.max_stop_strings,
         max_stop_length=http.max_stop_length,

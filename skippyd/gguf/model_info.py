@@ -43,6 +43,14 @@ class ModelInfo:
     has_chat_template: bool
     recurrent_state_bytes_per_layer: tuple[int, ...]
     """Per-layer recurrent state size for one sequence (0 for attention layers)."""
+    kv_values_per_layer: tuple[int, ...] = ()
+    """K and V values one token adds to the KV cache, per layer (0 for layers without
+    attention); empty when the metadata does not say."""
+
+    def kv_values_per_token(self, layer_start: int = 0, layer_end: int | None = None) -> int:
+        """K and V values one token takes over ``[layer_start, layer_end)``."""
+        end = self.n_layer if layer_end is None else layer_end
+        return sum(self.kv_values_per_layer[layer_start:end])
 
     def recurrent_bytes(self, layer_start: int = 0, layer_end: int | None = None) -> int:
         """Recurrent state bytes of one sequence over ``[layer_start, layer_end)``."""
@@ -91,7 +99,31 @@ def inspect_model(path: str | os.PathLike) -> ModelInfo:
         file_bytes=Path(path).stat().st_size,
         has_chat_template=isinstance(header.get("tokenizer.chat_template"), str),
         recurrent_state_bytes_per_layer=_recurrent_bytes_per_layer(header, arch, n_layer),
+        kv_values_per_layer=_kv_values_per_layer(header, arch, n_layer, n_embd),
     )
+
+
+def _per_layer(value, n_layer: int) -> list[int] | None:
+    """A per-layer count given as one integer or as a short array of them."""
+    if isinstance(value, int):
+        return [value] * n_layer
+    if isinstance(value, list) and len(value) == n_layer and all(isinstance(v, int) for v in value):
+        return list(value)
+    return None
+
+
+def _kv_values_per_layer(header, arch: str, n_layer: int, n_embd: int) -> tuple[int, ...]:
+    """K plus V values per token and layer: KV heads times the key and value widths."""
+    heads = _per_layer(header.get(f"{arch}.attention.head_count"), n_layer)
+    kv_heads = _per_layer(header.get(f"{arch}.attention.head_count_kv"), n_layer) or heads
+    if kv_heads is None:
+        return ()
+    width = n_embd // max(1, max(heads or [1]))
+    key = header.get(f"{arch}.attention.key_length", width)
+    value = header.get(f"{arch}.attention.value_length", key)
+    if not isinstance(key, int) or not isinstance(value, int):
+        return ()
+    return tuple(n * (key + value) for n in kv_heads)
 
 
 def _quantization_label(header: scan.GGUFHeader) -> str:

@@ -28,11 +28,11 @@ def test_every_round_runs_a_b_b_a_in_start_order_with_fresh_prompts(vs, monkeypa
     events: list[tuple[str, ...]] = []
     speed = iter([100.0, 90.0, 80.0, 70.0, 60.0, 50.0, 40.0, 30.0])
 
-    def start(setup, server, cache_mode=None):
+    def start(setup, server, cache_mode=None, *, defaults=False):
         events.append(("start", server))
         return server
 
-    def measure(proc, workload, server, seed):
+    def measure(setup, proc, workload, server, seed):
         events.append(("run", server, seed))
         return vs.Measure({"output_tok_s": next(speed)}, 0)
 

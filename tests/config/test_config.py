@@ -79,7 +79,8 @@ def test_default_config_values() -> None:
     assert config.stage.model_id == DEFAULT_MODEL_FILE.removesuffix(".gguf")
     runtime = config.runtime
     assert (runtime.ctx_size, runtime.lane_count, runtime.n_batch, runtime.n_ubatch) == (
-        4096, 4, 2048, 512)
+        None, 4, 2048, 512)  # the context is sized from the model once it is read
+    assert runtime.kv_layout == "unified" and runtime.session_tokens is None
     assert runtime.threads == available_cpus() == runtime.threads_batch
     assert (runtime.cache_type_k, runtime.cache_type_v, runtime.flash_attn) == (
         "f16", "f16", "auto")
@@ -103,7 +104,8 @@ def test_derived_defaults_follow_other_keys() -> None:
     })
     assert config.stage.model_id == "Tiny-Llama.Q8_0"
     assert config.runtime.threads_batch == 3
-    assert config.http is not None and config.http.max_prompt_tokens == 1024
+    assert config.http is not None and config.http.max_prompt_tokens is None
+    assert config.runtime.session_tokens == 1024  # what the prompt limit follows
     assert config.control.socket_path.name == "alpha.sock"
     assert config.resolved_model_path == Path("models/Tiny-Llama.Q8_0.gguf")
 
@@ -300,7 +302,10 @@ def test_unknown_keys_and_sections_suggest(data: dict, expected: str) -> None:
      'runtime.cache_type_v: a quantized V cache needs flash attention '
      '(got "q4_0" with flash_attn = "disabled")'),
     ({"runtime": {"ctx_size": 1024}, "http": {"max_prompt_tokens": 2048}},
-     "http.max_prompt_tokens: must be at most runtime.ctx_size (got 2048 > 1024)"),
+     "http.max_prompt_tokens: must be at most what one request may hold (got 2048 > 1024)"),
+    ({"runtime": {"ctx_size": 4096, "kv_layout": "per_lane"},
+      "http": {"max_prompt_tokens": 2048}},
+     "http.max_prompt_tokens: must be at most what one request may hold (got 2048 > 1024)"),
     ({"http": {"default_max_tokens": 5000}},
      "http.default_max_tokens: must be at most max_tokens_limit (got 5000 > 4096)"),
     (later_stage(http={"listen": "127.0.0.1:8080"}),
@@ -440,7 +445,8 @@ def test_overrides_apply_and_rederive_defaults() -> None:
                              model_path=Path("m/x.gguf"), layer_end=20, layer_start=None)
     assert config.http is not None
     assert config.http.listen == "0.0.0.0:9000" and config.http.api_key is None
-    assert config.http.max_prompt_tokens == 2048  # follows the new ctx_size
+    assert config.runtime.ctx_size == 2048 and config.http.max_prompt_tokens is None
+    assert config.runtime.session_tokens == 2048  # the prompt limit follows it
     assert (config.runtime.lane_count, config.runtime.threads_batch) == (8, 2)
     assert config.runtime.n_batch == 1024  # kept from the file
     assert config.telemetry.log_level == "debug"
@@ -588,12 +594,18 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
         check_pipeline([configs[0], small])
     assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
     assert "must be at least stages[0].runtime.lane_count = 8 (got 2)" in str(info.value)
+    unified = dataclasses.replace(configs[1], runtime=dataclasses.replace(
+        configs[1].runtime, lane_count=16, kv_layout="unified"))
+    check_pipeline([configs[0], unified])  # in one pool every session may use all of it
     crowded = dataclasses.replace(configs[1], runtime=dataclasses.replace(
-        configs[1].runtime, lane_count=16))
+        configs[1].runtime, lane_count=16, kv_layout="per_lane"))
+    head = dataclasses.replace(configs[0], runtime=dataclasses.replace(
+        configs[0].runtime, kv_layout="per_lane"))
     with pytest.raises(ConfigError) as info:
-        check_pipeline([configs[0], crowded])
+        check_pipeline([head, crowded])
     assert info.value.keys == ["stages[1].runtime.ctx_size"]
-    assert "tokens per session) must be at least stage 0's" in str(info.value)
+    assert "512 tokens per session (per_lane layout, ctx_size 8192, 16 lanes) must be at least " \
+        "stage 0's 1024" in str(info.value)
 
 
 def test_link_advertise_and_activation_dtype() -> None:

@@ -101,7 +101,7 @@ LANES = 8
 
 
 def stage_config(*, lanes: int = LANES, queue_capacity: int = 64, ctx_size: int = 4096,
-                 socket: str | None = None, extra: str = "") -> str:
+                 socket: str | None = None, extra: str = "", kv_layout: str = "unified") -> str:
     control = f'[control]\nsocket = "{socket}"\n' if socket else ""
     return f"""
 [stage]
@@ -113,6 +113,7 @@ lane_count = {lanes}
 threads = 2
 threads_batch = 2
 queue_capacity = {queue_capacity}
+kv_layout = "{kv_layout}"
 
 [http]
 listen = "127.0.0.1:0"

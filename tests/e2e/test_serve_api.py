@@ -11,6 +11,7 @@ import httpx
 import openai
 import pydantic
 import pytest
+from openai import OpenAI
 from serve_process import ServeProcess, stage_config
 
 pytestmark = pytest.mark.model
@@ -181,16 +182,31 @@ def test_completion_echo_scores_the_prompt(client):
 
 # -- n choices ---------------------------------------------------------------------------
 
-def test_n_choices_are_reproducible_with_a_seed(client):
-    def run():
-        response = client.completions.create(model="any", prompt="Once upon a time", n=3,
-                                             max_tokens=12, temperature=1.0, seed=21)
-        return [c.text for c in sorted(response.choices, key=lambda c: c.index)], response.usage
+def seeded_choices(client):
+    response = client.completions.create(model="any", prompt="Once upon a time", n=3,
+                                         max_tokens=12, temperature=1.0, seed=21)
+    return [c.text for c in sorted(response.choices, key=lambda c: c.index)], response.usage
 
-    first, usage = run()
-    assert run()[0] == first
-    assert len(set(first)) > 1, "each choice samples on its own"
+
+def test_n_choices_sample_each_on_its_own(client):
+    texts, usage = seeded_choices(client)
+    assert len(set(texts)) > 1, "each choice samples on its own"
     assert usage.completion_tokens == 3 * 12 and usage.prompt_tokens < 12
+
+
+def test_n_choices_are_reproducible_with_a_seed_with_a_stream_per_lane(tmp_path):
+    # In one shared pool a request's cells land wherever the pool has room, and the
+    # order of the sums over them moves the last bits of the logits: a seeded request
+    # repeats exactly only with a KV stream per lane (README, "Several choices").
+    proc = ServeProcess(stage_config(lanes=4, ctx_size=2048, kv_layout="per_lane"), tmp_path)
+    try:
+        client = OpenAI(base_url=proc.wait_ready().url, api_key="unused", max_retries=0)
+        first, _ = seeded_choices(client)
+        client.completions.create(model="any", prompt="Something else entirely", n=2,
+                                  max_tokens=20, temperature=1.0)
+        assert seeded_choices(client)[0] == first
+    finally:
+        proc.stop()
 
 
 def test_n_choices_stream_with_their_indexes(client):
@@ -220,8 +236,8 @@ def test_a_max_tokens_beyond_the_context_is_clamped_and_reported(client):
     response = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=4090,
                                          temperature=0, stop=[", 9"])
     clamped = response.usage.model_extra["max_tokens_clamped"]
-    # Each of the 8 lanes holds 512 of the 4096 KV cells: that is one request's context.
-    assert clamped == {"requested": 4090, "granted": 512 - response.usage.prompt_tokens}
+    # The 8 lanes share one pool of 4096 KV cells: one request may fill all of it.
+    assert clamped == {"requested": 4090, "granted": 4096 - response.usage.prompt_tokens}
 
 
 def test_utility_endpoints(server):
@@ -242,10 +258,10 @@ def test_utility_endpoints(server):
         "messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     props = httpx.get(base + "/props").json()
-    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 512
+    assert props["total_slots"] == 8 and props["default_generation_settings"]["n_ctx"] == 4096
     assert (props["layer_start"], props["layer_end"]) == (0, 30)
     model = httpx.get(server.url + "/models").json()["data"][0]
-    assert model["meta"]["layer_end"] == 30 and model["max_model_len"] == 512
+    assert model["meta"]["layer_end"] == 30 and model["max_model_len"] == 4096
 
 
 # -- one batch, no cross-talk -----------------------------------------------------------

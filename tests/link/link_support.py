@@ -58,7 +58,7 @@ slice_cache_dir = "{slice_dir}"
 
 
 def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: int,
-               ports: list[int], lanes: int = 2) -> str:
+               ports: list[int], lanes: int = 2, kv_layout: str = "unified") -> str:
     """Stage ``index`` of a 2-stage chain of the suite's tiny model.
 
     Slices go to ``workdir/slices`` and the control socket is ``workdir/tiny<index>.sock``.
@@ -66,7 +66,7 @@ def tiny_stage(model, workdir, *, index: int, layers: tuple[int, int], n_batch: 
     text = (f'[stage]\nid = "tiny-{index}"\nindex = {index}\nmodel_path = "{model}"\n'
             f"layer_start = {layers[0]}\nlayer_end = {layers[1]}\n"
             f"[runtime]\nctx_size = 512\nlane_count = {lanes}\nthreads = 1\nthreads_batch = 1\n"
-            f"n_batch = {n_batch}\nn_ubatch = 32\n"
+            f'n_batch = {n_batch}\nn_ubatch = 32\nkv_layout = "{kv_layout}"\n'
             f'slice_cache_dir = "{workdir / "slices"}"\n'
             f'[link]\nlisten = "127.0.0.1:{ports[index]}"\nsecret = "{SECRET}"\n'
             f'[control]\nsocket = "{workdir / f"tiny{index}.sock"}"\n')
@@ -81,7 +81,7 @@ def tiny_chain(model, workdir: Path, *,
                n_batch: tuple[int, int] = (128, 128),
                lanes: tuple[int, int] = (2, 2),
                env: tuple[dict[str, str] | None, dict[str, str] | None] = (None, None),
-               ) -> Iterator[tuple[ServeProcess, ...]]:
+               kv_layout: str = "unified") -> Iterator[tuple[ServeProcess, ...]]:
     """Stages 0 (layers 0-2, HTTP) and 1 (layers 2-4) of the tiny model, both started
     (``env``: each one's environment); yields (head, later) once each printed its ready
     line, stops both afterwards."""
@@ -93,7 +93,7 @@ def tiny_chain(model, workdir: Path, *,
             directory.mkdir()
             procs.append(ServeProcess(tiny_stage(model, workdir, index=index, layers=layers,
                                                  n_batch=n_batch[index], ports=ports,
-                                                 lanes=lanes[index]),
+                                                 lanes=lanes[index], kv_layout=kv_layout),
                                       directory, env=env[index]))
         later, head = procs
         later.wait_for_line(STAGE_READY, timeout=60)

@@ -28,9 +28,11 @@ def test_a_later_stage_with_a_smaller_n_batch_keeps_the_chain_down(tmp_path, tin
 
 def test_a_later_stage_with_less_room_per_session_keeps_the_chain_down(tmp_path,
                                                                        tiny_model_path):
-    # Same ctx_size, more lanes: each of the later stage's lanes holds half as many
-    # tokens, so a session stage 0 can grow to 512 tokens would not fit behind it.
-    with tiny_chain(tiny_model_path, tmp_path, lanes=(1, 2)) as (head, _later):
+    # Same ctx_size, more lanes, a stream per lane: each of the later stage's lanes holds
+    # half as many tokens, so a session stage 0 can grow to 512 tokens would not fit
+    # behind it. (In one shared pool every session may use all of it.)
+    with tiny_chain(tiny_model_path, tmp_path, lanes=(1, 2),
+                    kv_layout="per_lane") as (head, _later):
         head.wait_for_line("tokens per session", timeout=30)
         wait_until(lambda: "tokens per session" in _reason(head), 10,
                    "/health to name the per-session capacity")

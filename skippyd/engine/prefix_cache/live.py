@@ -261,6 +261,29 @@ class LivePrefixCache:
             else:
                 self._drop(entry, evicted=True)
 
+    def reclaim_one(self) -> int:
+        """Give the shared KV pool the cells of one idle lane's kept KV.
+
+        A lane without entries goes first, then the one whose entries were used least
+        recently; its longest entry moves to host RAM like any lane given up.
+
+        Returns:
+            The cells freed (0 when no idle lane keeps anything).
+        """
+        held = [(lane, len(self.runtime.lane_history(lane))) for lane in self.runtime.idle_lanes()]
+        held = [(lane, cells) for lane, cells in held if cells]
+        if not held:
+            return 0
+
+        def recency(item: tuple[int, int]) -> int:
+            entries = self.table.in_lane(item[0])
+            return max((entry.last_used for entry in entries), default=-1)
+
+        lane, cells = min(held, key=recency)
+        self._vacate(lane)
+        self.runtime.clear_lane(lane)
+        return cells
+
     def _worth_saving(self, entry: CacheEntry) -> bool:
         return self.settings.host_tier and entry.num_tokens >= self.settings.min_tokens
 

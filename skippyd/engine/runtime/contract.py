@@ -373,6 +373,11 @@ class Runtime(Protocol):
         """Whether a lane keeps its KV after its session ends, for the prefix cache to
         reuse; without it the lane operations below raise InvalidIterationError."""
 
+    @property
+    def shares_kv_pool(self) -> bool:
+        """Whether every lane draws on one pool of cells, so KV an idle lane keeps takes
+        room an active session may need (:meth:`clear_lane` gives it back)."""
+
     def session_history(self, session_id: str) -> tuple[int, ...]:
         """Token ids in the session's KV, in position order (empty if unknown)."""
 
@@ -384,6 +389,13 @@ class Runtime(Protocol):
 
     def idle_lanes(self) -> list[int]:
         """Lanes no session is bound to, lowest first."""
+
+    def clear_lane(self, lane: int) -> None:
+        """Drop what an idle lane kept.
+
+        Raises:
+            InvalidIterationError: The lane is not idle.
+        """
 
     def copy_lane_prefix(self, source: int, session_id: str, num_tokens: int) -> None:
         """Make the session hold the first ``num_tokens`` tokens of lane ``source`` (its

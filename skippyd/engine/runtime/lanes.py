@@ -1,15 +1,18 @@
 """The lanes of one llama.cpp context and the sessions bound to them.
 
-Each lane is one llama.cpp sequence id with a KV stream of its own. A session is bound
-to a lane while it is active; the lane keeps its KV after its session ends, until it is
-given to another session, which is what lets the prefix cache reuse it:
+Each lane is one llama.cpp sequence id, with a KV stream of its own or a share of one
+pool all lanes use. A session is bound to a lane while it is active; the lane keeps its
+KV after its session ends, until it is given to another session (or the pool needs the
+cells), which is what lets the prefix cache reuse it:
 
 * a new session may start in a lane with a leading part of what it holds
   (:meth:`LaneTable.bind` with ``keep_tokens``): a hit costs nothing;
-* :meth:`LaneTable.copy_prefix` copies another lane's KV into a session's lane through
-  a saved state, then trims the rest. Not ``llama_memory_seq_cp``: between streams it
-  copies the whole stream, and only at the start of the next ``llama_decode``, so a
-  state saved or loaded in between would see stale cells;
+* :meth:`LaneTable.copy_prefix` gives a session another lane's prefix: in one pool
+  ``llama_memory_seq_cp`` makes the session's sequence share the prefix's cells (no
+  copy, no extra memory); between streams it copies the lane's KV through a saved
+  state, then trims the rest (``llama_memory_seq_cp`` across streams copies the whole
+  stream, and only at the start of the next ``llama_decode``, so a state saved or
+  loaded in between would see stale cells);
 * :meth:`LaneTable.fork` copies a session into another for the choices of one request
   (``n > 1``), which share their prompt: there ``llama_memory_seq_cp`` is right, as the
   copy is read only by the next decode.
@@ -63,10 +66,14 @@ class LaneTable:
         mem: The context's memory (``llama_get_memory``).
         host_states: Saves and loads lane states (for :meth:`copy_prefix`).
         lane_count: Lanes (sequence ids ``0 … lane_count-1``).
+        unified: The lanes share one KV pool (copies share cells) instead of having a
+            stream each.
     """
 
-    def __init__(self, mem, host_states: HostStates, lane_count: int) -> None:
+    def __init__(self, mem, host_states: HostStates, lane_count: int, *,
+                 unified: bool = False) -> None:
         self._mem = mem
+        self._unified = unified
         self._host_states = host_states
         self.lanes = [Lane(seq_id) for seq_id in range(lane_count)]
         self.sessions: dict[str, Lane] = {}
@@ -213,7 +220,11 @@ class LaneTable:
                 f"copy_lane_prefix: {num_tokens} tokens requested, lane {source} holds"
                 f" {origin.token_count}")
         tokens = origin.history[:num_tokens]
-        if origin is not target:
+        if origin is not target and self._unified:
+            # One pool: the target's sequence id joins the prefix's cells, nothing moves.
+            L.llama_memory_seq_rm(self._mem, target.seq_id, -1, -1)
+            L.llama_memory_seq_cp(self._mem, origin.seq_id, target.seq_id, 0, num_tokens)
+        elif origin is not target:
             state = self._host_states.save(origin.seq_id)
             try:
                 if not self.load(target, state, origin.history):

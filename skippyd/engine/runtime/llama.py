@@ -93,6 +93,8 @@ class RuntimeOptions:
     model_path: str
     lane_count: int = 4
     ctx_size: int = 4096
+    kv_unified: bool = False
+    """One KV pool shared by every lane, instead of one stream per lane."""
     n_batch: int = 2048
     n_ubatch: int = 512
     threads: int | None = None
@@ -211,7 +213,8 @@ class LlamaRuntime:
             options.n_batch, 0 if options.first_stage else self.n_embd, 1
         )
         self._host_states = HostStates(self._ctx)
-        self._lanes = LaneTable(self._mem, self._host_states, options.lane_count)
+        self._lanes = LaneTable(self._mem, self._host_states, options.lane_count,
+                                unified=options.kv_unified)
         self._padding: list[Lane] = []
         self.watch: CallWatch = unwatched()
         """Marks each batched call (the daemon installs one that reports hangs)."""
@@ -247,7 +250,7 @@ class LlamaRuntime:
         params.n_batch = options.n_batch
         params.n_ubatch = options.n_ubatch
         params.n_seq_max = options.lane_count
-        params.kv_unified = False
+        params.kv_unified = options.kv_unified
         threads = options.threads or os.cpu_count() or 1
         params.n_threads = threads
         params.n_threads_batch = options.threads_batch or threads
@@ -375,6 +378,10 @@ class LlamaRuntime:
     @property
     def keeps_lane_kv(self) -> bool:
         return True
+
+    @property
+    def shares_kv_pool(self) -> bool:
+        return self.options.kv_unified
 
     def session_history(self, session_id: str) -> tuple[int, ...]:
         """Token ids in the session's KV, in position order (empty if unknown)."""
@@ -595,7 +602,9 @@ class LlamaRuntime:
         evaluations, hence at least :data:`PAD_ROWS_PER_HOLE` rows per hole
         (``docs/performance-notes.md`` has the measurements).
         """
-        if self._capture is not None or not self.options.first_stage or not sessions:
+        # One pool splits a batch into micro-batches by rows, whatever their lanes.
+        if (self._capture is not None or not self.options.first_stage or not sessions
+                or self.options.kv_unified):
             return []
         used = {session.seq_id for session in sessions}
         holes = [self._lanes.lanes[seq_id] for seq_id in range(min(used), max(used) + 1)

@@ -166,6 +166,13 @@ class PipelineRuntime:
     def keeps_lane_kv(self) -> bool:
         return False
 
+    @property
+    def shares_kv_pool(self) -> bool:
+        return self.local.shares_kv_pool
+
+    def clear_lane(self, lane: int) -> None:
+        self.local.clear_lane(lane)
+
     def session_history(self, session_id: str) -> tuple[int, ...]:
         return self.local.session_history(session_id)
 

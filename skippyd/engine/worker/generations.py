@@ -98,12 +98,26 @@ class GenerationWorker:
         self.prefix = None if prefix_cache is None else PrefixAdmission(prefix_cache, runtime)
         self._forks = ChoiceForks(runtime, config.prefill_chunk_tokens)
         self._executor = PlanExecutor(runtime, self.scheduler, loop.faults,
-                                      loop.before_model_call)
+                                      loop.before_model_call, self._reclaim_kept_kv)
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         """Ids cancelled from the overflow inbox before their Submit was seen."""
         self._next_deadline_check = 0.0
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
+
+    def _reclaim_kept_kv(self) -> int:
+        """Free one idle lane's kept KV when the lanes share a pool; the cells freed."""
+        runtime = self._runtime
+        if not (runtime.shares_kv_pool and runtime.keeps_lane_kv):
+            return 0
+        if self.prefix is not None:
+            return self.prefix.cache.reclaim_one()
+        for lane in runtime.idle_lanes():
+            cells = len(runtime.lane_history(lane))
+            if cells:
+                runtime.clear_lane(lane)
+                return cells
+        return 0
 
     # -- the role's face to the command loop ------------------------------------------------
 

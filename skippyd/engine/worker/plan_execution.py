@@ -3,10 +3,12 @@
 Besides the happy path this module owns the two recoveries a plan needs:
 
 * ``KvSlotUnavailableError`` is back-pressure, not a failure: the batch did not apply, so
-  a victim chosen by the policy's preemption rule (the latest admitted) gives its KV
-  back, and the rest of the plan is retried. (With a KV stream per lane a session can
-  only run out of its own lane, which the HTTP layer's context check prevents; the path
-  stays for runtimes that share one pool.)
+  KV that idle lanes keep for the prefix cache is given back first (in a shared pool
+  it takes cells running sessions need), then a victim chosen by the policy's
+  preemption rule (the latest admitted) gives its KV back, and the rest of the plan is
+  retried; the victim recomputes when it is admitted again. (With a KV stream per lane
+  a session can only run out of its own lane, which the HTTP layer's context check
+  prevents.)
 * ``InvalidIterationError`` names one bad request (a token outside the vocabulary, say);
   rather than failing every generation in the batch, the works are re-run one by one so
   only the bad one fails.
@@ -140,11 +142,13 @@ class PlanExecutor:
         scheduler: Scheduler,
         faults: FaultSwitch,
         before_model_call: Callable[[], None] = lambda: None,
+        reclaim_kept_kv: Callable[[], int] = lambda: 0,
     ) -> None:
         self._runtime = runtime
         self._scheduler = scheduler
         self._faults = faults
         self._before_model_call = before_model_call
+        self._reclaim_kept_kv = reclaim_kept_kv
 
     def execute(self, plan: IterationPlan) -> Execution:
         """Run ``plan``. Fatal runtime failures propagate.
@@ -180,7 +184,15 @@ class PlanExecutor:
 
     def _relieve_kv_pressure(self, plan: IterationPlan, exc: KvSlotUnavailableError,
                              execution: Execution) -> IterationPlan:
-        """Preempt one victim and return the plan left to retry (maybe empty)."""
+        """Free cells and return the plan left to retry (maybe empty).
+
+        In a shared pool, KV that idle lanes keep for the prefix cache goes first, one
+        lane at a time; then one running sequence is preempted by the policy's rule.
+        """
+        freed = self._reclaim_kept_kv()
+        if freed:
+            logger.debug("KV slot unavailable (%s): freed %d kept cells", exc, freed)
+            return plan
         victim = self._preempt_one()
         if victim is None:
             # Only one sequence holds KV and it still does not fit: retrying it later

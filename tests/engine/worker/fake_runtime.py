@@ -125,6 +125,13 @@ class FakeRuntime:
     def keeps_lane_kv(self) -> bool:
         return False
 
+    @property
+    def shares_kv_pool(self) -> bool:
+        return False
+
+    def clear_lane(self, lane: int) -> None:
+        raise InvalidIterationError("the fake runtime keeps no lane KV")
+
     def session_history(self, session_id: str) -> tuple[int, ...]:
         return ()
 
