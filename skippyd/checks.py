@@ -109,8 +109,12 @@ def _issues(exc: ConfigError) -> list[dict[str, str]]:
     return [{"key": issue.key, "message": issue.message} for issue in exc.issues]
 
 
-def check_config_file(path: Path | None, **overrides: Any) -> StageConfig:
+def check_config_file(path: Path | None, *, size_context: bool = True,
+                      **overrides: Any) -> StageConfig:
     """Load (or default) a config, apply overrides and check it against its model.
+
+    ``size_context=False`` leaves an open ``runtime.ctx_size`` for the daemon, which sizes
+    it when it loads the model and logs why.
 
     Raises:
         ConfigError: The config is invalid (its layer range included).
@@ -124,7 +128,7 @@ def check_config_file(path: Path | None, **overrides: Any) -> StageConfig:
         config = apply_overrides(config, **overrides)
     info = inspect_model(config.resolved_model_path)
     config = check_layer_range(config, info.n_layer)
-    return context_for_model(config, info)[0]
+    return context_for_model(config, info)[0] if size_context else config
 
 
 def context_for_model(config: StageConfig, info: ModelInfo) -> tuple[StageConfig, str | None]:

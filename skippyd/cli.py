@@ -52,12 +52,13 @@ def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
     return typer.Exit(code)
 
 
-def load_checked_config(path: Path | None, **overrides) -> StageConfig:
+def load_checked_config(path: Path | None, *, size_context: bool = True,
+                        **overrides) -> StageConfig:
     """Load (or default) a config, apply CLI overrides and check it against its model."""
     from skippyd.gguf.model_info import ModelFileError
 
     try:
-        return check_config_file(path, **overrides)
+        return check_config_file(path, size_context=size_context, **overrides)
     except ConfigError as exc:
         raise fail(f"invalid config {exc.source or ''}\n{exc}", ExitCode.CONFIG) from None
     except ModelFileError as exc:
@@ -94,7 +95,7 @@ def serve(
     from skippyd.daemon.lifecycle import run_daemon
     from skippyd.logs import configure_logging
 
-    stage = load_checked_config(config, listen=listen, api_key=api_key, model_path=model,
+    stage = load_checked_config(config, size_context=False, listen=listen, api_key=api_key, model_path=model,
                                 ctx_size=ctx_size, lane_count=lanes, threads=threads,
                                 log_level=log_level, chat_template_file=chat_template_file)
     configure_logging(stage.telemetry.log_level, stage.telemetry.log_format)

@@ -253,9 +253,14 @@ class StageEngine:
         self.kv_pool_tokens = self._runtime.kv_pool_tokens
         self._start_split()
         self._set_state("ok", None)
-        logger.info("stage %s ready: %s layers %d:%s, %d lanes of %d tokens (%d KV cells)",
-                    stage.id, self.model_id, stage.layer_start, stage.layer_end,
-                    self._runtime.lane_count, self.ctx_size, self.kv_pool_tokens)
+        layout = ("sharing one pool of" if self._runtime.shares_kv_pool
+                  else "with a stream each of")
+        logger.info("stage %s ready: %s layers %d:%s, %d lanes %s %d KV cells, up to %d "
+                    "tokens per request", stage.id, self.model_id, stage.layer_start,
+                    stage.layer_end, self._runtime.lane_count, layout,
+                    self.kv_pool_tokens if self._runtime.shares_kv_pool
+                    else self.kv_pool_tokens // max(1, self._runtime.lane_count),
+                    self.ctx_size)
         logger.info("stage %s fast paths: %s", stage.id, native.describe_fast_paths())
         self._log_offload()
         missing = native.helpers().missing

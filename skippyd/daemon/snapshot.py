@@ -67,7 +67,7 @@ def build_snapshot(
                  "batch_size": stats.max_direct_batch_size,
                  "fullness": float(stats.wave_fullness),
                  "full": stats.active_runtime_sessions >= stats.max_direct_batch_size},
-        "kv": _kv(metrics),
+        "kv": _kv(engine, metrics),
         "prefix_cache": metrics.prefix_cache(),
         "throughput": metrics.throughput(),
         "latency_ms": metrics.latency_ms(),
@@ -117,10 +117,11 @@ def _stage(engine: SnapshotEngine) -> dict[str, Any]:
             "offload": engine.offload}
 
 
-def _kv(metrics: ServingMetrics) -> dict[str, Any]:
+def _kv(engine: SnapshotEngine, metrics: ServingMetrics) -> dict[str, Any]:
     used, total = metrics.kv_cells()
     return {"cells_used": used, "cells_total": total,
-            "usage": used / total if total else 0.0}
+            "usage": used / total if total else 0.0,
+            "layout": engine.config.runtime.kv_layout, "request_max_tokens": engine.ctx_size}
 
 
 def _counters(stats: WorkerStats, metrics: ServingMetrics) -> dict[str, int]:

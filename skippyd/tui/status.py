@@ -142,6 +142,17 @@ def _figures(snap: Snapshot) -> Table:
     return grid
 
 
+def _kv_layout(kv: Mapping[str, Any]) -> str:
+    """How the lanes hold their KV and what one request may hold, e.g. ``one pool, up to
+    8192 tokens a request``; empty for a daemon that does not say."""
+    layout = {"unified": "one pool", "per_lane": "a stream per lane"}.get(
+        str(kv.get("layout")), "")
+    limit = int(number(kv.get("request_max_tokens")))
+    if not layout:
+        return ""
+    return f"{layout}, up to {limit} tokens a request ·" if limit else f"{layout} ·"
+
+
 def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
     q, kv, wave = section(snap, "queues"), section(snap, "kv"), section(snap, "wave")
     tp, c = section(snap, "throughput"), section(snap, "counters")
@@ -156,7 +167,7 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
         ("queues", f"waiting {n(q, 'waiting')} · commands {n(q, 'commands')} · "
                    f"direct {n(q, 'direct')}"),
         ("kv cells", f"{n(kv, 'cells_used')}/{n(kv, 'cells_total')} "
-                     f"({fmt_percent(number(kv.get('usage')))})   wave "
+                     f"({fmt_percent(number(kv.get('usage')))}) {_kv_layout(kv)}  wave "
                      f"{n(wave, 'active_sessions')}/{n(wave, 'batch_size')}"
                      + (" full" if wave.get("full") else "")),
         ("throughput", f"prompt {number(tp.get('prompt_tok_s')):.1f} tok/s · generation "

@@ -132,7 +132,8 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     assert snap["queues"] == {"waiting": 2, "commands": 0, "direct": 0}
     assert snap["wave"] == {"active_sessions": 1, "batch_size": 3, "fullness": 1 / 3,
                             "full": False}
-    assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25}
+    assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25,
+                          "layout": "unified", "request_max_tokens": 1024}
     assert snap["counters"]["rejected"] == 1 and snap["counters"]["preempted"] == 1
     assert snap["scheduler"]["last_step_ms"] == 3.0
     assert snap["scheduler"]["step_target_ms"] == 500.0
@@ -166,6 +167,7 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "failed (worker panicked)" in text and "up 1h02m" in text
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
+    assert "one pool, up to 1024 tokens a request" in text
     assert "last step 3.00 ms (target 500 ms)" in text
     assert "fast paths" in text and "greedy pick numpy" in text
     assert re.search(r"offload +CPU *\n", text)
