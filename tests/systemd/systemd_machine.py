@@ -21,6 +21,7 @@ shares the host's network.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -49,6 +50,7 @@ TREE_FORMAT = 1
 OPT = Path("/opt/skippyd")
 VENV = OPT / "venv"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PR_SET_PDEATHSIG = 1
 
 
 class Unbootable(Exception):
@@ -199,7 +201,10 @@ class Machine:
 
     def _enter_own_cgroup(self) -> None:
         """In the child before exec: a cgroup of its own, so that containers booted at the
-        same time do not share the cgroups nspawn makes beside its own."""
+        same time do not share the cgroups nspawn makes beside its own; and SIGTERM (a
+        clean halt) if the test run dies without closing the machine."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         for cgroup in self._cgroups:
             cgroup.mkdir(exist_ok=True)
             (cgroup / "cgroup.procs").write_text("0")

@@ -357,13 +357,19 @@ def test_stop_lets_a_streaming_request_finish_and_the_unit_ends_inactive(machine
     client.start()
     assert first_token.wait(60)
     started = time.monotonic()
-    machine.run("systemctl", "stop", "skippyd")  # returns once the daemon has exited
+    machine.run("systemd-analyze", "set-log-level", "debug")  # systemd logs each message
+    try:
+        machine.run("systemctl", "stop", "skippyd")  # returns once the daemon has exited
+    finally:
+        machine.run("systemd-analyze", "set-log-level", "info")
     stopped_in = time.monotonic() - started
     client.join(60)
     assert result == {"status": 200, "tokens": 150, "finish": "length"}, unit.log(cursor)
     assert stopped_in < 30  # within http.drain_timeout_s
     assert unit.show("ActiveState", "Result", "ExecMainStatus") == {
         "ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}
+    assert "STOPPING=1, STATUS=draining: finishing running requests" in notifications(
+        machine, "skippyd.service", cursor)
 
 
 def test_two_template_instances_run_side_by_side_with_their_own_sockets_and_directories(
