@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from skippyd.engine.runtime.tokenizer import (
     TokenizerError,
 )
 from skippyd.engine.runtime.watch import CallWatch
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
@@ -185,9 +187,11 @@ class StageEngine:
         self.ctx_size = config.runtime.session_tokens or 0
         """Most tokens one request can hold; its lane's KV once the model is loaded."""
         self.kv_pool_tokens = config.runtime.ctx_size or 0
+        """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
         self.offload = offload_facts(runtime_options(config, config.resolved_model_path))
         """What the stage asks of the GPU, and whether llama.cpp has a GPU backend."""
-        """KV cells of all lanes together (as llama.cpp padded them, once loaded)."""
+        self.arrivals = Arrivals()
+        """Requests the HTTP layer is preparing: a burst stage 0's worker may wait for."""
         self.n_vocab = 0
         self.info: ModelInfo | None = None
         self._progress = progress
@@ -243,7 +247,7 @@ class StageEngine:
         if self.config.is_first:
             self._worker = self._generations = GenerationHandle(
                 self._runtime, settings, telemetry=self.telemetry,
-                prefix_cache=self._prefix_cache, faults=faults)
+                prefix_cache=self._prefix_cache, faults=faults, arrivals=self.arrivals)
             self.ctx_size = self._generations.max_session_tokens
         else:
             self._worker = BatchHandle(self._runtime, settings, telemetry=self.telemetry,
@@ -506,6 +510,9 @@ class StageEngine:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return self._require_tokenizer().detokenizer()
+
+    def arriving(self) -> AbstractContextManager[None]:
+        return self.arrivals.arriving()
 
     def submit(self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]) -> None:
         worker = self._generations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
@@ -133,6 +134,11 @@ class ServingBackend(Protocol):
         Raises:
             ValueError: The schema cannot be turned into a grammar (HTTP 400).
         """
+        ...
+
+    def arriving(self) -> AbstractContextManager[None]:
+        """Held while a request is read, parsed and tokenized, before it is submitted: a
+        worker starting from idle waits a moment for requests that arrive together."""
         ...
 
     def submit(

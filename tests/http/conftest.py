@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from skippyd.engine.runtime.contract import TokenLogprob
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
@@ -115,6 +116,10 @@ class FakeBackend:
         self.refuses_tools = False
         """render_chat raises when given tool definitions, as a template without tools."""
         self._threads: list[threading.Thread] = []
+        self.arrivals = Arrivals()
+        self.preparing_at_tokenize: list[int] = []
+        """``arrivals.pending`` each time a prompt was tokenized."""
+        self.preparing_at_submit: list[int] = []
 
     @property
     def max_context_tokens(self) -> int:
@@ -127,6 +132,7 @@ class FakeBackend:
     # -- ServingBackend ----------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = False) -> list[int]:
+        self.preparing_at_tokenize.append(self.arrivals.pending)
         # "<s>" stands for BOS when control tokens are parsed.
         if parse_special and text.startswith("<s>"):
             return [BOS] + self.tokenize(text[3:], add_special=False, parse_special=True)
@@ -167,12 +173,16 @@ class FakeBackend:
         text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
         return self.tokenize(text, add_special=True), text
 
+    def arriving(self):
+        return self.arrivals.arriving()
+
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer()
 
     def submit(
         self, request: GenerationRequest, on_event: Callable[[GenerationEvent], None]
     ) -> None:
+        self.preparing_at_submit.append(self.arrivals.pending)
         if self.queue_full:
             raise QueueFullError()
         if self.stopped:

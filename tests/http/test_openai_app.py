@@ -366,3 +366,16 @@ def test_failed_api_keys_are_logged_but_rate_limited(fake: Any, caplog) -> None:
     assert 1 <= len(lines) <= 2
     assert "/v1/models" in lines[0].getMessage()
     assert "s3cret" not in caplog.text and "Bearer x" not in caplog.text
+
+
+def test_a_request_counts_as_arriving_until_it_is_submitted(client: TestClient,
+                                                           fake: Any) -> None:
+    # A worker starting from idle waits for requests still being prepared: the count
+    # covers parsing and tokenizing and is back to zero when the worker gets the request.
+    assert client.post(COMPLETIONS_URL, json={"prompt": "Say", "max_tokens": 2}).status_code == 200
+    stream(client, CHAT_URL, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert fake.preparing_at_tokenize == [1, 1]
+    assert fake.preparing_at_submit == [0, 0]
+    assert_error(client.post(COMPLETIONS_URL, json={"prompt": "Say", "max_tokens": 10_000}),
+                 400, "max_tokens")
+    assert fake.arrivals.pending == 0  # a refused request leaves the count too

@@ -418,6 +418,11 @@ class Scheduler:
         """True while the sequence is waiting or active (cheap existence check)."""
         return sequence_id in self._active or any(w.id == sequence_id for w in self._waiting)
 
+    @property
+    def num_active(self) -> int:
+        """Admitted sequences, prefilling or decoding."""
+        return len(self._active)
+
     def snapshot(self) -> SchedulerSnapshot:
         """Ids of active (sorted) and waiting (queue order) sequences, and memory use."""
         return SchedulerSnapshot(

@@ -39,6 +39,7 @@ from skippyd.engine.policy.counters import IterationTelemetry
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.contract import RuntimeFailure
 from skippyd.engine.telemetry_events import RequestAdmitted, RequestFinished, RequestPreempted
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.choice_forks import ChoiceForks
 from skippyd.engine.worker.commands import IDLE_POLL_INTERVAL_S, CancelCommand, SubmitCommand
 from skippyd.engine.worker.generation_events import (
@@ -74,6 +75,9 @@ logger = logging.getLogger(__name__)
 
 #: How often the deadlines of held requests are checked while the worker is busy.
 DEADLINE_CHECK_INTERVAL_S = 0.1
+#: A quiet spell this long, with no request being prepared, ends that wait early: a lone
+#: request loses no more than this.
+BURST_QUIET_S = 0.002
 _S = GenerationStatus
 
 
@@ -84,10 +88,13 @@ class GenerationWorker:
         loop: The command loop that runs this role (its runtime, settings, telemetry,
             fault switch and the hook to run before each model call).
         prefix_cache: The stage's prefix cache, if it runs one.
+        arrivals: Requests the API layer is preparing (a burst the first step waits for).
     """
 
-    def __init__(self, loop: CommandLoop, prefix_cache: LivePrefixCache | None = None) -> None:
+    def __init__(self, loop: CommandLoop, prefix_cache: LivePrefixCache | None = None,
+                 arrivals: Arrivals | None = None) -> None:
         self._loop = loop
+        self._arrivals = arrivals or Arrivals()
         self._runtime = runtime = loop.runtime
         config = loop.settings.policy
         self.scheduler = Scheduler(config)
@@ -350,6 +357,10 @@ class GenerationWorker:
         self._expire(started)
         if not self.requests:
             return
+        if not self.scheduler.num_active:
+            self._wait_for_burst()
+            if not self.requests:  # cancelled meanwhile
+                return
         self._loop.faults.reach("plan")
         plan = self.scheduler.plan_iteration()
         if plan.is_empty():
@@ -409,6 +420,20 @@ class GenerationWorker:
                 self.retire(gen, ErrorEvent(StalledError(
                     f"request {gen.id} made no progress for {stall_s:g} s "
                     "(runtime.stall_timeout_s)")))
+
+    def _wait_for_burst(self) -> None:
+        """Starting from idle, let the requests arriving with this one join its first step.
+
+        Waits while the API layer is still preparing requests, or until a quiet spell of
+        :data:`BURST_QUIET_S`, at most ``burst_wait_s`` (worker settings); nobody is
+        decoding, so only the newcomers' first token waits.
+        """
+        deadline = time.monotonic() + self._loop.settings.burst_wait_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            preparing = self._arrivals.pending > 0
+            wait = remaining if preparing else min(remaining, BURST_QUIET_S)
+            if not self._loop.wait_for_command(wait) and not preparing:
+                return
 
     def _note_admissions(self, plan: IterationPlan, now: float) -> None:
         for req_id in plan.admitted_ids:

@@ -26,6 +26,7 @@ from typing import Any
 from skippyd.engine.policy import SchedulerConfig
 from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.runtime.contract import Runtime, SamplingConfig
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.batches import BatchWorker
 from skippyd.engine.worker.command_loop import Command, CommandLoop
 from skippyd.engine.worker.commands import (
@@ -186,14 +187,17 @@ class GenerationHandle(WorkerHandle):
         telemetry: Hub to publish to; a private one is created if None.
         prefix_cache: The stage's prefix cache over ``runtime``, driven by the worker.
         faults: The test fault switch (``SKIPPYD_FAULT``); none by default.
+        arrivals: Requests the API layer is preparing, which a worker starting from idle
+            waits a moment for; a private counter nobody feeds if None.
     """
 
     def __init__(self, runtime: Runtime, settings: WorkerSettings, *,
                  telemetry: TelemetryHub | None = None,
                  prefix_cache: LivePrefixCache | None = None,
-                 faults: FaultSwitch | None = None) -> None:
+                 faults: FaultSwitch | None = None,
+                 arrivals: Arrivals | None = None) -> None:
         super().__init__(runtime, settings, telemetry, faults)
-        self._role = GenerationWorker(self._loop, prefix_cache)
+        self._role = GenerationWorker(self._loop, prefix_cache, arrivals)
         self._loop.role = self._role
         self.max_session_tokens = min(kv_capacity_tokens(settings.policy),
                                       runtime.max_session_tokens)

@@ -30,6 +30,9 @@ CACHE_AGING_COST_PER_ITERATION = 4096
 MIN_COMMAND_QUEUE_CAPACITY = 8
 #: Commands handled per worker turn at most.
 MAX_COMMANDS_PER_TURN = 64
+#: Most seconds a worker starting from idle waits for the rest of a burst of requests
+#: (:mod:`~skippyd.engine.worker.arrivals`) before its first step.
+BURST_WAIT_S = 0.025
 #: Name of the KV memory component; it counts tokens (1 per token).
 KV_COMPONENT = "kv-cells"
 RECURRENT_COMPONENT = "recurrent-state"
@@ -136,6 +139,8 @@ class WorkerSettings:
     """Bound of the command queue: queue capacity plus lanes, at least 8."""
     admission_timeout_s: float = 0.0
     """A request still waiting for a lane after this long ends with an error (0: never)."""
+    burst_wait_s: float = BURST_WAIT_S
+    """Most seconds a worker starting from idle waits for requests arriving together."""
     stall_timeout_s: float = 0.0
     """An admitted request that makes no progress for this long ends with an error
     (0: never)."""
@@ -167,7 +172,8 @@ class WorkerSettings:
                continuous_batching: bool = True, recurrent_bytes_per_seq: int = 0,
                exports: bool = False, decode_groups: int = 1,
                target_step_ms: float = 0.0, admission_timeout_s: float = 0.0,
-               stall_timeout_s: float = 0.0) -> WorkerSettings:
+               stall_timeout_s: float = 0.0,
+               burst_wait_s: float = BURST_WAIT_S) -> WorkerSettings:
         """The settings from explicit stage facts (:meth:`for_stage` reads them from a config).
 
         Raises:
@@ -176,7 +182,8 @@ class WorkerSettings:
         if queue_capacity < 1:
             raise ValueError(f"queue_capacity: must be >= 1 (got {queue_capacity})")
         for name, value in (("admission_timeout_s", admission_timeout_s),
-                            ("stall_timeout_s", stall_timeout_s)):
+                            ("stall_timeout_s", stall_timeout_s),
+                            ("burst_wait_s", burst_wait_s)):
             if value < 0:
                 raise ValueError(f"{name}: must be >= 0 (got {value})")
         lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
@@ -196,4 +203,5 @@ class WorkerSettings:
             command_queue_capacity=capacity,
             admission_timeout_s=admission_timeout_s,
             stall_timeout_s=stall_timeout_s,
+            burst_wait_s=burst_wait_s,
         )

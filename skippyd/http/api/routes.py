@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: What a completion or chat request is turned into before it is submitted: how its output
+#: is shaped, its prompt tokens, its parameters, the field the prompt came in, its grammar.
+_Prepared = tuple[Shaping, list[int], GenerationParams, str, str | None]
 #: Threads that tokenize long prompts and render long chats.
 TEXT_THREADS = 2
 #: Texts of at most this many characters are tokenized (chats rendered) on the event
@@ -192,6 +195,11 @@ class OpenAiApi:
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
+        with self._backend.arriving():
+            prepared = await self._prepare_completion(request)
+        return await self._generate(request, *prepared)
+
+    async def _prepare_completion(self, request: Request) -> _Prepared:
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
         parsed = parse_completion_request(body, self._limits, n_vocab=self._backend.n_vocab,
@@ -215,10 +223,15 @@ class OpenAiApi:
                     else await self._off_loop(self._backend.detokenize, tokens))
         shaping = Shaping("completion", params.logprobs, echo_text=echo,
                           prompt_tokens=tuple(tokens), score_only=params.max_tokens == 0)
-        return await self._generate(request, shaping, tokens, params, "prompt", grammar)
+        return shaping, tokens, params, "prompt", grammar
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
+        with self._backend.arriving():
+            prepared = await self._prepare_chat(request)
+        return await self._generate(request, *prepared)
+
+    async def _prepare_chat(self, request: Request) -> _Prepared:
         body = await read_json_body(request, self._limits.max_body_bytes)
         self._require_ready()
         parsed = parse_chat_request(body, self._limits, n_vocab=self._backend.n_vocab,
@@ -233,8 +246,7 @@ class OpenAiApi:
                                          self._backend, parsed)
         shaping = Shaping("chat", params.logprobs, tools=tools, tool_format=prepared.tool_format,
                           reasoning_open=prepared.reasoning_open if self._reasoning else None)
-        return await self._generate(request, shaping, prepared.tokens, params, "messages",
-                                    prepared.grammar)
+        return shaping, prepared.tokens, params, "messages", prepared.grammar
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize`` (llama-server's shape)."""

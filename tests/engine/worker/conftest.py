@@ -10,6 +10,7 @@ import pytest
 from fake_runtime import FakeRuntime
 
 from skippyd.engine.prefix_cache import LivePrefixCache
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.command_loop import CommandLoop
 from skippyd.engine.worker.commands import SubmitCommand
 from skippyd.engine.worker.faults import FaultSwitch
@@ -40,17 +41,17 @@ def make_handle() -> Iterator[Callable[..., GenerationHandle]]:
     """Build generation workers that are closed (and their threads joined) after the test.
 
     Keyword arguments go to :meth:`WorkerSettings.derive` (``queue_capacity`` defaults to
-    8), except ``telemetry``, ``prefix_cache`` and ``faults``.
+    8), except ``telemetry``, ``prefix_cache``, ``faults`` and ``arrivals``.
     """
     created: list[WorkerHandle] = []
 
     def build(runtime: Any, telemetry: TelemetryHub | None = None, *,
               prefix_cache: LivePrefixCache | None = None, faults: FaultSwitch | None = None,
-              **facts: Any) -> GenerationHandle:
+              arrivals: Arrivals | None = None, **facts: Any) -> GenerationHandle:
         facts.setdefault("queue_capacity", 8)
         worker = GenerationHandle(runtime, WorkerSettings.derive(runtime, **facts),
                                   telemetry=telemetry, prefix_cache=prefix_cache,
-                                  faults=faults)
+                                  faults=faults, arrivals=arrivals)
         created.append(worker)
         return worker
 

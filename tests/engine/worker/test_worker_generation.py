@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from fake_runtime import EventRecorder
 from worker_support import barrier, generate, on_worker
@@ -13,6 +15,7 @@ from skippyd.engine.telemetry_events import (
     RequestPreempted,
     StepFinished,
 )
+from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.generation_events import (
     CompleteEvent,
     ErrorEvent,
@@ -258,3 +261,32 @@ def test_duplicate_request_id_is_an_invalid_request_event(runtime_factory, make_
     assert "already queued or active: same" in event.error.message
     tokens, terminal = drain_tokens(first)
     assert len(tokens) == 2 and terminal == CompleteEvent("length")
+
+
+def test_requests_arriving_together_at_an_idle_worker_share_its_first_step(
+        runtime_factory, make_handle):
+    runtime = runtime_factory(lane_count=2, script={"a": [10], "b": [20]})
+    arrivals = Arrivals()
+    worker = make_handle(runtime, arrivals=arrivals, burst_wait_s=WAIT_S)
+    barrier(worker)  # idle
+    waiting = threading.Event()
+    worker.add_wait_hook(lambda: waiting.set())
+    first, second = EventRecorder(), EventRecorder()
+    with arrivals.arriving():  # "b" is still being prepared when "a" reaches the worker
+        worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), first)
+        assert waiting.wait(WAIT_S)  # the worker waits for it instead of running "a"
+    worker.submit_generation(GenerationRequest("b", [3, 4], max_tokens=1), second)
+    for recorder in (first, second):
+        _, end = drain_tokens(recorder)
+        assert end == CompleteEvent("length")
+    assert runtime.sampled_sessions() == [["a", "b"]]
+
+
+def test_a_lone_request_at_an_idle_worker_does_not_wait_for_a_burst(
+        runtime_factory, make_handle):
+    runtime = runtime_factory(lane_count=2, script={"a": [10]})
+    worker = make_handle(runtime, arrivals=Arrivals(), burst_wait_s=60.0)
+    recorder = EventRecorder()
+    worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), recorder)
+    tokens, end = drain_tokens(recorder)  # well before the 60 s a burst may take
+    assert (tokens, end) == ([10], CompleteEvent("length"))
