@@ -133,7 +133,8 @@ def _build(release: str, root: Path) -> None:
 def _venv_skeleton(directory: Path) -> Path:
     """A venv for /opt/skippyd/venv whose Python and packages are this run's, mounted."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    base_python = OPT / "python" / Path(sys._base_executable).relative_to(sys.base_prefix)  # type: ignore[attr-defined]
+    base_executable = Path(getattr(sys, "_base_executable", sys.executable))
+    base_python = OPT / "python" / base_executable.relative_to(sys.base_prefix)
     venv = directory / "venv"
     (venv / "bin").mkdir(parents=True)
     site = venv / "lib" / version / "site-packages"
