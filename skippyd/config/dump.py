@@ -55,6 +55,9 @@ _COMMENTED: dict[str, Any] = {
     "link.secret": "change-me-to-a-long-random-string",
     "link.advertise": "tcp://203.0.113.7:9102",
     "link.status_secret": "a-different-read-only-credential",
+    "link.tls_ca": "tls/ca.crt",
+    "link.tls_cert": "tls/stage-0.crt",
+    "link.tls_key": "tls/stage-0.key",
     "upstream.stage_id": "stage-0",
     "upstream.stage_index": 0,
     "upstream.endpoint": "tcp://10.0.0.1:9101",
@@ -74,6 +77,7 @@ _KEY_NOTES: dict[str, str] = {
     "runtime.ctx_size": "default: the model's trained context, within half the free memory",
     "http.default_max_tokens": "default: until the end of generation or a full context",
     "http.chat_template_file": "default: the model's own chat template",
+    "link.tls_ca": "with link.tls = true; skippyd link keygen DIR --stages N writes them",
     "control.socket": "default: $XDG_RUNTIME_DIR/skippyd/<stage id>.sock, else "
                       "$RUNTIME_DIRECTORY/<stage id>.sock, else a per-user temp dir",
 }

@@ -59,7 +59,8 @@ OVERRIDE_KEYS: dict[str, str] = {
 }
 # Path keys that load_config resolves against the directory of the config file.
 _PATH_KEYS = (("stage", "model_path"), ("runtime", "slice_cache_dir"), ("control", "socket"),
-              ("http", "chat_template_file"))
+              ("http", "chat_template_file"), ("link", "tls_ca"), ("link", "tls_cert"),
+              ("link", "tls_key"))
 _TYPE_LABELS: dict[type, str] = {
     bool: "a boolean", int: "an integer", float: "a number", str: "a string",
 }
@@ -69,8 +70,8 @@ def load_config(path: str | os.PathLike[str]) -> StageConfig:
     """Read and validate a TOML stage config.
 
     Relative paths in the file (``stage.model_path``, ``runtime.slice_cache_dir``,
-    ``control.socket``, ``http.chat_template_file``) are taken relative to the file's
-    directory; ``~`` is expanded.
+    ``control.socket``, ``http.chat_template_file``, ``link.tls_*``) are taken relative
+    to the file's directory; ``~`` is expanded.
 
     Args:
         path: The TOML file.

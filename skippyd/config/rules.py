@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import ssl
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -17,6 +18,7 @@ from skippyd.config.errors import ConfigError, IssueCollector
 from skippyd.config.schema import (
     MAX_SOCKET_PATH_BYTES,
     UNQUANTIZED_CACHE_TYPES,
+    LinkSection,
     PeerConfig,
     RuntimeSection,
     StageConfig,
@@ -163,6 +165,30 @@ def _link_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         if port != 0 and port == config.http.address[1]:
             issues.add("link.listen", f"must use another port than http.listen "
                        f"(both use {port})")
+    _tls_rules(link, issues)
+
+
+_TLS_FILE_KEYS = ("tls_ca", "tls_cert", "tls_key")
+
+
+def _tls_rules(link: LinkSection, issues: IssueCollector) -> None:
+    """``link.tls`` needs its three files, and they are no use without it.
+
+    Whether the files hold what they should is checked with the model
+    (``skippyd.link.tls.check_tls_files``): that needs the ``cryptography`` package.
+    """
+    for name in _TLS_FILE_KEYS:
+        key, path = f"link.{name}", getattr(link, name)
+        if not issues.clean(key, "link.tls"):
+            continue
+        if link.tls and path is None:
+            issues.add(key, "required when link.tls = true (skippyd link keygen writes the "
+                            "pipeline's certificates)")
+        elif not link.tls and path is not None:
+            issues.add(key, "set, but link.tls is false: the link would run without TLS; "
+                            "set link.tls = true, or remove it")
+        elif path is not None and not os.path.isfile(path):
+            issues.add(key, f"file not found: {path}")
 
 
 def _control_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:
@@ -250,6 +276,12 @@ def _check_hop(i: int, before: StageConfig, after: StageConfig, issues: IssueCol
                    f'(got "{after.stage.model_id}", expected "{before.stage.model_id}")')
     if before.link.secret != after.link.secret:
         issues.add(f"stages[{j}].link.secret", f"must equal stages[{i}].link.secret")
+    if before.link.tls != after.link.tls:
+        issues.add(f"stages[{j}].link.tls", f"must equal stages[{i}].link.tls: every stage "
+                   "of a pipeline runs its links with TLS, or none does")
+    elif before.link.tls and not _same_ca(before.link.tls_ca, after.link.tls_ca):
+        issues.add(f"stages[{j}].link.tls_ca", f"is not the CA of stages[{i}].link.tls_ca: "
+                   "every stage must trust the same pipeline CA")
     _check_peer(f"stages[{i}].downstream", before.downstream, after, f"stages[{j}]", issues)
     _check_peer(f"stages[{j}].upstream", after.upstream, before, f"stages[{i}]", issues,
                 dialled=False)
@@ -286,3 +318,18 @@ def _reaches(endpoint: str, listen: str) -> bool:
     host, port = parse_host_port(endpoint)
     listen_host, listen_port = parse_host_port(listen)
     return port == listen_port and (listen_host in _WILDCARD_HOSTS or host == listen_host)
+
+
+def _same_ca(first: str | None, second: str | None) -> bool:
+    """Whether two CA files hold the same certificate (True when either is unreadable:
+    the stage's own check reports that)."""
+    if first is None or second is None or first == second:
+        return True
+    try:
+        return _der(first) == _der(second)
+    except (OSError, ValueError):
+        return True
+
+
+def _der(path: str) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(Path(path).read_text(encoding="ascii"))

@@ -125,6 +125,11 @@ def _check_stage_id(value: str) -> str:
     return value
 
 
+def validate_stage_id(value: str) -> str:
+    """``value`` if it may be a ``stage.id``; else ``ValueError`` saying what may be."""
+    return _check_stage_id(value)
+
+
 def _check_non_empty(value: str) -> str:
     if not value:
         raise ValueError("must not be empty (leave the key out instead)")
@@ -472,6 +477,15 @@ class LinkSection:
     activation_dtype: ActivationDtype = "f32"
     """Stage 0: how activation rows cross the links: ``f32`` (exact) or ``f16`` (half
     the bytes; greedy output may differ from the unsplit model's)."""
+    tls: bool = False
+    """Run every stage connection inside TLS 1.3, both ends presenting a certificate of
+    the pipeline's CA (``skippyd link keygen`` makes them); the same on every stage."""
+    tls_ca: str | None = _setting(None, check=_check_non_empty)
+    """The pipeline CA's certificate (PEM): the only issuer a peer's certificate may have."""
+    tls_cert: str | None = _setting(None, check=_check_non_empty)
+    """This stage's certificate (PEM), naming ``stage.id`` as its common name."""
+    tls_key: str | None = _setting(None, check=_check_non_empty)
+    """The key of ``tls_cert`` (PEM, unencrypted; keep it mode 0600)."""
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
