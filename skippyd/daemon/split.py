@@ -27,11 +27,12 @@ from skippyd.link.listener import (
     StageLinkServer,
     status_body,
 )
+from skippyd.link.tls import LinkTls
 
 logger = logging.getLogger(__name__)
 
 
-def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
+def _facts(config: StageConfig, runtime: LlamaRuntime, tls: LinkTls | None) -> StageFacts:
     stage, link, downstream = config.stage, config.link, config.downstream
     return StageFacts(
         stage_id=stage.id, stage_index=stage.index, layer_start=stage.layer_start,
@@ -46,6 +47,8 @@ def _facts(config: StageConfig, runtime: LlamaRuntime) -> StageFacts:
         downstream_id=downstream.stage_id if downstream else None,
         downstream=downstream.address if downstream else None,
         advertise=link.advertise,
+        upstream_id=config.upstream.stage_id if config.upstream else None,
+        tls=tls,
     )
 
 
@@ -62,7 +65,12 @@ class SplitStage:
             raise ValueError("link.secret: required on a stage of a split pipeline")
         self.config = config
         self.started_at = time.monotonic()
-        self._facts = _facts(config, local)
+        # Raises TlsSetupError (a ValueError naming the key) for unusable files.
+        tls = LinkTls.from_config(config.link, config.stage.id)
+        if tls is not None:
+            logger.info("link: TLS 1.3 on every connection, as %s, trusting only the CA "
+                        "in %s", config.stage.id, tls.files.ca)
+        self._facts = _facts(config, local, tls)
         self._worker: WorkerHandle | None = None
         self._server: StageLinkServer | None = None
         self.link: ChainLink | None = None
@@ -74,7 +82,7 @@ class SplitStage:
         if config.is_first:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.max_session_tokens,
-                local.max_batch_tokens), publish)
+                local.max_batch_tokens, tls), publish)
             self.pipeline = PipelineRuntime(
                 local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
             self.runtime: Runtime = self.pipeline

@@ -33,6 +33,7 @@ from skippyd.engine.telemetry_events import ChainDown, ChainUp, TelemetryPayload
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
 from skippyd.link.probe import LinkPinger, link_view
+from skippyd.link.tls import LinkTls, dial_tls
 from skippyd.link.wire import (
     Frame,
     FrameKind,
@@ -85,17 +86,20 @@ class ChainIdentity:
     max_frame_bytes: int
     half_rows: bool = False
     """Send activation rows as float16 (``link.activation_dtype = "f16"``)."""
+    tls: LinkTls | None = None
+    """Run both connections inside TLS (``link.tls``)."""
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
-                    session_tokens: int, max_batch_tokens: int) -> ChainIdentity:
+                    session_tokens: int, max_batch_tokens: int,
+                    tls: LinkTls | None = None) -> ChainIdentity:
         downstream = config.downstream
         if downstream is None or config.link.secret is None or config.stage.layer_end is None:
             raise ValueError("a split stage 0 needs [downstream], link.secret and layer_end")
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
                    session_tokens, max_batch_tokens, config.link.max_frame_bytes,
-                   config.link.activation_dtype == "f16")
+                   config.link.activation_dtype == "f16", tls)
 
 
 #: TCP keepalive: probe after this idle time, then every interval, give up after count.
@@ -118,11 +122,17 @@ def configure_socket(sock: socket.socket) -> None:
 
 
 def dial(address: tuple[str, int], secret: bytes, hello: Hello,
-         timeout_s: float = CHAIN_SETUP_TIMEOUT_S) -> tuple[FrameSocket, HelloAck]:
+         timeout_s: float = CHAIN_SETUP_TIMEOUT_S, *, tls: LinkTls | None = None,
+         expect_id: str | None = None) -> tuple[FrameSocket, HelloAck]:
     """Connect to a stage's link listener and authenticate; the socket stays blocking.
 
+    Args:
+        tls: Start TLS first (``skippyd.link.tls``); the HMAC handshake runs inside it.
+        expect_id: With ``tls``: the stage id the listener's certificate must name.
+
     Raises:
-        OSError: Could not connect, or the peer went silent.
+        OSError: Could not connect, or the peer went silent; ``LinkTlsError`` when TLS
+            failed (a refused certificate, a peer without TLS).
         LinkProtocolError: The handshake failed (``LinkRefusedError`` carries a reason).
     """
     sock = socket.create_connection(address, timeout=DIAL_TIMEOUT_S)
@@ -130,6 +140,8 @@ def dial(address: tuple[str, int], secret: bytes, hello: Hello,
         configure_socket(sock)
         sock.settimeout(timeout_s)
         conn = FrameSocket(sock)
+        if tls is not None:
+            conn.sock = dial_tls(sock, tls, f"the stage at {_show(address)}", expect_id)
         ack = dial_handshake(conn, secret, hello)
         sock.settimeout(None)
     except BaseException:
@@ -139,14 +151,19 @@ def dial(address: tuple[str, int], secret: bytes, hello: Hello,
 
 
 def query_status(address: tuple[str, int], secret: bytes,
-                 timeout_s: float = DIAL_TIMEOUT_S) -> dict[str, Any]:
+                 timeout_s: float = DIAL_TIMEOUT_S, *, tls: LinkTls | None = None,
+                 expect_id: str | None = None) -> dict[str, Any]:
     """Read a stage's counters over its link listener (a STATUS connection).
 
+    ``tls``: the stage uses ``link.tls``; any certificate of the pipeline's CA does
+    (``expect_id``: the stage's certificate must name that id).
+
     Raises:
-        OSError: Could not connect.
+        OSError: Could not connect, or TLS failed.
         LinkProtocolError: The handshake or the reply was malformed.
     """
-    conn, _ = dial(address, secret, Hello(Role.STATUS), timeout_s)
+    conn, _ = dial(address, secret, Hello(Role.STATUS), timeout_s, tls=tls,
+                   expect_id=expect_id)
     try:
         conn.sock.settimeout(timeout_s)
         frame = conn.read()
@@ -308,12 +325,14 @@ class ChainLink:
         ident = self.identity
         chain_id = int.from_bytes(os.urandom(8), "little")
         hello = Hello(Role.CHAIN, chain_id, ident.n_embd, 0, ident.layer_end, ident.model_id)
-        data, ack = dial(ident.endpoint, ident.secret, hello)
+        data, ack = dial(ident.endpoint, ident.secret, hello, tls=ident.tls,
+                         expect_id=ident.downstream_id)
         try:
             self._check_capacity(ack)
+            # The final stage's certificate must name the stage the chain announced.
             ret, _ = dial(parse_host_port(ack.return_endpoint), ident.secret,
                           Hello(Role.RETURN, chain_id, ident.n_embd, 0, ident.layer_end,
-                                ident.model_id))
+                                ident.model_id), tls=ident.tls, expect_id=ack.final_stage_id)
         except BaseException:
             data.close()
             raise

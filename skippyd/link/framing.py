@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from skippyd.engine.runtime.pipeline_types import ChainEntry
 from skippyd.link.probe import RoundTrips
@@ -29,6 +30,9 @@ from skippyd.link.wire import (
     encode_pong,
 )
 
+if TYPE_CHECKING:
+    from skippyd.link.tls import TlsSocket
+
 logger = logging.getLogger(__name__)
 
 #: A body up to this size is read into one buffer at once; a larger one grows with the
@@ -39,6 +43,9 @@ EAGER_BODY_BYTES = 1 << 20
 class FrameSocket:
     """Reads and writes whole frames on a connected socket, counting bytes.
 
+    The socket is a plain TCP one, or a :class:`~skippyd.link.tls.TlsSocket` once TLS
+    started on it (``sock`` is replaced then); the bytes counted are the frames'.
+
     Reading is for one thread; writes are for one thread at a time (callers serialise).
 
     Two deadlines bound a reader: ``deadline`` (a ``time.monotonic()`` instant, or None)
@@ -47,7 +54,8 @@ class FrameSocket:
     but cannot stall in the middle of one.
     """
 
-    def __init__(self, sock: socket.socket, limits: LinkLimits = HANDSHAKE_LIMITS) -> None:
+    def __init__(self, sock: socket.socket | TlsSocket,
+                 limits: LinkLimits = HANDSHAKE_LIMITS) -> None:
         self.sock = sock
         self.limits = limits
         self.bytes_in = 0

@@ -37,6 +37,7 @@ from skippyd.link.handshake import (
 )
 from skippyd.link.probe import LinkPinger
 from skippyd.link.relay import ChainConnection
+from skippyd.link.tls import LinkTls, LinkTlsError, accept_tls
 from skippyd.link.wire import (
     FrameKind,
     LinkAuthError,
@@ -84,6 +85,10 @@ class StageFacts:
     downstream: tuple[str, int] | None = None
     advertise: str | None = None
     """The return endpoint a final stage announces instead of its listen address."""
+    upstream_id: str | None = None
+    """The stage whose certificate a CHAIN connection must present (with ``tls``)."""
+    tls: LinkTls | None = None
+    """Every connection runs inside TLS (``link.tls``)."""
 
 
 class StageLinkServer:
@@ -217,7 +222,15 @@ class StageLinkServer:
             conn.close()
             return
         hello, nonces, secret = authenticated
-        name = _show(peer)
+        name = _peer_name(conn, peer)
+        peer_id = getattr(conn.sock, "peer_id", None)
+        if peer_id is not None:  # TLS: the certificate names the peer
+            expected = self.facts.upstream_id
+            if hello.role is Role.CHAIN and expected is not None and peer_id != expected:
+                self.refuse(conn, name, f"a CHAIN connection must come from {expected}, "
+                            f"this certificate is {peer_id}'s")
+                conn.close()
+                return
         try:
             if hello.role is Role.STATUS:
                 self._serve_status(conn, nonces, secret)
@@ -231,17 +244,22 @@ class StageLinkServer:
             conn.close()
 
     def _authenticate(self, conn: FrameSocket, peer: tuple) -> tuple[Hello, tuple, bytes] | None:
-        name = _show(peer)
         self._handshakes.enter(conn, peer[0])
         failure: tuple[str, str] | None = None
+        raw = conn.sock
+        assert isinstance(raw, socket.socket)  # as accepted: TLS starts here
         try:
-            configure_socket(conn.sock)
-            conn.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            configure_socket(raw)
+            raw.settimeout(HANDSHAKE_TIMEOUT_S)
             # One deadline for the whole handshake: bytes dripped within each read's
             # timeout must not keep an unauthenticated peer here for longer.
             conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            if self.facts.tls is not None:
+                conn.sock = accept_tls(raw, self.facts.tls, conn.deadline)
             hello, server_nonce, client_nonce, secret = accept_handshake(
                 conn, self.facts.secret, self.facts.status_secret)
+        except LinkTlsError as exc:
+            failure = ("tls", f"TLS: {exc}")
         except LinkAuthError as exc:
             failure = ("auth", str(exc))
         except LinkProtocolError as exc:
@@ -253,7 +271,7 @@ class StageLinkServer:
                        f"{MAX_HANDSHAKES_PER_PEER} from this address or "
                        f"{MAX_PENDING_HANDSHAKES} in all were in the handshake)")
         if failure is not None:
-            self.reject(name, failure[1], kind=failure[0])
+            self.reject(_peer_name(conn, peer), failure[1], kind=failure[0])
             return None
         conn.deadline = None
         return hello, (server_nonce, client_nonce), secret
@@ -382,7 +400,14 @@ def status_body(facts: StageFacts, chains: int, totals: dict[str, int],
     """
     return {"stage_id": facts.stage_id, "stage_index": facts.stage_index,
             "layer_start": facts.layer_start, "layer_end": facts.layer_end,
-            "is_final": facts.is_final, "chains": chains, **totals, **stage}
+            "is_final": facts.is_final, "tls": facts.tls is not None, "chains": chains,
+            **totals, **stage}
+
+
+def _peer_name(conn: FrameSocket, peer: tuple) -> str:
+    """How logs name a peer: its address, and with TLS the stage its certificate names."""
+    peer_id = getattr(conn.sock, "peer_id", None)
+    return _show(peer) if peer_id is None else f"{peer_id} at {_show(peer)}"
 
 
 def _show(address: tuple) -> str:
