@@ -1,7 +1,7 @@
 """``skippyd config check``: every config against its model, then the pipeline they form.
 
-Each config is loaded, validated and its layer range checked against the model file it
-names; every problem of every config is collected, so one run shows all of them. When
+Each config is loaded, validated, its link certificates checked (``link.tls``) and its
+layer range checked against the model file it names; every problem of every config is collected, so one run shows all of them. When
 several configs are valid, they must chain into one split pipeline. The verdict prints
 as text lines or as JSON (``--json``) and maps to the exit codes of :class:`~skippyd.exitcodes.ExitCode`.
 """
@@ -126,9 +126,31 @@ def check_config_file(path: Path | None, *, size_context: bool = True,
     config = load_config(path) if path is not None else default_config()
     if any(value is not None for value in overrides.values()):
         config = apply_overrides(config, **overrides)
+    check_link_tls(config, None if path is None else str(path))
     info = inspect_model(config.resolved_model_path)
     config = check_layer_range(config, info.n_layer)
     return context_for_model(config, info)[0] if size_context else config
+
+
+def check_link_tls(config: StageConfig, source: str | None = None) -> None:
+    """With ``link.tls``: the CA, certificate and key must be this stage's and usable.
+
+    Raises:
+        ConfigError: Every problem of the three files, each naming its key.
+    """
+    if not config.link.tls:
+        return
+    from skippyd.config import ConfigIssue
+    from skippyd.link.tls import TlsFiles, TlsSetupError, check_tls_files
+
+    try:
+        files = TlsFiles.from_config(config.link)
+    except TlsSetupError as exc:
+        raise ConfigError.single(exc.key, exc.message, source) from None
+    assert files is not None
+    problems = check_tls_files(files, config.stage.id)
+    if problems:
+        raise ConfigError([ConfigIssue(key, message) for key, message in problems], source)
 
 
 def context_for_model(config: StageConfig, info: ModelInfo) -> tuple[StageConfig, str | None]:
