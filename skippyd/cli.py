@@ -1,4 +1,4 @@
-"""The ``skippyd`` command line: serve, config, model, bench, top, status.
+"""The ``skippyd`` command line: serve, config, model, link, bench, top, status.
 
 Commands stay thin: they build a config, call one library function and map typed errors
 to an exit code (:class:`skippyd.exitcodes.ExitCode`) with a message on stderr. Heavy
@@ -32,8 +32,10 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Write, check and show stage configs.", no_args_is_help=True)
 model_app = typer.Typer(help="Inspect, slice and synthesize GGUF models.", no_args_is_help=True)
+link_app = typer.Typer(help="The stage link of a split pipeline: TLS keys.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(model_app, name="model")
+app.add_typer(link_app, name="link")
 app.add_typer(bench_app)  # no name: `skippyd bench` is a top-level command
 
 # NOTE: soft_wrap: a message piped to a file or the journal keeps its lines whole.
@@ -324,6 +326,52 @@ def model_synth(
     stdout.print(f"wrote {escape(str(output))}: {model_shape.like} shape, "
                  f"{model_shape.parameter_count() / 1e9:.2f} B parameters, {model_shape.n_layer} "
                  f"layers, vocab {model_shape.n_vocab}, context {ctx}, {quant}, {size:.0f} MiB")
+
+
+# -- link ------------------------------------------------------------------------------
+@link_app.command("keygen")
+def link_keygen(
+    directory: Annotated[Path, typer.Argument(help="Where to write the CA, certificates and "
+                                              "keys (created owner-only if missing).")],
+    stages: Annotated[int, typer.Option("--stages", min=0, help="Certificates for stage-0 "
+                                        "... stage-(N-1).")] = 0,
+    ids: Annotated[list[str] | None, typer.Option("--id", help="A certificate for this stage.id "
+                   "(repeat it; also for a monitoring tool that reads STATUS).",
+                   show_default=False)] = None,
+    days: Annotated[int, typer.Option("--days", min=1, help="How long the certificates are "
+                                      "valid.")] = 730,
+) -> None:
+    """Write a pipeline CA and a certificate and key per stage, for link.tls.
+
+    Certificates name a stage id, not a host, so a stage may move between machines. An
+    existing CA in DIRECTORY is reused (a stage joins the same pipeline); no existing
+    file is ever overwritten. Prints the lines each stage's config needs.
+    """
+    from skippyd.link.keys import KeygenError, write_pipeline_keys
+
+    wanted = [f"stage-{i}" for i in range(stages)] + list(ids or [])
+    if not wanted:
+        raise typer.BadParameter("give --stages N, or --id ID for each certificate",
+                                 param_hint="--stages")
+    try:
+        written = write_pipeline_keys(directory, wanted, days=days)
+    except KeygenError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"cannot write {directory}: {exc}") from None
+    ca = written.ca_cert.absolute()
+    if written.ca_created:
+        stderr.print(f"wrote the pipeline CA {escape(str(ca))} and its key "
+                     f"{escape(str(written.ca_key.absolute()))} (it signs new certificates: "
+                     "keep it off the stages' machines)", highlight=False)
+    else:
+        stderr.print(f"reused the pipeline CA {escape(str(ca))}", highlight=False)
+    stderr.print(f"wrote {len(written.stages)} certificate(s) valid for {days} days; each "
+                 "stage's machine needs ca.crt and its own .crt and .key", highlight=False)
+    for keys in written.stages:
+        typer.echo(f"# {keys.stage_id}: add to its [link] table\n"
+                   f'tls = true\ntls_ca = "{ca}"\ntls_cert = "{keys.cert.absolute()}"\n'
+                   f'tls_key = "{keys.key.absolute()}"\n')
 
 
 def main() -> None:
