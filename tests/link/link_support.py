@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serve_process import ServeProcess  # noqa: E402
 
 from skippyd.link.dialer import query_status  # noqa: E402
+from skippyd.link.keys import write_pipeline_keys  # noqa: E402
+from skippyd.link.tls import LinkTls, TlsFiles  # noqa: E402
 
 SECRET = "link-tests-shared-secret-0123456789"
 N_UBATCH = 32
@@ -105,14 +107,32 @@ def tiny_chain(model, workdir: Path, *,
 
 
 class Chain:
-    """A split pipeline of ``len(bounds) - 1`` stage processes."""
+    """A split pipeline of ``len(bounds) - 1`` stage processes.
 
-    def __init__(self, bounds: tuple[int, ...], workdir: Path, slice_dir: Path) -> None:
+    ``tls``: every link runs TLS, with keys made for the chain in ``workdir/tls`` (and
+    one for the tests' own STATUS queries, ``monitor``).
+    """
+
+    def __init__(self, bounds: tuple[int, ...], workdir: Path, slice_dir: Path, *,
+                 tls: bool = False) -> None:
         self.bounds = bounds
         self.workdir = workdir
         self.slice_dir = slice_dir
         self.ports = [free_port() for _ in bounds[:-1]]
         self.stages: list[ServeProcess | None] = [None] * (len(bounds) - 1)
+        self.keys: Path | None = None
+        self.monitor: LinkTls | None = None
+        if tls:
+            self.keys = workdir / "tls"
+            write_pipeline_keys(self.keys, [*(f"stage-{i}" for i in range(len(self.ports))),
+                                            "monitor"])
+            self.monitor = self.tls_of("monitor")
+
+    def tls_of(self, stage_id: str) -> LinkTls:
+        """The TLS settings of ``stage_id``'s certificate of this chain's CA."""
+        assert self.keys is not None
+        return LinkTls(TlsFiles(self.keys / "ca.crt", self.keys / f"{stage_id}.crt",
+                                self.keys / f"{stage_id}.key"), stage_id)
 
     def config(self, i: int) -> str:
         last = len(self.ports) - 1
@@ -122,6 +142,10 @@ class Chain:
         if i == 0:
             text += '[http]\nlisten = "127.0.0.1:0"\n'
         text += f'[link]\nlisten = "127.0.0.1:{self.ports[i]}"\nsecret = "{SECRET}"\n'
+        if self.keys is not None:
+            text += (f'tls = true\ntls_ca = "{self.keys / "ca.crt"}"\n'
+                     f'tls_cert = "{self.keys / f"stage-{i}.crt"}"\n'
+                     f'tls_key = "{self.keys / f"stage-{i}.key"}"\n')
         # The abuse tests dial a chain of their own beside stage 0's (default: 1 chain).
         text += "max_chains = 2\n"
         text += f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
@@ -161,7 +185,7 @@ class Chain:
         wait_until(lambda: self.health()["status"] == "ok", timeout, "the pipeline to connect")
 
     def status(self, i: int) -> dict:
-        return query_status(("127.0.0.1", self.ports[i]), SECRET.encode())
+        return query_status(("127.0.0.1", self.ports[i]), SECRET.encode(), tls=self.monitor)
 
     def client(self) -> OpenAI:
         return OpenAI(base_url=self.head.url, api_key="unused", max_retries=0, timeout=60)
