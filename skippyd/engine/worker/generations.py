@@ -78,6 +78,10 @@ DEADLINE_CHECK_INTERVAL_S = 0.1
 #: A quiet spell this long, with no request being prepared, ends that wait early: a lone
 #: request loses no more than this.
 BURST_QUIET_S = 0.002
+#: Requests that finished together in the step that left the worker idle are expected
+#: back together (closed-loop clients) if the worker wakes within this many times
+#: ``burst_wait_s``.
+WAVE_WINDOW = 4
 _S = GenerationStatus
 
 
@@ -109,6 +113,10 @@ class GenerationWorker:
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         """Ids cancelled from the overflow inbox before their Submit was seen."""
         self._next_deadline_check = 0.0
+        self._num_completed = 0
+        """Generations that ended with a complete answer (not an error or cancel)."""
+        self._wave: tuple[int, float] = (0, 0.0)
+        """How many completed in the step that left the worker idle, and when."""
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
 
@@ -321,6 +329,8 @@ class GenerationWorker:
         finally:
             if self.requests.get(gen.id) is gen:
                 del self.requests[gen.id]
+            if isinstance(event, CompleteEvent):
+                self._num_completed += 1
             gen.end(event)
             self._loop.telemetry.publish(finished_event(gen, event))
         for orphan in orphans:
@@ -353,6 +363,14 @@ class GenerationWorker:
     def run_turn(self) -> None:
         """Plan and run one iteration; see the module docstring for the steps."""
         started = time.monotonic()
+        completed = self._num_completed
+        try:
+            self._run_iteration(started)
+        finally:
+            if not self.requests:  # idle now: who finished together may come back together
+                self._wave = (self._num_completed - completed, time.monotonic())
+
+    def _run_iteration(self, started: float) -> None:
         self._apply_acks()
         self._expire(started)
         if not self.requests:
@@ -424,15 +442,21 @@ class GenerationWorker:
     def _wait_for_burst(self) -> None:
         """Starting from idle, let the requests arriving with this one join its first step.
 
-        Waits while the API layer is still preparing requests, or until a quiet spell of
-        :data:`BURST_QUIET_S`, at most ``burst_wait_s`` (worker settings); nobody is
-        decoding, so only the newcomers' first token waits.
+        Waits while the API layer is still preparing requests, or while fewer requests are
+        held than finished together in the step that left the worker idle (their clients
+        are likely on their way back), else until a quiet spell of :data:`BURST_QUIET_S`;
+        at most ``burst_wait_s`` (worker settings) in all. Nobody is decoding, so only the
+        newcomers' first token waits.
         """
-        deadline = time.monotonic() + self._loop.settings.burst_wait_s
+        now, most_s = time.monotonic(), self._loop.settings.burst_wait_s
+        wave, idle_since = self._wave
+        expected = wave if now - idle_since <= WAVE_WINDOW * most_s else 0
+        self._wave = (0, 0.0)
+        deadline = now + most_s
         while (remaining := deadline - time.monotonic()) > 0:
-            preparing = self._arrivals.pending > 0
-            wait = remaining if preparing else min(remaining, BURST_QUIET_S)
-            if not self._loop.wait_for_command(wait) and not preparing:
+            awaited = self._arrivals.pending > 0 or len(self.requests) < expected
+            wait = remaining if awaited else min(remaining, BURST_QUIET_S)
+            if not self._loop.wait_for_command(wait) and not awaited:
                 return
 
     def _note_admissions(self, plan: IterationPlan, now: float) -> None:

@@ -32,7 +32,7 @@ MIN_COMMAND_QUEUE_CAPACITY = 8
 MAX_COMMANDS_PER_TURN = 64
 #: Most seconds a worker starting from idle waits for the rest of a burst of requests
 #: (:mod:`~skippyd.engine.worker.arrivals`) before its first step.
-BURST_WAIT_S = 0.025
+BURST_WAIT_S = 0.05
 #: Name of the KV memory component; it counts tokens (1 per token).
 KV_COMPONENT = "kv-cells"
 RECURRENT_COMPONENT = "recurrent-state"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fake_runtime import EventRecorder
@@ -290,3 +291,25 @@ def test_a_lone_request_at_an_idle_worker_does_not_wait_for_a_burst(
     worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), recorder)
     tokens, end = drain_tokens(recorder)  # well before the 60 s a burst may take
     assert (tokens, end) == ([10], CompleteEvent("length"))
+
+
+def test_requests_that_finished_together_are_awaited_together_when_they_come_back(
+        runtime_factory, make_handle, blocked_worker):
+    runtime = runtime_factory(lane_count=2, script={"a": [10], "b": [20], "c": [30],
+                                                     "d": [40]})
+    worker = make_handle(runtime, arrivals=Arrivals(), burst_wait_s=60.0)
+    _, release = blocked_worker(worker)
+    recorders = {name: EventRecorder() for name in "abcd"}
+    for name in "ab":
+        worker.submit_generation(GenerationRequest(name, [1, 2], max_tokens=1),
+                                 recorders[name])
+    release.set()
+    for name in "ab":  # they finish in one step and the worker goes idle
+        assert drain_tokens(recorders[name])[1] == CompleteEvent("length")
+    worker.submit_generation(GenerationRequest("c", [1, 2], max_tokens=1), recorders["c"])
+    # Their clients come back a moment apart, longer than a lone request is held.
+    time.sleep(0.05)
+    worker.submit_generation(GenerationRequest("d", [3, 4], max_tokens=1), recorders["d"])
+    for name in "cd":
+        assert drain_tokens(recorders[name])[1] == CompleteEvent("length")
+    assert runtime.sampled_sessions() == [["a", "b"], ["c", "d"]]
