@@ -6,6 +6,7 @@ would otherwise only show the next time someone measures.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,19 @@ def test_chunk_cost_rejects_bad_sizes() -> None:
     result = subprocess.run([sys.executable, str(BENCH_DIR / "chunk_cost.py"), "--chunks",
                              "64,abc"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--chunks" in result.stderr
+
+
+def test_kv_layout_compares_both_layouts_with_their_kv_bytes(tiny_model_path: Path,
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "layout.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "kv_layout.py"), "--model", str(tiny_model_path),
+         "--threads", "1", "--lanes", "2", "--prompt-tokens", "20", "--ctx", "256",
+         "--steps", "4", "--rounds", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [row["variant"] for row in report["variants"]] == ["unified", "per_lane"]
+    # 4 layers x 2 KV heads x 16 wide, K and V, 2 bytes each.
+    assert {row["kv_bytes_per_token"] for row in report["variants"]} == {4 * 2 * 16 * 2 * 2}
+    assert report["variants"][0]["ratio_to_unified"] == 1.0
