@@ -51,6 +51,8 @@ from skippyd.bench.report import level_metrics
 from skippyd.bench.shaper import READY_LINE
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 from skippyd.link.dialer import query_status
+from skippyd.link.keys import write_pipeline_keys
+from skippyd.link.tls import LinkTls, TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Pipeline:
-    """A chain whose links all go through shaper ports (restarted per shape)."""
+    """A chain whose links all go through shaper ports (restarted per shape).
 
-    def __init__(self, workdir: Path, num_stages: int, args: argparse.Namespace) -> None:
+    ``tls``: every link runs TLS (``link.tls``), keys made in ``workdir/tls``.
+    """
+
+    def __init__(self, workdir: Path, num_stages: int, args: argparse.Namespace, *,
+                 tls: bool = False) -> None:
         self.workdir = workdir
         self.bounds = layer_bounds(args.n_layer, num_stages)
         self.args = args
@@ -94,6 +100,13 @@ class Pipeline:
         self.shaper_ports = [free_port() for _ in range(num_stages)]
         self.targets = [*self.link_ports[1:], self.link_ports[-1]]
         self.shapers: list[ServerProcess] = []
+        self.keys = workdir / "tls" if tls else None
+        self.monitor: LinkTls | None = None
+        if self.keys is not None:
+            write_pipeline_keys(self.keys, [*(f"stage-{i}" for i in range(num_stages)),
+                                            "monitor"])
+            self.monitor = LinkTls(TlsFiles(self.keys / "ca.crt", self.keys / "monitor.crt",
+                                            self.keys / "monitor.key"), "monitor")
 
     def config(self, i: int) -> Path:
         last = len(self.bounds) - 2
@@ -105,6 +118,10 @@ class Pipeline:
                 f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
                 f'[link]\nsecret = "{SECRET}"\nlisten = "127.0.0.1:{self.link_ports[i]}"\n'
                 f'activation_dtype = "{self.args.activation_dtype}"\n')
+        if self.keys is not None:
+            text += (f'tls = true\ntls_ca = "{self.keys / "ca.crt"}"\n'
+                     f'tls_cert = "{self.keys / f"stage-{i}.crt"}"\n'
+                     f'tls_key = "{self.keys / f"stage-{i}.key"}"\n')
         if i == last:
             text += f'advertise = "127.0.0.1:{self.shaper_ports[-1]}"\n'
         if i == 0:
@@ -143,7 +160,8 @@ class Pipeline:
             self.shapers.pop().stop()
 
     def status(self) -> dict[str, Any]:
-        return query_status(("127.0.0.1", self.link_ports[0]), SECRET.encode())
+        return query_status(("127.0.0.1", self.link_ports[0]), SECRET.encode(),
+                            tls=self.monitor)
 
 
 def wait_connected(url: str, timeout_s: float = 60.0) -> None:
