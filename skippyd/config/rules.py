@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import ssl
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -332,4 +331,6 @@ def _same_ca(first: str | None, second: str | None) -> bool:
 
 
 def _der(path: str) -> bytes:
+    import ssl  # only pipelines with link.tls pay for the import
+
     return ssl.PEM_cert_to_DER_cert(Path(path).read_text(encoding="ascii"))
