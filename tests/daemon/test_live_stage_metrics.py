@@ -233,6 +233,9 @@ class FullBackend:
     def cancel(self, request_id: str) -> None:
         pass
 
+    def arriving(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 async def test_refused_requests_are_counted_by_reason() -> None:
     metrics = ServingMetrics()
