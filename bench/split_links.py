@@ -100,6 +100,8 @@ class Pipeline:
         self.shaper_ports = [free_port() for _ in range(num_stages)]
         self.targets = [*self.link_ports[1:], self.link_ports[-1]]
         self.shapers: list[ServerProcess] = []
+        self.stages: list[ServerProcess] = []
+        """The stage processes, once started (the final stage first)."""
         self.keys = workdir / "tls" if tls else None
         self.monitor: LinkTls | None = None
         if self.keys is not None:
@@ -143,6 +145,7 @@ class Pipeline:
             argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(self.config(i))]
             proc = stack.enter_context(ServerProcess(
                 argv, SKIPPYD_READY if i == 0 else STAGE_READY, name=f"stage-{i}"))
+            self.stages.append(proc)
             url = proc.url or url
         return url
 

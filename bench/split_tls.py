@@ -7,14 +7,18 @@ number of streams it runs the same requests on both chains, one after the other,
 order alternating from round to round, and compares the two in each round. Only one
 chain works at a time; the idle one only answers its link probes.
 
+Beside tok/s it gives the CPU time the stage processes spent per generated token (all
+their threads: llama.cpp, the link, the HTTP side), which is where TLS's own work shows,
+less blurred by the scheduling of two cores than tok/s.
+
 The verdict per RTT and stream count: the median over the rounds of TLS tok/s divided
 by plaintext tok/s must be at least ``--target`` (0.97: TLS costs at most 3 %), and no
 request may fail.
 
 Usage::
 
-    python bench/split_tls.py [--model PATH] [--rtt-ms 0,5] [-c 1,8] [--rounds 8] \\
-        [--requests 4,8] [--output-tokens 48] [--json out.json]
+    python bench/split_tls.py [--model PATH] [--rtt-ms 0,5] [-c 1,8] [--rounds 12] \\
+        [--requests 6,16] [--output-tokens 48] [--json out.json]
 
 Exit status 0 when every cell met the target, 1 otherwise.
 """
@@ -38,6 +42,7 @@ from split_links import Pipeline, wait_connected
 
 from skippyd.bench.loadgen import ProgressHook, make_client, resolve_target, run_level, warm_up
 from skippyd.bench.models import add_model_option, model_layers, model_path
+from skippyd.bench.process import thread_cpu_seconds
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 
@@ -56,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", "-c", type=numbers(int), default=[1, 8])
     parser.add_argument("--requests", "-n", type=numbers(int), default=None,
                         help="requests per measurement, one per -c value "
-                             "(default: 4 at one stream, one per stream above)")
-    parser.add_argument("--rounds", type=int, default=8,
+                             "(default: 6 at one stream, two per stream above)")
+    parser.add_argument("--rounds", type=int, default=12,
                         help="measurements of each variant per cell (the order alternates)")
     parser.add_argument("--prompt-tokens", type=int, default=60)
     parser.add_argument("--output-tokens", type=int, default=48)
@@ -68,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_option(parser)
     args = parser.parse_args(argv)
     if args.requests is None:
-        args.requests = [4 if c == 1 else c for c in args.concurrency]
+        args.requests = [6 if c == 1 else 2 * c for c in args.concurrency]
     if len(args.requests) != len(args.concurrency):
         parser.error("--requests: give one count per --concurrency value")
     if args.rounds < 1:
@@ -104,22 +109,34 @@ async def measure(chains: dict[str, Pipeline], urls: dict[str, str],
                 for round_index in range(args.rounds):
                     order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
                     for name in order:
+                        cpu_before = stage_cpu_s(chains[name])
                         level = await run_level(client, targets[name], requests, concurrency,
                                                 temperature=0.0, timeout_s=300.0,
                                                 on_done=ProgressHook().request_done)
+                        cpu_s = stage_cpu_s(chains[name]) - cpu_before
                         metrics = level_metrics(level)
                         errors = sum(metrics.errors.values())
+                        cpu_ms = cpu_s / max(metrics.output_tokens, 1) * 1000.0
                         rows.append({"variant": name, "rtt_ms": rtt, "streams": concurrency,
                                      "round": round_index,
                                      "output_tok_s": metrics.output_tok_s,
                                      "output_tokens": metrics.output_tokens,
+                                     "cpu_ms_per_token": cpu_ms,
                                      "errors": errors, "error_kinds": metrics.errors})
                         console.print(f"RTT {rtt:g} ms, {concurrency} stream(s), round "
                                       f"{round_index + 1}, {name}: "
-                                      f"{metrics.output_tok_s:.2f} tok/s, errors {errors}")
+                                      f"{metrics.output_tok_s:.2f} tok/s, {cpu_ms:.2f} CPU "
+                                      f"ms/token, errors {errors}")
     for chain in chains.values():
         chain.unshape()
     return rows
+
+
+def stage_cpu_s(chain: Pipeline) -> float:
+    """CPU seconds every thread of the chain's stage processes has used so far (the
+    shapers, stand-ins for the network, are left out)."""
+    return sum(sum(thread_cpu_seconds(proc.pid).values()) for proc in chain.stages
+               if proc.pid is not None)
 
 
 def summarise(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]:
@@ -141,6 +158,10 @@ def summarise(rows: list[dict[str, Any]], target: float) -> list[dict[str, Any]]
                                                  if r["variant"] == "plaintext"),
             "tls_tok_s": statistics.median(r["output_tok_s"] for r in mine
                                            if r["variant"] == "tls"),
+            "plaintext_cpu_ms": statistics.median(r["cpu_ms_per_token"] for r in mine
+                                                  if r["variant"] == "plaintext"),
+            "tls_cpu_ms": statistics.median(r["cpu_ms_per_token"] for r in mine
+                                            if r["variant"] == "tls"),
             "ratio": ratio, "ratio_min": min(ratios, default=0.0),
             "ratio_max": max(ratios, default=0.0), "errors": errors,
             "met": errors == 0 and ratio >= target,
@@ -152,12 +173,13 @@ def table(summary: list[dict[str, Any]], model: str, target: float) -> Table:
     out = Table(title=f"TLS vs plaintext stage links, {model}, 2 stages "
                       f"(median of rounds; target TLS/plaintext >= {target:g})")
     for column in ("RTT", "streams", "plaintext tok/s", "TLS tok/s", "TLS/plaintext",
-                   "range", "errors", "verdict"):
+                   "range", "CPU ms/token", "errors", "verdict"):
         out.add_column(column, justify="right")
     for row in summary:
         out.add_row(f"{row['rtt_ms']:g} ms", str(row["streams"]),
                     f"{row['plaintext_tok_s']:.2f}", f"{row['tls_tok_s']:.2f}",
                     f"{row['ratio']:.3f}", f"{row['ratio_min']:.3f}-{row['ratio_max']:.3f}",
+                    f"{row['plaintext_cpu_ms']:.2f} / {row['tls_cpu_ms']:.2f}",
                     str(row["errors"]), "[green]MET[/]" if row["met"] else "[red]NOT MET[/]")
     return out
 
