@@ -187,6 +187,14 @@ def stage_id_of(cert: x509.Certificate) -> str | None:
     return value if isinstance(value, str) else value.decode("utf-8", "replace")
 
 
+def is_ca(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` may sign certificates (its basic constraints say CA)."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
+
+
 def signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     """Whether ``ca`` issued ``cert`` (its name and its signature)."""
     try:

@@ -33,15 +33,20 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from skippyd.config.schema import LinkSection
 from skippyd.link.framing import FrameSocket
 from skippyd.link.wire import FrameKind, LinkProtocolError, encode_text
 
+if TYPE_CHECKING:
+    from cryptography import x509
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The plaintext greeting of a TLS listener (the text of a REFUSE frame).
 TLS_GREETING = ("this stage's link uses TLS (link.tls = true): the dialling stage needs "
@@ -116,8 +121,7 @@ def check_tls_files(files: TlsFiles, stage_id: str,
     cert = _read("link.tls_cert", files.cert, keys.read_certificate, problems)
     key = _read("link.tls_key", files.key, keys.read_private_key, problems)
     if ca is not None:
-        constraints = _basic_constraints(ca)
-        if constraints is None or not constraints.ca:
+        if not keys.is_ca(ca):
             problems.append(("link.tls_ca", f"{files.ca} is not a CA certificate (it names "
                              f"{keys.stage_id_of(ca)!r}); give the pipeline's ca.crt"))
         else:
@@ -129,7 +133,7 @@ def check_tls_files(files: TlsFiles, stage_id: str,
                              f"stage is {stage_id!r} (stage.id)"))
         elif ca is not None and not keys.signed_by(cert, ca):
             problems.append(("link.tls_cert", f"not signed by the CA of link.tls_ca "
-                             f"({_common_name(ca)}): a certificate of another pipeline?"))
+                             f"({keys.stage_id_of(ca)}): a certificate of another pipeline?"))
         _check_validity("link.tls_cert", cert, "the certificate", now, problems)
     if cert is not None and key is not None and key.public_key() != cert.public_key():
         problems.append(("link.tls_key", f"{files.key} is not the key of link.tls_cert"))
@@ -141,7 +145,8 @@ def check_tls_files(files: TlsFiles, stage_id: str,
     return problems
 
 
-def _read(key: str, path: Path, reader, problems: list[tuple[str, str]]):
+def _read(key: str, path: Path, reader: Callable[[Path], T],
+          problems: list[tuple[str, str]]) -> T | None:
     try:
         return reader(path)
     except FileNotFoundError:
@@ -154,22 +159,7 @@ def _read(key: str, path: Path, reader, problems: list[tuple[str, str]]):
     return None
 
 
-def _basic_constraints(cert):
-    from cryptography import x509
-
-    try:
-        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-    except x509.ExtensionNotFound:
-        return None
-
-
-def _common_name(cert) -> str:
-    from skippyd.link import keys
-
-    return keys.stage_id_of(cert) or "no name"
-
-
-def _check_validity(key: str, cert, what: str, now: datetime.datetime,
+def _check_validity(key: str, cert: x509.Certificate, what: str, now: datetime.datetime,
                     problems: list[tuple[str, str]]) -> None:
     end, start = cert.not_valid_after_utc, cert.not_valid_before_utc
     if end <= now:
