@@ -11,6 +11,7 @@ a path is escaped for Rich (``[downstream]`` is not markup) and never hard-wrapp
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +25,7 @@ from skippyd.bench.command import app as bench_app
 from skippyd.checks import check_config_file
 from skippyd.config import ConfigError, StageConfig, config_to_dict, example_config_toml
 from skippyd.exitcodes import ExitCode
+from skippyd.logs import journal_stream
 
 app = typer.Typer(
     help="skippyd: a llama.cpp stage daemon with continuous batching and an OpenAI API.",
@@ -49,8 +51,16 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a 
 
 
 def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
-    """Print ``message`` (plain text, not markup) on stderr and return the Exit to raise."""
-    stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    """Print ``message`` (plain text, not markup) on stderr and return the Exit to raise.
+
+    Under systemd every line carries the error priority, so ``journalctl -p err`` shows
+    why a service did not start.
+    """
+    if journal_stream(sys.stderr):
+        for line in f"error: {message}".splitlines():
+            print(f"<3>{line}", file=sys.stderr, flush=True)
+    else:
+        stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 

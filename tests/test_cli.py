@@ -180,3 +180,22 @@ def test_shell_completion_installs_and_completes(tmp_path):
                   "COMP_WORDS": "skippyd config ch", "COMP_CWORD": "2"}
     result = subprocess.run(command, env=completing, capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["check"], result.stdout + result.stderr
+
+
+def test_under_systemd_a_refused_config_is_logged_at_the_error_priority(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nlane_count = 0\n")
+    read_fd, write_fd = os.pipe()
+    info = os.fstat(write_fd)
+    env = dict(os.environ, JOURNAL_STREAM=f"{info.st_dev}:{info.st_ino}")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "skippyd.cli", "serve", "--config",
+                               str(bad)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=write_fd, env=env, timeout=60)
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd) as stream:
+        lines = stream.read().splitlines()
+    assert proc.returncode == ExitCode.CONFIG
+    assert lines and all(line.startswith("<3>") for line in lines), lines
+    assert any("runtime.lane_count" in line for line in lines)

@@ -313,8 +313,6 @@ def test_a_config_error_exits_4_and_is_not_restarted(machine, unit):
                          "-u", "skippyd", after=cursor)
 
 
-@pytest.mark.xfail(strict=True, reason="`skippyd serve` prints a config error without its "
-                                       "journal priority, so the journal files it at info")
 def test_a_config_error_is_in_the_journal_as_an_error(machine, unit):
     unit.configure(runtime={"lane_count": 0})
     cursor = machine.cursor()
