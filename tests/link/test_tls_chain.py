@@ -57,6 +57,25 @@ def test_a_tls_chain_serves_greedy_output_identical_to_the_unsplit_model(tls_cha
     assert [r.choices[0].text for r in results] == expected
 
 
+def test_a_three_stage_tls_chain_relays_through_its_middle_stage(tmp_path_factory, slice_dir,
+                                                                 unsplit_client):
+    """Stage 1 dials stage 2 with its own certificate, and stage 0 reaches stage 2 (the
+    final stage the chain announced) for predictions."""
+    chain = Chain((0, 10, 20, 30), tmp_path_factory.mktemp("tls-chain3"), slice_dir, tls=True)
+    try:
+        chain.start()
+        prompt = SEQUENTIAL[0]
+        split, whole = complete(chain.client(), prompt), complete(unsplit_client, prompt)
+        assert split.choices[0].text == whole.choices[0].text
+        statuses = [chain.status(i) for i in range(3)]
+        assert [s["tls"] for s in statuses] == [True] * 3
+        assert statuses[0]["chain"]["num_stages"] == 3
+        peers = {link["role"]: link["peer"] for link in statuses[2]["links"]}
+        assert peers["upstream"].startswith("stage-1 at ")
+    finally:
+        chain.stop()
+
+
 def test_every_stage_runs_its_links_inside_tls_and_names_its_peers_by_certificate(tls_chain):
     statuses = [tls_chain.status(i) for i in range(2)]
     assert [s["tls"] for s in statuses] == [True, True]
