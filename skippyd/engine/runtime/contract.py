@@ -184,12 +184,23 @@ class IterationRequest:
     sample_last: bool = False
     """Sample a token from the logits of the last row (final stages only)."""
     phase: RowPhase = RowPhase.PREFILL
+    draft: Sequence[int] = ()
+    """Tokens guessed to follow ``token_ids`` (speculative decoding), computed as extra
+    rows after them and verified in order: each is kept while it is what the request's
+    own sampling picks at the row before it; the first that is not, and every row after
+    it, leaves the session's KV. Needs ``sample_last`` and token input."""
 
     @property
     def num_tokens(self) -> int:
+        """Rows of input, drafts not included."""
         if self.input_rows is not None:
             return int(self.input_rows.shape[0])
         return len(self.token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this request puts in the batch: its input and its drafts."""
+        return self.num_tokens + len(self.draft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +213,17 @@ class IterationSample:
     """The token ends generation (EOS/EOT per the model's vocabulary)."""
     logprob: TokenLogprob | None = None
     """The sampled token's log-probability, when the request's sampling asks for it."""
+    followers: tuple[IterationSample, ...] = ()
+    """Tokens sampled after this one at the rows of the drafts it confirmed, in order:
+    one per accepted draft (the last may differ from its draft: it is the correction, or
+    the token after a fully accepted draft). Generation goes on from the last of them."""
+    drafted: int = 0
+    """Drafts this row verified (accepted or not); ``len(followers)`` were accepted."""
+
+    @property
+    def tokens(self) -> tuple[IterationSample, ...]:
+        """This sample and its followers, in order."""
+        return (self, *self.followers)
 
 
 @dataclass(slots=True)

@@ -26,6 +26,7 @@ worker thread may call a runtime.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -205,6 +206,9 @@ class LlamaRuntime:
         self.n_ctx = int(L.llama_n_ctx(self._ctx))
         self.lane_capacity_tokens = int(L.llama_n_ctx_seq(self._ctx))
         """Most tokens one session can hold: its lane's stream."""
+        # llama.cpp caps a call at the context it was asked for: n_batch may be smaller.
+        self.n_batch = int(L.llama_n_batch(self._ctx))
+        self.n_ubatch = int(L.llama_n_ubatch(self._ctx))
         vocab = L.llama_model_get_vocab(self._model)
         self._vocab = vocab
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
@@ -302,12 +306,12 @@ class LlamaRuntime:
     @property
     def max_batch_tokens(self) -> int:
         """Most tokens one iteration may hold (``runtime.n_batch``)."""
-        return self.options.n_batch
+        return self.n_batch
 
     @property
     def micro_batch_tokens(self) -> int:
         """Tokens per graph run (``runtime.n_ubatch``)."""
-        return self.options.n_ubatch
+        return self.n_ubatch
 
     @property
     def eog_tokens(self) -> tuple[int, ...]:
@@ -480,11 +484,11 @@ class LlamaRuntime:
                 )
             seen.add(request.session_id)
             self._validate_input(request)
-            total += request.num_tokens
+            total += request.num_rows
             starts.append(self._validate_positions(request))
-        if total > self.options.n_batch:
+        if total > self.n_batch:
             raise InvalidIterationError(
-                f"iteration holds {total} tokens but n_batch is {self.options.n_batch}"
+                f"iteration holds {total} tokens but n_batch is {self.n_batch}"
             )
         return starts
 
@@ -510,6 +514,14 @@ class LlamaRuntime:
                 raise InvalidIterationError(f"session {sid}: token sideband length != row count")
         if request.sample_last and not self.options.final_stage:
             raise InvalidIterationError(f"session {sid}: only the final stage can sample")
+        if request.draft:
+            if not (request.sample_last and self.options.first_stage):
+                raise InvalidIterationError(
+                    f"session {sid}: drafts need token input and sample_last")
+            bad = [t for t in request.draft if not 0 <= t < self.n_vocab]
+            if bad:
+                raise InvalidIterationError(
+                    f"session {sid}: draft token id {bad[0]} outside the vocabulary")
         if request.sampling is not None:
             try:
                 request.sampling.validate(self.n_vocab)
@@ -533,9 +545,10 @@ class LlamaRuntime:
                     f"session {request.session_id}: first position {start} would leave a gap"
                     f" (session holds {current} tokens)"
                 )
-        if start + n > self.lane_capacity_tokens:
+        rows = request.num_rows
+        if start + rows > self.lane_capacity_tokens:
             raise InvalidIterationError(
-                f"session {request.session_id}: position {start + n - 1} beyond its lane"
+                f"session {request.session_id}: position {start + rows - 1} beyond its lane"
                 f" ({self.lane_capacity_tokens} cells)"
             )
         return start
@@ -549,7 +562,7 @@ class LlamaRuntime:
         all_outputs = self._capture is not None
         row = 0
         layout = _BatchLayout([0] * len(requests), [0] * len(requests), [0] * len(requests))
-        self._padding = self._padding_lanes(sessions, sum(r.num_tokens for r in requests))
+        self._padding = self._padding_lanes(sessions, sum(r.num_rows for r in requests))
         order: list[tuple[int, int | None]] = [(s.seq_id, i) for i, s in enumerate(sessions)]
         order.extend((lane.seq_id, None) for lane in self._padding)
         order.sort(key=lambda item: item[0])
@@ -564,9 +577,9 @@ class LlamaRuntime:
                 row += 1
                 continue
             request, start = requests[index], starts[index]
-            n = request.num_tokens
+            n = request.num_rows
             if self.options.first_stage:
-                for i, token in enumerate(request.token_ids):
+                for i, token in enumerate((*request.token_ids, *request.draft)):
                     batch.token[row + i] = token
             else:
                 rows = np.ascontiguousarray(request.input_rows, dtype=np.float32)
@@ -580,11 +593,13 @@ class LlamaRuntime:
                 batch.n_seq_id[row + i] = 1
                 batch.seq_id[row + i][0] = seq_id
                 batch.logits[row + i] = outputs
-            if request.sample_last:
-                batch.logits[row + n - 1] = True
-            layout.n_outputs += n if outputs else int(request.sample_last)
-            layout.sample_rows[index] = row + n - 1
-            layout.sample_outputs[index] = layout.n_outputs - 1
+            # The last input row and every draft row are verified (sampled in turn).
+            verified = len(request.draft) + 1 if request.sample_last else 0
+            for i in range(n - verified, n):
+                batch.logits[row + i] = True
+            layout.n_outputs += n if outputs else verified
+            layout.sample_rows[index] = row + n - max(verified, 1)
+            layout.sample_outputs[index] = layout.n_outputs - max(verified, 1)
             layout.first_rows[index] = row
             row += n
         batch.n_tokens = row
@@ -610,7 +625,7 @@ class LlamaRuntime:
         holes = [self._lanes.lanes[seq_id] for seq_id in range(min(used), max(used) + 1)
                  if seq_id not in used]
         if (not holes or len(holes) * PAD_ROWS_PER_HOLE > len(used)
-                or num_tokens + len(holes) > self.options.n_batch
+                or num_tokens + len(holes) > self.n_batch
                 or any(lane.token_count >= self.lane_capacity_tokens for lane in holes)):
             return []
         return holes
@@ -675,27 +690,63 @@ class LlamaRuntime:
             output.output_rows.append(None if captured is None else captured[row : row + n])
             if self.options.final_stage and _wants_prompt_logprobs(request):
                 output.prompt_logprobs[index] = self._prompt_logprobs(session, request, row, start)
-            if request.sample_last:
+            if request.draft:
+                output.samples.append(self._verify(index, session, request, layout,
+                                                   argmax.get(index)))
+            elif request.sample_last:
+                first = argmax.get(index)
                 output.samples.append(self._sample_row(index, session, request,
                                                        layout.sample_rows[index],
-                                                       argmax.get(index)))
+                                                       None if first is None else first[0]))
         return output
 
-    def _greedy_argmax(self, requests, layout: _BatchLayout) -> dict[int, int]:
-        """The argmax row of every plain-greedy request of the step, by request index,
-        from one numpy call over llama.cpp's logits buffer (a decode step's outputs are
-        usually exactly these rows)."""
+    def _verify(self, index: int, session: Lane, request: IterationRequest,
+                layout: _BatchLayout, argmax: list[int] | None) -> IterationSample:
+        """Sample at the last input row and at each draft row in turn while the token
+        sampled is the draft that follows; drop the rows after the last one kept.
+
+        Sampling each row with the request's own chain, as plain decoding would one step
+        at a time, keeps its output what it would have been: a draft is only a guess of
+        which row's logits will be needed next (for a sampled request, a draft is kept
+        with the probability the model gives it, and otherwise the token drawn instead
+        follows, which is standard speculative sampling with a draft that is certain).
+        """
+        draft = list(request.draft)
+        row = layout.sample_rows[index]
+        samples: list[IterationSample] = []
+        for i in range(len(draft) + 1):
+            sample = self._sample_row(index, session, request, row + i,
+                                      None if argmax is None else argmax[i])
+            samples.append(sample)
+            if sample.is_eog or i == len(draft) or sample.token != draft[i]:
+                break
+        accepted = len(samples) - 1
+        kept = request.num_tokens + accepted
+        start = session.token_count - request.num_tokens  # _finish counted the inputs
+        if accepted < len(draft):
+            L.llama_memory_seq_rm(self._mem, session.seq_id, start + kept, -1)
+        session.token_count = start + kept
+        session.history.extend(draft[:accepted])
+        first, *followers = samples
+        return dataclasses.replace(first, followers=tuple(followers), drafted=len(draft))
+
+    def _greedy_argmax(self, requests, layout: _BatchLayout) -> dict[int, list[int]]:
+        """The argmax of every row a plain-greedy request of the step samples (its last
+        input row, then its draft rows), by request index, from one numpy call over
+        llama.cpp's logits buffer (a decode step's outputs are usually exactly these)."""
         greedy = [index for index, request in enumerate(requests)
                   if request.sample_last and is_plain_greedy(request.sampling or _GREEDY)]
         if not greedy:
             return {}
         logits = output_logits(self._ctx, layout.n_outputs, self.n_vocab)
-        outputs = [layout.sample_outputs[index] for index in greedy]
-        if len(outputs) == layout.n_outputs:
+        spans = {index: range(layout.sample_outputs[index],
+                              layout.sample_outputs[index] + len(requests[index].draft) + 1)
+                 for index in greedy}
+        if sum(len(span) for span in spans.values()) == layout.n_outputs:
             picked = logits.argmax(axis=1).tolist()
-            return {index: picked[out] for index, out in zip(greedy, outputs, strict=True)}
-        return {index: int(logits[out].argmax()) for index, out in zip(greedy, outputs,
-                                                                       strict=True)}
+            return {index: [picked[out] for out in span] for index, span in spans.items()}
+        return {index: logits[span.start:span.stop].argmax(axis=1).tolist()
+                for index, span in spans.items()}
 
     def _sample_row(self, index: int, session: Lane, request: IterationRequest,
                     row: int, argmax: int | None) -> IterationSample:
@@ -723,7 +774,7 @@ class LlamaRuntime:
             return captured  # one KV stream: micro-batches take the rows in order
         n = self._batch.n_tokens
         seq_ids = [self._batch.seq_id[row][0] for row in range(n)]
-        order = stream_split_order(seq_ids, self.options.n_ubatch)
+        order = stream_split_order(seq_ids, self.n_ubatch)
         in_batch_order = np.empty_like(captured)
         in_batch_order[order] = captured
         return in_batch_order
