@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import operator
@@ -38,11 +39,14 @@ class IterationWork:
     phase: IterationPhase
     sampling: object | None = None
     """The sequence's sampling configuration (opaque to the policy)."""
+    draft: tuple[int, ...] = ()
+    """Tokens guessed to follow a decode row (speculative decoding), verified as extra
+    rows after it; the driver attaches them (:meth:`IterationPlan.with_drafts`)."""
 
     @property
     def token_count(self) -> int:
-        """Number of rows this work occupies in the batch."""
-        return len(self.tokens)
+        """Number of rows this work occupies in the batch, drafts included."""
+        return len(self.tokens) + len(self.draft)
 
     @property
     def start_position(self) -> int:
@@ -54,7 +58,7 @@ class IterationWork:
         return (
             f"IterationWork(id={self.sequence_id!r}, phase={self.phase.value}, "
             f"start={self.start_position}, tokens={self.token_count}, "
-            f"sample_last={self.sample_last})"
+            f"draft={len(self.draft)}, sample_last={self.sample_last})"
         )
 
 
@@ -69,18 +73,26 @@ class IterationPrediction:
     work_index: int
     """Index into ``plan.work``."""
     token: int
+    more: tuple[int, ...] = ()
+    """Tokens that follow ``token`` from the work's accepted drafts, in order (a negative
+    one ends the sequence there); the last is the new pending token."""
 
     def __post_init__(self) -> None:
         index = checked_count(self.work_index, "IterationPrediction.work_index")
         object.__setattr__(self, "work_index", index)
-        try:
-            if isinstance(self.token, bool):
-                raise TypeError
-            object.__setattr__(self, "token", operator.index(self.token))  # numpy ints too
-        except TypeError:
-            raise PolicyInputError(
-                f"IterationPrediction.token must be an integer, got {type(self.token).__name__}"
-            ) from None
+        object.__setattr__(self, "token", _token(self.token))
+        object.__setattr__(self, "more", tuple(_token(token) for token in self.more))
+
+
+def _token(value: object) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]  # numpy ints too
+    except TypeError:
+        raise PolicyInputError(
+            f"IterationPrediction tokens must be integers, got {type(value).__name__}"
+        ) from None
 
 
 @dataclass(slots=True)
@@ -122,6 +134,32 @@ class IterationPlan:
             admitted_ids=self.admitted_ids,
             preempted=self.preempted,
         )
+
+    def with_drafts(self, drafts: dict[int, tuple[int, ...]]) -> IterationPlan:
+        """A copy whose decode works at the given indices carry those drafts.
+
+        Raises:
+            PolicyInputError: An index is not a decode work that samples.
+        """
+        work = list(self.work)
+        for index, draft in drafts.items():
+            target = work[index] if 0 <= index < len(work) else None
+            if target is None or target.phase is not IterationPhase.DECODE or not target.sample_last:
+                raise PolicyInputError(f"drafts go on sampling decode works, not work {index}")
+            work[index] = dataclasses.replace(target, draft=tuple(draft))
+        return IterationPlan(work=work, token_count=sum(w.token_count for w in work),
+                             admitted_ids=self.admitted_ids, preempted=self.preempted)
+
+    def without_drafts(self) -> IterationPlan:
+        """A copy with every draft removed (drafts are optional work)."""
+        work = [dataclasses.replace(w, draft=()) if w.draft else w for w in self.work]
+        return IterationPlan(work=work, token_count=sum(w.token_count for w in work),
+                             admitted_ids=self.admitted_ids, preempted=self.preempted)
+
+    @property
+    def num_drafted(self) -> int:
+        """Draft rows of every work."""
+        return sum(len(w.draft) for w in self.work)
 
     def phase_counts(self) -> tuple[int, int]:
         """``(prefill_or_recompute_tokens, decode_rows)`` of this plan."""
