@@ -38,8 +38,20 @@ def check_rules(config: StageConfig, present: set[str], issues: IssueCollector) 
         issues: Receives the problems; keys already in ``issues.bad`` are skipped.
     """
     for rule in (_layer_rules, _runtime_rules, _http_rules, _peer_rules, _link_rules,
-                 _control_rules, _metrics_rules):
+                 _control_rules, _metrics_rules, _speculative_rules):
         rule(config, present, issues)
+
+
+def _speculative_rules(config: StageConfig, present: set[str],
+                       issues: IssueCollector) -> None:
+    spec = config.speculative
+    if (issues.clean("speculative.min_draft", "speculative.max_draft")
+            and spec.min_draft > spec.max_draft):
+        issues.add("speculative.min_draft", f"must be at most max_draft "
+                   f"(got {spec.min_draft} > {spec.max_draft})")
+    if (issues.clean("speculative.mode", "speculative.draft_model_path")
+            and spec.mode == "draft" and spec.draft_model_path is None):
+        issues.add("speculative.draft_model_path", 'required with mode = "draft"')
 
 
 def _layer_rules(config: StageConfig, present: set[str], issues: IssueCollector) -> None:

@@ -36,6 +36,7 @@ ReasoningFormat = Literal["auto", "none"]
 ActivationDtype = Literal["f32", "f16"]
 HttpProtocol = Literal["h11", "httptools", "auto"]
 KvLayout = Literal["unified", "per_lane"]
+SpeculativeMode = Literal["off", "ngram", "draft"]
 
 #: ``ggml_type`` ids of the KV cache element types (llama.cpp ``GGML_TYPE_*``).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -456,6 +457,26 @@ class KvCacheSection:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeSection:
+    """``[speculative]``: drafted tokens verified as extra rows of each decode step."""
+
+    mode: SpeculativeMode = "ngram"
+    """``off``; ``ngram``: drafts from the request's own prompt and output; ``draft``: a
+    small draft model (``draft_model_path``) with the target's vocabulary. Each request
+    drafts only while its acceptance makes the rows worth their cost here."""
+    draft_model_path: str | None = _setting(None, check=_check_non_empty)
+    """The draft model of ``mode = "draft"`` (GGUF, same vocabulary as the model)."""
+    min_draft: int = _setting(2, lo=1, hi=64)
+    """Fewest drafts a decode row carries when it carries any."""
+    max_draft: int = _setting(16, lo=1, hi=64)
+    """Most drafts a decode row carries."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+@dataclass(frozen=True, slots=True)
 class LinkSection:
     """``[link]``: the stage-to-stage TCP link of split serving."""
 
@@ -528,6 +549,8 @@ class StageConfig:
     """``[telemetry]``."""
     kv_cache: KvCacheSection = field(default_factory=KvCacheSection)
     """``[kv_cache]``."""
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    """``[speculative]``."""
     link: LinkSection = field(default_factory=LinkSection)
     """``[link]``."""
     upstream: PeerConfig | None = None
@@ -579,5 +602,5 @@ class StageConfig:
 SECTIONS: dict[str, type] = {
     "stage": StageSection, "runtime": RuntimeSection, "http": HttpSection,
     "sampling": SamplingSection, "control": ControlSection, "telemetry": TelemetrySection, "kv_cache": KvCacheSection,
-    "link": LinkSection, "upstream": PeerConfig, "downstream": PeerConfig,
+    "speculative": SpeculativeSection, "link": LinkSection, "upstream": PeerConfig, "downstream": PeerConfig,
 }

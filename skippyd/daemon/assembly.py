@@ -32,7 +32,12 @@ from skippyd.engine.prefix_cache import (
 from skippyd.engine.runtime import native
 from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.runtime.json_grammar import schema_to_grammar
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions, offload_facts
+from skippyd.engine.runtime.llama import (
+    LlamaRuntime,
+    ModelLoadError,
+    RuntimeOptions,
+    offload_facts,
+)
 from skippyd.engine.runtime.tokenizer import (
     IncrementalDetokenizer,
     TemplateRewritesContent,
@@ -45,6 +50,7 @@ from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
+from skippyd.engine.worker.speculation import DraftModel, Speculation, SpeculationSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.engine.worker.worker_errors import WorkerStoppedError
 from skippyd.gguf.model_info import ModelInfo, inspect_model
@@ -170,6 +176,27 @@ def runtime_options(config: StageConfig, model_path: Path) -> RuntimeOptions:
     )
 
 
+def open_draft_runtime(path: str, target: LlamaRuntime) -> LlamaRuntime:
+    """The draft model of speculative decoding, with as many lanes and as much context as
+    ``target`` (so every request it drafts for fits) and its threads.
+
+    Raises:
+        StartupError: It cannot be loaded, or its vocabulary is not ``target``'s.
+    """
+    options = dataclasses.replace(target.options, model_path=path, gpu_layers=0,
+                                  main_gpu=0, tensor_split=(), load_progress=None)
+    try:
+        draft = LlamaRuntime(options)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        raise StartupError(f"speculative.draft_model_path: cannot load {path}: {exc}") from exc
+    if draft.n_vocab != target.n_vocab:
+        draft.close()
+        raise StartupError(
+            f"speculative.draft_model_path: its vocabulary has {draft.n_vocab} tokens, the "
+            f"model's {target.n_vocab}; a draft model must share the model's vocabulary")
+    return draft
+
+
 class StageEngine:
     """Everything a stage serves with, behind the HTTP layer's backend protocol.
 
@@ -202,12 +229,35 @@ class StageEngine:
         self._worker: WorkerHandle | None = None
         self._generations: GenerationHandle | None = None
         """Stage 0's worker (None on a later stage, whose worker runs the link's batches)."""
+        self._draft: DraftModel | None = None
+        """The draft model of speculative decoding, if it runs one."""
         self._split: SplitStage | None = None
         self._prefix_cache: LivePrefixCache | None = None
         self.hang_threshold_s = HANG_THRESHOLD_S
         self._state: HealthStatus = "loading"
         self._reason: str | None = "loading the model"
         self._lock = threading.Lock()
+
+    def _speculation(self, local: LlamaRuntime) -> Speculation | None:
+        """The stage's speculative decoding, or None (off, or a split stage 0: drafts are
+        verified only where the logits are).
+
+        Raises:
+            StartupError: The draft model cannot be loaded or has another vocabulary.
+        """
+        spec = self.config.speculative
+        if not spec.enabled or not self.config.is_final:
+            return None
+        settings = SpeculationSettings(spec.mode, spec.min_draft, spec.max_draft)
+        draft = None
+        if spec.mode == "draft":
+            assert spec.draft_model_path is not None  # the config rules require it
+            self.startup.step("loading the draft model")
+            draft = DraftModel(open_draft_runtime(spec.draft_model_path, local))
+            self._draft = draft
+        logger.info("stage %s: speculative decoding %s (%d-%d drafts per row, as they pay)",
+                    self.config.stage.id, spec.mode, spec.min_draft, spec.max_draft)
+        return Speculation(settings, local.max_session_tokens, draft)
 
     # -- lifecycle -------------------------------------------------------------------
     def load(self) -> None:
@@ -245,9 +295,11 @@ class StageEngine:
             self.config, self._runtime,
             self.info.recurrent_bytes(stage.layer_start, stage.layer_end))
         if self.config.is_first:
+            speculation = self._speculation(local)
             self._worker = self._generations = GenerationHandle(
                 self._runtime, settings, telemetry=self.telemetry,
-                prefix_cache=self._prefix_cache, faults=faults, arrivals=self.arrivals)
+                prefix_cache=self._prefix_cache, faults=faults, arrivals=self.arrivals,
+                speculation=speculation)
             self.ctx_size = self._generations.max_session_tokens
         else:
             self._worker = BatchHandle(self._runtime, settings, telemetry=self.telemetry,
@@ -391,6 +443,9 @@ class StageEngine:
             split.close()
         if worker is not None:
             worker.close()
+        draft, self._draft = self._draft, None
+        if draft is not None:  # after the worker, its only caller
+            draft.close()
         if runtime is not None:
             runtime.close()
         if tokenizer is not None:

@@ -137,7 +137,7 @@ class PipelineRuntime:
         """Tokens of the session as the scheduler sees them (look-ahead excluded)."""
         count = self.local.session_token_count(session_id)
         step = self._steps.get(session_id)
-        if count is not None and step is not None and step.speculative:
+        if count is not None and step is not None and step.look_ahead:
             return step.start
         return count
 
@@ -229,7 +229,7 @@ class PipelineRuntime:
         """Forget a look-ahead step and remove its token from the local KV."""
         with self._cond:
             step = self._steps.pop(session_id, None)
-        if step is not None and step.speculative:
+        if step is not None and step.look_ahead:
             self.counters.lookahead_retracted += 1
             if self.local.session_token_count(session_id) is not None:
                 self.local.trim_session(session_id, step.start)
@@ -263,7 +263,7 @@ class PipelineRuntime:
         lengths = [len(requests[i].token_ids) for i in fresh]
         for group in split_token_groups(lengths, groups):
             items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
-            steps, seconds = self._ship(items, speculative=False)
+            steps, seconds = self._ship(items, look_ahead=False)
             compute_s += seconds
             needed.update({fresh[p.index]: s for p, s in zip(group, steps, strict=True)
                            if s is not None})
@@ -314,7 +314,7 @@ class PipelineRuntime:
         return self._link.num_stages + 2
 
     def _ship(self, items: list[tuple[IterationRequest, int]],
-              speculative: bool) -> tuple[list[InflightStep | None], float]:
+              look_ahead: bool) -> tuple[list[InflightStep | None], float]:
         """Compute ``items`` locally and send them downstream as one batch."""
         local = [IterationRequest(r.session_id, r.token_ids,
                                   positions=range(start, start + len(r.token_ids)),
@@ -334,7 +334,7 @@ class PipelineRuntime:
                 sample_last=request.sample_last, decode=request.phase is RowPhase.DECODE,
             ))
             steps.append(InflightStep(request.session_id, start, tuple(request.token_ids),
-                               request.sampling, speculative) if request.sample_last else None)
+                               request.sampling, look_ahead) if request.sample_last else None)
         self._send(entries, steps, [r.session_id for r, _ in items])
         return steps, output.compute_s
 
@@ -357,7 +357,7 @@ class PipelineRuntime:
                 if step is None:
                     continue
                 step.batch_id = batch_id
-                if step.speculative:
+                if step.look_ahead:
                     self._steps[step.session_id] = step
         try:
             self._link.send_batch(batch_id, entries)
@@ -443,7 +443,7 @@ class PipelineRuntime:
         for group in split_token_groups([1] * len(items), parts):
             part = [items[piece.index] for piece in group]
             try:
-                seconds += self._ship(part, speculative=True)[1]
+                seconds += self._ship(part, look_ahead=True)[1]
             except RuntimeFailure as exc:
                 # Nothing changed (the runtime's guarantee): the scheduler's own call
                 # will run these steps, or report the problem itself.

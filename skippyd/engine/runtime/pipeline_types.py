@@ -118,7 +118,7 @@ class InflightStep:
     start: int
     tokens: tuple[int, ...]
     sampling: SamplingConfig | None
-    speculative: bool
+    look_ahead: bool
     batch_id: int = 0
     result: ChainSample | None = None
     error: RuntimeFailure | None = None

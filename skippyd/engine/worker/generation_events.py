@@ -26,6 +26,8 @@ class GenerationRequest:
     """Another request with the same prompt, submitted just before this one (the first
     of ``n`` choices): this one copies that request's prompt KV once it is computed
     instead of computing it again."""
+    speculative: bool = True
+    """Whether its decoding may carry drafts when the stage speculates (False: never)."""
 
     def anon_repr(self) -> str:
         """Describe the request without its tokens (never log prompt text)."""
@@ -112,6 +114,9 @@ class TokenEvent:
     ack: TokenAck
     logprob: TokenLogprob | None = None
     """The token's log-probability, when the request's sampling asks for it."""
+    drafts: tuple[int, int] = (0, 0)
+    """(drafted, accepted) tokens of its speculative decoding so far, so a consumer that
+    ends the request itself (a stop string, its own ``max_tokens``) still knows them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,10 @@ class CompleteEvent:
 
     finish_reason: str
     """``"stop"`` (end of generation or consumer Stop) or ``"length"`` (max_tokens)."""
+    drafted: int = 0
+    """Drafted tokens its decoding verified (speculative decoding)."""
+    accepted: int = 0
+    """How many of them were accepted."""
 
 
 @dataclass(frozen=True, slots=True)

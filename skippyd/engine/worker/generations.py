@@ -55,6 +55,7 @@ from skippyd.engine.worker.plan_execution import PlanExecutor, PlanResult
 from skippyd.engine.worker.prefix_admission import NO_CACHE, Admission, PrefixAdmission
 from skippyd.engine.worker.record import NOT_ADMITTED, Generation, GenerationStatus
 from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
+from skippyd.engine.worker.speculation import Speculation, SpeculationSettings
 from skippyd.engine.worker.telemetry import step_finished
 from skippyd.engine.worker.worker_errors import (
     AdmissionTimeoutError,
@@ -93,10 +94,12 @@ class GenerationWorker:
             fault switch and the hook to run before each model call).
         prefix_cache: The stage's prefix cache, if it runs one.
         arrivals: Requests the API layer is preparing (a burst the first step waits for).
+        speculation: Speculative decoding (drafts on decode rows); off if None.
     """
 
     def __init__(self, loop: CommandLoop, prefix_cache: LivePrefixCache | None = None,
-                 arrivals: Arrivals | None = None) -> None:
+                 arrivals: Arrivals | None = None,
+                 speculation: Speculation | None = None) -> None:
         self._loop = loop
         self._arrivals = arrivals or Arrivals()
         self._runtime = runtime = loop.runtime
@@ -107,6 +110,7 @@ class GenerationWorker:
         # One session never holds more than its lane's KV, whatever the pool holds.
         self._kv_capacity = min(kv_capacity_tokens(config), runtime.max_session_tokens)
         self.prefix = None if prefix_cache is None else PrefixAdmission(prefix_cache, runtime)
+        self.speculation = speculation or Speculation(SpeculationSettings(), self._kv_capacity)
         self._forks = ChoiceForks(runtime, config.prefill_chunk_tokens)
         self._executor = PlanExecutor(runtime, self.scheduler, loop.faults,
                                       loop.before_model_call, self._reclaim_kept_kv)
@@ -183,6 +187,9 @@ class GenerationWorker:
             num_cancelled=metrics.cancelled,
             num_rejected=metrics.rejected_overload,
             num_preempted=metrics.preempted,
+            num_drafted=self.speculation.num_drafted,
+            num_draft_accepted=self.speculation.num_accepted,
+            speculation=self.speculation.settings.mode,
             last_step_ms=self.last_step_ms,
             last_execution_ms=self.last_execution_ms,
             last_overhead_ms=max(0.0, self.last_step_ms - self.last_execution_ms),
@@ -223,6 +230,7 @@ class GenerationWorker:
                 f"more than the {self._kv_capacity} available")))
             return
         self.requests[gen.id] = gen
+        self.speculation.admit(gen)
         first = None if request.fork_of is None else self.requests.get(request.fork_of)
         if first is not None and self._forks.hold(gen, first):
             if ChoiceForks.prompt_computed(first):
@@ -324,6 +332,7 @@ class GenerationWorker:
                     self.prefix.release(gen)
             if gen.admitted_at is not None:
                 self._drop_session(gen)
+            self.speculation.forget(gen)
             orphans = self._forks.leave(gen)
             orphans += [g for g in self.requests.values() if g.parked_behind is gen]
         finally:
@@ -331,6 +340,10 @@ class GenerationWorker:
                 del self.requests[gen.id]
             if isinstance(event, CompleteEvent):
                 self._num_completed += 1
+                if gen.drafts is not None:
+                    stats = gen.drafts.stats
+                    event = dataclasses.replace(event, drafted=stats.num_drafted,
+                                                accepted=stats.num_accepted)
             gen.end(event)
             self._loop.telemetry.publish(finished_event(gen, event))
         for orphan in orphans:
@@ -390,6 +403,9 @@ class GenerationWorker:
         plan = self._prepare_sessions(plan)
         if plan.is_empty():
             return
+        plan = self.speculation.attach(plan, self.requests,
+                                       self.scheduler.config.max_tokens_per_iteration,
+                                       self.scheduler.step_costs)
         try:
             execution = self._executor.execute(plan)
         except RuntimeFailure as exc:
@@ -408,6 +424,7 @@ class GenerationWorker:
             # NOTE: works re-run one by one take the sum of their times: fed to the
             # calibration, one bad token id would switch mixed batches off for good.
             self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
+            self.speculation.observe(result.plan, result.execution_s, self.requests)
         step = self.scheduler.complete_iteration(result.plan, result.predictions())
         self._deliver(result)
         self._release_parked()
@@ -526,14 +543,23 @@ class GenerationWorker:
                 gen.move_to(_S.DECODING)
             if gen.later_choices:
                 self._release_later_choices(gen)
-            if sample.is_eog:
-                gen.saw_eog = True  # end of generation: no token event
-                continue
-            gen.num_generated += 1
-            ack = TokenAck()
-            gen.pending_acks.append(ack.slot)  # never the ack itself: see TokenAck
-            if not gen.emit(TokenEvent(sample.token, ack, sample.logprob)):
-                gone.append(gen)
+            if sample.drafted:
+                self.speculation.record(gen, sample.drafted, len(sample.followers))
+            # Several tokens when drafts were accepted; the policy kept at most max_tokens.
+            for token in sample.tokens:
+                if token.is_eog:
+                    gen.saw_eog = True  # end of generation: no token event
+                    break
+                if gen.num_generated >= gen.request.max_tokens:
+                    break
+                gen.num_generated += 1
+                ack = TokenAck()
+                gen.pending_acks.append(ack.slot)  # never the ack itself: see TokenAck
+                drafts = ((0, 0) if gen.drafts is None else
+                          (gen.drafts.stats.num_drafted, gen.drafts.stats.num_accepted))
+                if not gen.emit(TokenEvent(token.token, ack, token.logprob, drafts)):
+                    gone.append(gen)
+                    break
         for gen in missing:
             self.retire(gen, ErrorEvent(WorkerBackendError(
                 f"scheduler iteration returned no prediction for {gen.id}")))

@@ -44,6 +44,7 @@ from skippyd.engine.worker.faults import FaultSwitch
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.generations import GenerationWorker
 from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
+from skippyd.engine.worker.speculation import Speculation
 from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.wait_hooks import WaitHook
 from skippyd.engine.worker.worker_errors import (
@@ -189,15 +190,17 @@ class GenerationHandle(WorkerHandle):
         faults: The test fault switch (``SKIPPYD_FAULT``); none by default.
         arrivals: Requests the API layer is preparing, which a worker starting from idle
             waits a moment for; a private counter nobody feeds if None.
+        speculation: Speculative decoding; off if None.
     """
 
     def __init__(self, runtime: Runtime, settings: WorkerSettings, *,
                  telemetry: TelemetryHub | None = None,
                  prefix_cache: LivePrefixCache | None = None,
                  faults: FaultSwitch | None = None,
-                 arrivals: Arrivals | None = None) -> None:
+                 arrivals: Arrivals | None = None,
+                 speculation: Speculation | None = None) -> None:
         super().__init__(runtime, settings, telemetry, faults)
-        self._role = GenerationWorker(self._loop, prefix_cache, arrivals)
+        self._role = GenerationWorker(self._loop, prefix_cache, arrivals, speculation)
         self._loop.role = self._role
         self.max_session_tokens = min(kv_capacity_tokens(settings.policy),
                                       runtime.max_session_tokens)

@@ -35,6 +35,7 @@ from skippyd.engine.runtime.contract import (
     InvalidIterationError,
     IterationOutput,
     IterationRequest,
+    IterationSample,
     KvSlotUnavailableError,
     RowPhase,
     Runtime,
@@ -58,6 +59,22 @@ class PlanSample:
     token: int
     is_eog: bool
     logprob: TokenLogprob | None = None
+    followers: tuple[PlanSample, ...] = ()
+    """Tokens sampled after it at the rows of the drafts it confirmed (see
+    :attr:`~skippyd.engine.runtime.contract.IterationSample.followers`)."""
+    drafted: int = 0
+    """Drafts the row verified; ``len(followers)`` were accepted."""
+
+    @property
+    def tokens(self) -> tuple[PlanSample, ...]:
+        """This sample and its followers, in order."""
+        return (self, *self.followers)
+
+    @classmethod
+    def from_runtime(cls, sample: IterationSample) -> PlanSample:
+        return cls(sample.token, sample.is_eog, sample.logprob,
+                   tuple(cls(f.token, f.is_eog, f.logprob) for f in sample.followers),
+                   sample.drafted)
 
 
 @dataclass(slots=True)
@@ -77,10 +94,11 @@ class PlanResult:
 
     def predictions(self) -> list[IterationPrediction]:
         """Policy predictions; end of generation is a negative token."""
-        return [
-            IterationPrediction(index, -1 if sample.is_eog else sample.token)
-            for index, sample in self.samples.items()
-        ]
+        predictions = []
+        for index, sample in self.samples.items():
+            first, *more = [-1 if s.is_eog else s.token for s in sample.tokens]
+            predictions.append(IterationPrediction(index, first, tuple(more)))
+        return predictions
 
 
 def make_runtime_request(work: IterationWork) -> IterationRequest:
@@ -95,6 +113,7 @@ def make_runtime_request(work: IterationWork) -> IterationRequest:
         sampling=work.sampling,  # type: ignore[arg-type]
         sample_last=work.sample_last,
         phase=phase,
+        draft=work.draft,
     )
 
 
@@ -108,7 +127,7 @@ def index_samples(output: IterationOutput, num_works: int) -> dict[int, PlanSamp
             continue
         if index in samples:
             duplicates.add(index)
-        samples[index] = PlanSample(sample.token, sample.is_eog, sample.logprob)
+        samples[index] = PlanSample.from_runtime(sample)
     for index in duplicates:
         del samples[index]
     return samples
@@ -186,9 +205,13 @@ class PlanExecutor:
                              execution: Execution) -> IterationPlan:
         """Free cells and return the plan left to retry (maybe empty).
 
-        In a shared pool, KV that idle lanes keep for the prefix cache goes first, one
-        lane at a time; then one running sequence is preempted by the policy's rule.
+        Drafts go first (they are optional work), then, in a shared pool, KV that idle
+        lanes keep for the prefix cache, one lane at a time; then one running sequence is
+        preempted by the policy's rule.
         """
+        if plan.num_drafted:
+            logger.debug("KV slot unavailable (%s): retrying without drafts", exc)
+            return plan.without_drafts()
         freed = self._reclaim_kept_kv()
         if freed:
             logger.debug("KV slot unavailable (%s): freed %d kept cells", exc, freed)

@@ -29,6 +29,7 @@ from skippyd.engine.worker.generation_events import (
 if TYPE_CHECKING:
     from skippyd.engine.policy import ScheduledSequence
     from skippyd.engine.prefix_cache import Lease
+    from skippyd.engine.worker.speculation import RequestDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class Generation:
     """Worker clock at its first admission."""
     progressed_at: float = 0.0
     """Worker clock at its last progress (admission, a prompt chunk, a token)."""
+    drafts: RequestDrafts | None = None
+    """Its speculative decoding record, when it speculates."""
 
     @property
     def id(self) -> str:

@@ -37,6 +37,12 @@ class WorkerStats:
     num_command_queue_full: int = 0
     """Commands refused because the bounded command queue was full."""
     num_preempted: int = 0
+    num_drafted: int = 0
+    """Drafted tokens verified (speculative decoding)."""
+    num_draft_accepted: int = 0
+    """Drafted tokens accepted."""
+    speculation: str = "off"
+    """The stage's speculative decoding mode."""
     num_direct_iterations: int = 0
     num_runtime_operations: int = 0
     last_step_ms: float = 0.0

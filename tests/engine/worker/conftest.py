@@ -17,6 +17,7 @@ from skippyd.engine.worker.faults import FaultSwitch
 from skippyd.engine.worker.generations import GenerationWorker
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
+from skippyd.engine.worker.speculation import Speculation
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 5.0
@@ -41,17 +42,19 @@ def make_handle() -> Iterator[Callable[..., GenerationHandle]]:
     """Build generation workers that are closed (and their threads joined) after the test.
 
     Keyword arguments go to :meth:`WorkerSettings.derive` (``queue_capacity`` defaults to
-    8), except ``telemetry``, ``prefix_cache``, ``faults`` and ``arrivals``.
+    8), except ``telemetry``, ``prefix_cache``, ``faults``, ``arrivals`` and
+    ``speculation``.
     """
     created: list[WorkerHandle] = []
 
     def build(runtime: Any, telemetry: TelemetryHub | None = None, *,
               prefix_cache: LivePrefixCache | None = None, faults: FaultSwitch | None = None,
-              arrivals: Arrivals | None = None, **facts: Any) -> GenerationHandle:
+              arrivals: Arrivals | None = None, speculation: Speculation | None = None,
+              **facts: Any) -> GenerationHandle:
         facts.setdefault("queue_capacity", 8)
         worker = GenerationHandle(runtime, WorkerSettings.derive(runtime, **facts),
                                   telemetry=telemetry, prefix_cache=prefix_cache,
-                                  faults=faults, arrivals=arrivals)
+                                  faults=faults, arrivals=arrivals, speculation=speculation)
         created.append(worker)
         return worker
 

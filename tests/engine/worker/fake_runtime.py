@@ -200,7 +200,20 @@ class FakeRuntime:
             self.sessions[request.session_id] = count
             if request.sample_last:
                 token = self._next_token(request, count)
-                output.samples.append(IterationSample(index, token, token in self.eog_tokens))
+                followers: list[IterationSample] = []
+                last = token
+                # Drafts are kept while each is the token sampled before it, as llama.cpp
+                # verifies them; the session then holds the accepted ones too.
+                for draft in request.draft:
+                    if last != draft or last in self.eog_tokens:
+                        break
+                    count += 1
+                    last = self._next_token(request, count)
+                    followers.append(IterationSample(index, last, last in self.eog_tokens))
+                self.sessions[request.session_id] = count
+                output.samples.append(IterationSample(index, token, token in self.eog_tokens,
+                                                      followers=tuple(followers),
+                                                      drafted=len(request.draft)))
         self.calls.append(list(requests))
         return output
 
@@ -224,7 +237,7 @@ class FakeRuntime:
             starts.append(start)
         after = dict(self.sessions)
         for request, start in zip(requests, starts, strict=True):
-            after[request.session_id] = start + request.num_tokens
+            after[request.session_id] = start + request.num_rows
         if sum(after.values()) > self._kv_pool_tokens:
             raise KvSlotUnavailableError(f"no KV slot ({sum(after.values())} tokens)")
         return starts

@@ -62,6 +62,9 @@ class Generated:
 
     tokens: list[int]
     finish_reason: str
+    drafted: int = 0
+    """Drafted tokens verified (speculative decoding)."""
+    accepted: int = 0
 
 
 def generate(
@@ -72,6 +75,7 @@ def generate(
     request_id: str | None = None,
     sampling: SamplingConfig | None = None,
     on_token: Callable[[int], TokenControl] | None = None,
+    speculative: bool = True,
 ) -> Generated:
     """Submit a generation and answer its token events until it ends.
 
@@ -83,7 +87,7 @@ def generate(
     """
     recorder = EventRecorder()
     request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens),
-                                max_tokens, sampling)
+                                max_tokens, sampling, speculative=speculative)
     worker.submit_generation(request, recorder)
     tokens: list[int] = []
     stopped = False
@@ -100,6 +104,7 @@ def generate(
         elif isinstance(event, AdmittedEvent | PromptLogprobsEvent):
             continue
         elif isinstance(event, CompleteEvent):
-            return Generated(tokens, "stop" if stopped else event.finish_reason)
+            return Generated(tokens, "stop" if stopped else event.finish_reason,
+                             event.drafted, event.accepted)
         else:
             raise event.error
