@@ -72,6 +72,10 @@ def build_snapshot(
         "throughput": metrics.throughput(),
         "latency_ms": metrics.latency_ms(),
         "counters": _counters(stats, metrics),
+        "speculation": {"mode": stats.speculation, "drafted": stats.num_drafted,
+                        "accepted": stats.num_draft_accepted,
+                        "acceptance": (stats.num_draft_accepted / stats.num_drafted
+                                       if stats.num_drafted else 0.0)},
         "scheduler": {"last_step_ms": stats.last_step_ms,
                       "last_overhead_ms": stats.last_overhead_ms,
                       "step_target_ms": stats.step_target_ms,

@@ -190,10 +190,21 @@ def _figure_rows(snap: Snapshot) -> list[tuple[str, str]]:
                       + " · overhead "
                       f"{number(sch.get('last_overhead_ms')):.2f} ms · overhead ratio "
                       f"{fmt_percent(number(sch.get('overhead_ratio')))}"),
+        ("speculation", _speculation(section(snap, "speculation"))),
         ("fast paths", " · ".join(f"{name.replace('_', ' ')} {how}"
                                   for name, how in fast.items()) or "-"),
         ("offload", _offload(section(section(snap, "stage"), "offload"))),
     ]
+
+
+def _speculation(spec: Mapping[str, Any]) -> str:
+    """``ngram · drafted 120 · accepted 80 (66.7%)``, or ``off``."""
+    mode = str(spec.get("mode") or "off")
+    if mode == "off":
+        return "off"
+    return (f"{mode} · drafted {int(number(spec.get('drafted')))} · accepted "
+            f"{int(number(spec.get('accepted')))} "
+            f"({fmt_percent(number(spec.get('acceptance')))})")
 
 
 def _offload(offload: Mapping[str, Any]) -> str:

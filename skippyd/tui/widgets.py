@@ -204,9 +204,13 @@ class StepLine(Widget):
     def render(self) -> RenderResult:
         scheduler = section(self.snapshot, "scheduler")
         target = number(scheduler.get("step_target_ms"))
+        spec = section(self.snapshot, "speculation")
+        drafting = (f"  spec {number(spec.get('acceptance')) * 100:.0f}%"
+                    if str(spec.get("mode") or "off") != "off" else "")
         return Text(f"step {number(scheduler.get('last_step_ms')):.1f}"
                     + (f"/{target:.0f}" if target > 0 else "") + "ms  "
-                    f"ovh {number(scheduler.get('overhead_ratio')) * 100:.0f}%", no_wrap=True)
+                    f"ovh {number(scheduler.get('overhead_ratio')) * 100:.0f}%" + drafting,
+                    no_wrap=True)
 
 
 class CacheHits(Widget):

@@ -117,6 +117,8 @@ class FakeBackend:
         """render_chat raises when given tool definitions, as a template without tools."""
         self._threads: list[threading.Thread] = []
         self.arrivals = Arrivals()
+        self.drafts: tuple[int, int] = (0, 0)
+        """(drafted, accepted) every generation reports when it completes."""
         self.preparing_at_tokenize: list[int] = []
         """``arrivals.pending`` each time a prompt was tokenized."""
         self.preparing_at_submit: list[int] = []
@@ -232,20 +234,21 @@ class FakeBackend:
                 on_event(ErrorEvent(WorkerBackendError("decode failed")))
                 return "error"
             if index == request.max_tokens:
-                on_event(CompleteEvent("length"))
+                on_event(CompleteEvent("length", *self.drafts))
                 return "length"
             if index == self.hold_after:
                 self.holding.set()
                 return "cancelled" if generation.cancelled.wait(WAIT_S) else "hold-timeout"
             ack = RecordingAck()
             generation.acks.append(ack)
-            on_event(TokenEvent(token, ack, None if k is None else fake_logprob(token, k)))
+            on_event(TokenEvent(token, ack, None if k is None else fake_logprob(token, k),
+                                self.drafts))
             if not ack.answered.wait(WAIT_S):
                 return "ack-timeout"
             if ack.poll() is TokenControl.STOP:
-                on_event(CompleteEvent("stop"))
+                on_event(CompleteEvent("stop", *self.drafts))
                 return "stopped"
-        on_event(CompleteEvent("stop"))
+        on_event(CompleteEvent("stop", *self.drafts))
         return "eog"
 
 

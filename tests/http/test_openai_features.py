@@ -317,3 +317,32 @@ def test_short_texts_are_tokenized_on_the_event_loop_and_long_ones_on_the_text_p
     assert not short_completion.startswith("skippyd-text")
     assert short_chat == short_completion  # the loop's own thread
     assert long_completion.startswith("skippyd-text") and long_chat.startswith("skippyd-text")
+
+
+def test_speculative_decoding_is_reported_in_usage_and_timings(client: TestClient,
+                                                                fake: Any) -> None:
+    fake.drafts = (12, 9)
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).json()
+    assert body["usage"]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 9, "rejected_prediction_tokens": 3}
+    assert body["timings"] == {"draft_n": 12, "draft_n_accepted": 9}
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "hi", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["timings"] == {"draft_n": 12, "draft_n_accepted": 9}
+    fake.drafts = (0, 0)
+    plain = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).json()
+    assert "timings" not in plain and "completion_tokens_details" not in plain["usage"]
+
+
+def test_a_request_may_keep_speculation_off(client: TestClient, fake: Any) -> None:
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2,
+                                         "speculative": False})
+    assert [g.request.speculative for g in fake.generations.values()] == [True, False]
+    refused = client.post("/v1/completions", json={"prompt": "c", "max_tokens": 2,
+                                                   "speculative": "no"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "speculative"

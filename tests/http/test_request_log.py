@@ -75,6 +75,16 @@ def test_a_finished_request_logs_one_line_with_its_figures(caplog):
     assert line["level"] == "info" and line["message"].startswith("request cmpl-1: 200")
 
 
+def test_a_speculating_request_logs_its_drafts(caplog):
+    caplog.set_level(logging.INFO, LOGGER)
+    metrics = ServingMetrics(clock=FakeClock(), request_log=RequestLog())
+    timer = metrics.start_request("r", 4)
+    timer.on_event(CompleteEvent("stop", drafted=12, accepted=9))
+    (record,) = logged(caplog)
+    assert record.getMessage().endswith(", drafts 9/12 accepted")
+    assert (record.fields["drafted_tokens"], record.fields["accepted_tokens"]) == (12, 9)
+
+
 def test_a_request_that_ends_before_its_admission_logs_no_queue_time(caplog):
     caplog.set_level(logging.INFO, LOGGER)
     clock = FakeClock()
@@ -113,7 +123,7 @@ def test_the_line_never_carries_prompt_text():
     fields = request_fields(timer)
     assert set(fields) == {"request_id", "status", "finish_reason", "prompt_tokens",
                            "cached_tokens", "generated_tokens", "queue_ms", "ttft_ms",
-                           "decode_tok_s", "total_ms"}
+                           "decode_tok_s", "total_ms", "drafted_tokens", "accepted_tokens"}
     assert "ttft -" in format_request_line(fields)
 
 

@@ -114,7 +114,7 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
     assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
                          "kv", "prefix_cache", "throughput", "latency_ms", "counters",
-                         "scheduler", "link", "fast_paths"}
+                         "scheduler", "link", "fast_paths", "speculation"}
     assert snap["link"] is None
     assert set(snap["fast_paths"]) == {"activation_capture", "wake_before_decode",
                                        "greedy_pick"}

@@ -63,6 +63,10 @@ class StageCollector(Collector):
         yield from _prefix_cache(m.prefix_cache())
         for name, doc, value in (
             ("preemptions", "Sequences preempted by the scheduler.", stats.num_preempted),
+            ("speculative_draft_tokens", "Drafted tokens verified by speculative decoding.",
+             stats.num_drafted),
+            ("speculative_accepted_tokens", "Drafted tokens accepted.",
+             stats.num_draft_accepted),
             ("iterations", "Planned iterations run by the worker.", stats.num_iterations),
             ("direct_iterations", "Direct iterations run by the worker (a later split "
              "stage's batches).", stats.num_direct_iterations),

@@ -39,6 +39,7 @@ def request_fields(timer: RequestTimer) -> dict[str, Any]:
         "queue_ms": ms(timer.submitted_at, timer.admitted_at),
         "ttft_ms": ms(timer.submitted_at, timer.first_token_at),
         "decode_tok_s": decode_tok_s, "total_ms": ms(timer.submitted_at, timer.ended_at),
+        "drafted_tokens": timer.num_drafted, "accepted_tokens": timer.num_draft_accepted,
     }
 
 
@@ -52,7 +53,9 @@ def format_request_line(fields: dict[str, Any]) -> str:
             f" generated {fields['generated_tokens']} tok,"
             f" queue {show(fields['queue_ms'], 'ms')}, ttft {show(fields['ttft_ms'], 'ms')},"
             f" decode {show(fields['decode_tok_s'], 'tok/s')},"
-            f" total {show(fields['total_ms'], 'ms')}")
+            f" total {show(fields['total_ms'], 'ms')}"
+            + (f", drafts {fields['accepted_tokens']}/{fields['drafted_tokens']} accepted"
+               if fields.get("drafted_tokens") else ""))
 
 
 class RequestLog:

@@ -37,6 +37,9 @@ class RequestTimer:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_generated_tokens = 0
         self.num_cached_tokens = 0
+        self.num_drafted = 0
+        """Drafted tokens verified for it (speculative decoding)."""
+        self.num_draft_accepted = 0
         """Prompt tokens restored from the prefix cache, once admitted."""
         self.submitted_at = metrics.clock()
         self.admitted_at: float | None = None
@@ -57,10 +60,12 @@ class RequestTimer:
     def on_event(self, event: GenerationEvent) -> None:
         """Record a worker event as it reaches the event loop."""
         if isinstance(event, TokenEvent):
+            self.num_drafted, self.num_draft_accepted = event.drafts
             self.on_token()
         elif isinstance(event, AdmittedEvent):
             self.on_admitted(event.cached_tokens)
         elif isinstance(event, CompleteEvent):
+            self.num_drafted, self.num_draft_accepted = event.drafted, event.accepted
             self.on_finished(event.finish_reason)
         elif isinstance(event, ErrorEvent):
             self.on_failed(event.error)

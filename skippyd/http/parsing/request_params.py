@@ -90,6 +90,8 @@ class GenerationParams:
     """Completions: the prompt is part of the returned text (and of the logprobs)."""
     constraint: OutputConstraint | None = None
     """What the output must match (grammar, JSON Schema, any JSON object), if anything."""
+    speculative: bool = True
+    """``"speculative": false`` keeps drafts off this request's decoding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +298,7 @@ def _parse_generation(
         logprobs=_parse_chat_logprobs(body) if chat else _parse_completion_logprobs(body),
         echo=echo,
         constraint=parse_constraint(body),
+        speculative=_opt_bool(body, "speculative") is not False,
     )
 
 

@@ -24,7 +24,14 @@ from skippyd.http.parsing.tools import ToolFormat, ToolSpec
 from skippyd.http.shaping.generation import GenerationStream
 from skippyd.http.shaping.logprobs import chat_logprobs, completion_logprobs
 from skippyd.http.shaping.output import ChatOutput, ReasoningSplitter, ToolCallDetector
-from skippyd.http.shaping.sse import SSE_DONE, SSE_KEEP_ALIVE, ResponseShape, make_usage, sse_event
+from skippyd.http.shaping.sse import (
+    SSE_DONE,
+    SSE_KEEP_ALIVE,
+    ResponseShape,
+    add_timings,
+    make_usage,
+    sse_event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +231,15 @@ def usage_of(choices: Sequence[Choice], clamp: tuple[int, int] | None) -> dict[s
     """``usage``: the prompt once, the completions of every choice."""
     lead = choices[0].stream
     return make_usage(lead.num_prompt_tokens, sum(c.completion_tokens for c in choices),
-                      lead.cached_tokens(), clamp)
+                      lead.cached_tokens(), clamp, drafts_of(choices))
+
+
+def drafts_of(choices: Sequence[Choice]) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens of every choice, or None when none drafted."""
+    drafted = sum(c.stream.num_drafted for c in choices)
+    if not drafted:
+        return None
+    return drafted, sum(c.stream.num_accepted for c in choices)
 
 
 async def stream_events(choices: Sequence[Choice], shape: ResponseShape, include_usage: bool,
@@ -237,7 +252,8 @@ async def stream_events(choices: Sequence[Choice], shape: ResponseShape, include
         async for event in merged:
             yield event
         if include_usage:
-            yield sse_event(shape.usage_chunk(usage_of(choices, clamp)))
+            yield sse_event(add_timings(shape.usage_chunk(usage_of(choices, clamp)),
+                                        drafts_of(choices)))
     except ApiError as exc:
         yield sse_event(exc.to_body())
     yield SSE_DONE
@@ -295,7 +311,8 @@ async def complete_response(request: Request, choices: Sequence[Choice], shape: 
         return Response(status_code=499)
     texts = collect.result()
     body = [choice.whole(text) for choice, text in zip(choices, texts, strict=True)]
-    return JSONResponse(shape.full_body_choices(body, usage_of(choices, clamp)))
+    return JSONResponse(add_timings(shape.full_body_choices(body, usage_of(choices, clamp)),
+                                    drafts_of(choices)))
 
 
 async def _collect_all(choices: Sequence[Choice]) -> list[str]:

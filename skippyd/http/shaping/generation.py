@@ -91,6 +91,9 @@ class GenerationStream:
         self.prompt_logprobs: dict[int, TokenLogprob] = {}
         """Log-probabilities of prompt tokens by position (when the sampling asks)."""
         self.num_cached_tokens = 0
+        self.num_drafted = 0
+        """Drafted tokens verified for it (speculative decoding), once it completed."""
+        self.num_accepted = 0
         """Prompt tokens restored from the prefix cache (known once admitted)."""
         self.prompt_done = asyncio.Event()
         """Set once the prompt is computed (first token) or the generation ended."""
@@ -102,6 +105,7 @@ class GenerationStream:
             max_tokens=max_tokens,
             sampling=params.sampling if sampling is None else sampling,
             fork_of=fork_of,
+            speculative=params.speculative,
         )
         self._stops = StopMatcher(params.stop)
         self._detokenizer = backend.detokenizer()
@@ -264,6 +268,7 @@ class GenerationStream:
             return self._handle_token(event)
         self._settled = True
         if isinstance(event, CompleteEvent):
+            self.num_drafted, self.num_accepted = event.drafted, event.accepted
             text = self._drain_text()
             self.finish_reason = self.finish_reason or event.finish_reason
             return text
@@ -275,6 +280,7 @@ class GenerationStream:
 
     def _handle_token(self, event: TokenEvent) -> str:
         self.num_completion_tokens += 1
+        self.num_drafted, self.num_accepted = event.drafts
         if event.logprob is not None:
             self._new_logprobs.append(event.logprob)
         step = self._stops.push(self._detokenizer.feed(event.token))

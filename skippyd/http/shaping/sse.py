@@ -37,7 +37,8 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               clamp: tuple[int, int] | None = None) -> dict[str, Any]:
+               clamp: tuple[int, int] | None = None,
+               drafts: tuple[int, int] | None = None) -> dict[str, Any]:
     """Build the ``usage`` object.
 
     Args:
@@ -45,6 +46,8 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
         completion_tokens: Generated tokens of every choice.
         cached_tokens: Prompt tokens served from the prefix cache.
         clamp: (requested, granted) when ``max_tokens`` was clamped to what fits.
+        drafts: (drafted, accepted) tokens of speculative decoding, when it drafted: in
+            OpenAI's names for predicted tokens (``completion_tokens_details``).
     """
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
@@ -54,7 +57,17 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     }
     if clamp is not None:
         usage["max_tokens_clamped"] = {"requested": clamp[0], "granted": clamp[1]}
+    if drafts is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": drafts[1],
+                                              "rejected_prediction_tokens": drafts[0] - drafts[1]}
     return usage
+
+
+def add_timings(body: dict[str, Any], drafts: tuple[int, int] | None) -> dict[str, Any]:
+    """``body`` with llama-server's ``timings`` of speculative decoding, when it drafted."""
+    if drafts is not None:
+        body["timings"] = {"draft_n": drafts[0], "draft_n_accepted": drafts[1]}
+    return body
 
 
 @dataclass(frozen=True, slots=True)
