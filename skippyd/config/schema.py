@@ -460,10 +460,13 @@ class KvCacheSection:
 class SpeculativeSection:
     """``[speculative]``: drafted tokens verified as extra rows of each decode step."""
 
-    mode: SpeculativeMode = "ngram"
+    mode: SpeculativeMode = "off"
     """``off``; ``ngram``: drafts from the request's own prompt and output; ``draft``: a
     small draft model (``draft_model_path``) with the target's vocabulary. Each request
-    drafts only while its acceptance makes the rows worth their cost here."""
+    drafts only while its acceptance makes the rows worth their cost here. Off by
+    default: a drafted row is computed in a batch of another shape, which moves the last
+    bits of the logits, so a greedy answer can differ from the same request's answer
+    without drafts where two tokens are nearly tied."""
     draft_model_path: str | None = _setting(None, check=_check_non_empty)
     """The draft model of ``mode = "draft"`` (GGUF, same vocabulary as the model)."""
     min_draft: int = _setting(2, lo=1, hi=64)
