@@ -46,17 +46,18 @@ class NgramIndex:
                 self._pending[level] = (tuple(self._tokens[end - length:end])
                                         if end >= length else None)
 
-    def propose(self, limit: int) -> tuple[int, ...]:
+    def propose(self, limit: int) -> tuple[tuple[int, ...], int]:
         """Up to ``limit`` tokens that followed the latest earlier occurrence of the
-        longest run of last tokens found again; empty when none is."""
+        longest run of last tokens found again, and that run's length (one of
+        :data:`MATCH_LENGTHS`: a longer one is a surer guess); ``((), 0)`` when none is."""
         if limit <= 0:
-            return ()
+            return (), 0
         tokens = self._tokens
-        for level in range(len(MATCH_LENGTHS)):
+        for level, length in enumerate(MATCH_LENGTHS):
             run = self._pending[level]
             if run is None:
                 continue
             start = self._last_end[level].get(run)
             if start is not None:
-                return tuple(tokens[start:start + limit])
-        return ()
+                return tuple(tokens[start:start + limit]), length
+        return (), 0

@@ -13,7 +13,7 @@ rules. Worker thread only.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from skippyd.engine.policy import IterationPhase, IterationPlan
@@ -57,9 +57,11 @@ class SpeculationSettings:
 class RequestDrafts:
     """What speculation keeps of one request (on its record)."""
 
-    stats: DraftStats = field(default_factory=DraftStats)
+    stats: DraftStats
     index: NgramIndex | None = None
     """The request's own tokens, indexed for ``ngram`` drafts."""
+    source: int = 0
+    """How its last drafts were found (the n-gram length that matched; 0: a model)."""
 
 
 class Speculation:
@@ -96,11 +98,16 @@ class Speculation:
         """Give a new request its drafting record, unless it opted out."""
         if self.settings.enabled and gen.request.speculative and gen.drafts is None:
             gen.drafts = RequestDrafts(
+                self.control.new_stats(),
                 index=NgramIndex() if self.settings.mode == "ngram" else None)
 
     def attach(self, plan: IterationPlan, requests: dict[str, Generation],
                budget: int, fallback: StepCostModel | None) -> IterationPlan:
         """``plan`` with drafts on the decode rows where they are expected to pay.
+
+        An n-gram draft is found first and its length then chosen from what drafts found
+        the same way get; a draft model's drafts cost a model call each, so their length
+        is chosen first.
 
         Args:
             plan: The plan the policy made.
@@ -112,6 +119,7 @@ class Speculation:
             return plan
         decode_rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
         room = budget - plan.token_count
+        chosen: dict[int, tuple[int, ...]] = {}
         wanted: dict[int, tuple[Generation, int]] = {}
         for index, work in enumerate(plan.work):
             if room < self.settings.min_draft:
@@ -120,41 +128,40 @@ class Speculation:
             if (work.phase is not IterationPhase.DECODE or not work.sample_last or gen is None
                     or gen.drafts is None or gen.sequence is None):
                 continue
-            sequence = gen.sequence
-            position = work.positions[0]
+            sequence, drafts = gen.sequence, gen.drafts
             limit = min(room, sequence.max_tokens - len(sequence.generated_tokens) - 1,
-                        self._max_session_tokens - position - 1, self.settings.max_draft)
+                        self._max_session_tokens - work.positions[0] - 1,
+                        self.settings.max_draft)
             if limit < self.settings.min_draft:
                 continue
+            proposal: tuple[int, ...] = ()
+            if drafts.index is not None:
+                index_tokens(drafts.index, sequence.prompt_tokens, sequence.generated_tokens)
+                proposal, drafts.source = drafts.index.propose(limit)
+                limit = len(proposal)
+            rows = plan.token_count + (budget - plan.token_count - room)
             length = self.control.draft_length(
-                gen.drafts.stats.acceptance, decode_rows,
-                plan.token_count + sum(n for _, n in wanted.values()), limit, fallback)
-            if length:
+                self.control.chances(drafts.stats, drafts.source), decode_rows, rows,
+                limit, fallback)
+            if not length:
+                continue
+            room -= length
+            if drafts.index is not None:
+                chosen[index] = proposal[:length]
+            else:
                 wanted[index] = (gen, length)
-                room -= length
-        if not wanted:
-            return plan
-        drafts = {index: draft for index, draft in self._propose(wanted).items()
+        if wanted and self._draft_model is not None:
+            chosen.update(self._draft_model.propose(wanted))
+        chosen = {index: draft for index, draft in chosen.items()
                   if len(draft) >= self.settings.min_draft}
-        return plan.with_drafts(drafts) if drafts else plan
-
-    def _propose(self, wanted: dict[int, tuple[Generation, int]]) -> dict[int, tuple[int, ...]]:
-        if self._draft_model is not None:
-            return self._draft_model.propose(wanted)
-        out: dict[int, tuple[int, ...]] = {}
-        for index, (gen, limit) in wanted.items():
-            drafts, sequence = gen.drafts, gen.sequence
-            assert drafts is not None and drafts.index is not None and sequence is not None
-            index_tokens(drafts.index, sequence.prompt_tokens, sequence.generated_tokens)
-            out[index] = drafts.index.propose(limit)
-        return out
+        return plan.with_drafts(chosen) if chosen else plan
 
     def record(self, gen: Generation, drafted: int, accepted: int) -> None:
         """Learn that ``accepted`` of the ``drafted`` drafts of ``gen``'s row were kept."""
         self.num_drafted += drafted
         self.num_accepted += accepted
         if gen.drafts is not None:
-            gen.drafts.stats.record(drafted, accepted)
+            self.control.record(gen.drafts.stats, gen.drafts.source, drafted, accepted)
 
     def observe(self, plan: IterationPlan, elapsed_s: float,
                 requests: dict[str, Generation]) -> None:

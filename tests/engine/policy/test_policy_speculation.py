@@ -7,7 +7,7 @@ import pytest
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
 from skippyd.engine.policy.ngram import NgramIndex
-from skippyd.engine.policy.speculation import DraftControl, DraftStats, expected_tokens
+from skippyd.engine.policy.speculation import DraftControl, Survival, expected_tokens
 from skippyd.engine.policy.step_budget import StepCostModel
 
 
@@ -21,25 +21,25 @@ def indexed(tokens: list[int]) -> NgramIndex:
 
 def test_a_run_seen_before_proposes_what_followed_it():
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
-    assert indexed(text).propose(4) == (4, 5, 6, 7)
+    assert indexed(text).propose(4) == ((4, 5, 6, 7), 2)
 
 
 def test_the_longest_run_found_again_wins_over_a_later_shorter_one():
     # [7, 8] is followed by 9 early on and by 5 later; after 5, 6, 7, 8 only the first
     # place matches four tokens.
     text = [5, 6, 7, 8, 9, 9, 1, 7, 8, 5, 5, 2, 5, 6, 7, 8]
-    assert indexed(text).propose(2) == (9, 9)
+    assert indexed(text).propose(2) == ((9, 9), 4)
 
 
 def test_the_latest_place_wins_among_equal_matches():
     text = [3, 4, 1, 3, 4, 2, 3, 4]
-    assert indexed(text).propose(1) == (2,)
+    assert indexed(text).propose(1) == ((2,), 2)
 
 
 def test_nothing_seen_before_proposes_nothing():
-    assert indexed([1, 2, 3, 4, 5]).propose(4) == ()
-    assert indexed([1]).propose(4) == ()
-    assert indexed([1, 2, 1, 2]).propose(0) == ()
+    assert indexed([1, 2, 3, 4, 5]).propose(4) == ((), 0)
+    assert indexed([1]).propose(4) == ((), 0)
+    assert indexed([1, 2, 1, 2]).propose(0) == ((), 0)
 
 
 def test_growing_the_index_token_by_token_equals_building_it_at_once():
@@ -47,37 +47,54 @@ def test_growing_the_index_token_by_token_equals_building_it_at_once():
     grown = NgramIndex()
     for token in text:
         grown.extend([token])
-    assert grown.propose(3) == indexed(text).propose(3) == (3, 4, 5)
+    assert grown.propose(3) == indexed(text).propose(3) == ((3, 4, 5), 2)
     assert len(grown) == len(text)
 
 
-# -- acceptance --------------------------------------------------------------------------
+# -- how far drafts survive --------------------------------------------------------------
 
-def test_acceptance_counts_each_first_miss_as_a_trial():
-    stats = DraftStats()
-    prior = stats.acceptance
-    stats.record(drafted=4, accepted=4)  # four accepted, no miss
-    assert stats.acceptance > prior
-    high = stats.acceptance
-    stats.record(drafted=4, accepted=0)  # one miss (the rest were never put to the test)
-    assert stats.acceptance < high
-    assert (stats.num_drafted, stats.num_accepted) == (8, 4)
+def test_survival_counts_only_the_drafts_put_to_the_test():
+    survival = Survival(depth=6, memory=1.0)
+    survival.record(drafted=6, accepted=2)  # two kept, the third missed, three untested
+    assert survival.tried == [1, 1, 1, 0, 0, 0]
+    assert survival.accepted == [1, 1, 0, 0, 0, 0]
+    survival.record(drafted=3, accepted=3)  # all kept: nothing beyond them tested
+    assert survival.tried == [2, 2, 2, 0, 0, 0]
+    chances = survival.chances()
+    assert chances[0] > chances[2]
+    # Where nothing is known, a depth starts from the chance just before it.
+    assert chances[3] == pytest.approx(chances[2]) and chances[5] == pytest.approx(chances[2])
+
+
+def test_a_new_request_starts_from_what_drafts_of_its_kind_get_lately():
+    control = DraftControl(min_draft=2, max_draft=8)
+    neutral = control.chances(control.new_stats(), 8)
+    veteran = control.new_stats()
+    for _ in range(30):
+        control.record(veteran, 8, drafted=6, accepted=6)
+        control.record(veteran, 2, drafted=6, accepted=0)
+    long_match = control.chances(control.new_stats(), 8)
+    short_match = control.chances(control.new_stats(), 2)
+    assert long_match[0] > neutral[0] + 0.3 and short_match[0] < neutral[0] - 0.3
 
 
 def test_a_request_that_stopped_drafting_drifts_back_towards_trying_again():
-    stats = DraftStats()
+    control = DraftControl(min_draft=2, max_draft=8)
+    stats = control.new_stats()
     for _ in range(10):
-        stats.record(drafted=4, accepted=0)
-    low = stats.acceptance
+        control.record(stats, 2, drafted=4, accepted=0)
+    low = control.chances(stats, 2)[0]
     for _ in range(40):
         stats.note_plain_step(1)
-    assert stats.acceptance > low
+    assert control.chances(stats, 2)[0] > low
+    assert (stats.num_drafted, stats.num_accepted) == (40, 0)
 
 
-def test_expected_tokens_is_the_geometric_sum():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+def test_expected_tokens_adds_the_chance_each_draft_survives():
+    assert expected_tokens([0.0] * 5, 5) == 1.0
+    assert expected_tokens([1.0] * 5, 5) == 6.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.2, 1.0, 1.0], 3) == pytest.approx(1.6)  # a run, or nothing
 
 
 # -- draft length ------------------------------------------------------------------------
@@ -97,34 +114,41 @@ def taught(fixed_ms: float, per_row_ms: float) -> DraftControl:
 
 def test_a_step_bound_by_its_fixed_cost_drafts_even_at_modest_acceptance():
     control = taught(fixed_ms=11.0, per_row_ms=1.0)  # a small model, one stream
-    assert control.draft_length(0.8, decode_rows=1, step_rows=1, available=8) == 8
-    assert control.draft_length(0.3, decode_rows=1, step_rows=1, available=8) >= 2
+    assert control.draft_length([0.8] * 8, decode_rows=1, step_rows=1, available=8) == 8
+    assert control.draft_length([0.3] * 8, decode_rows=1, step_rows=1, available=8) >= 2
 
 
 def test_compute_bound_rows_or_poor_acceptance_draft_nothing():
     compute_bound = taught(fixed_ms=5.0, per_row_ms=17.0)  # a 1B model on two cores
-    assert compute_bound.draft_length(0.6, decode_rows=1, step_rows=1, available=8) == 0
+    assert compute_bound.draft_length([0.6] * 8, decode_rows=1, step_rows=1, available=8) == 0
     full_batch = taught(fixed_ms=11.0, per_row_ms=1.0)
-    assert full_batch.draft_length(0.3, decode_rows=64, step_rows=64, available=8) == 0
-    assert taught(11.0, 1.0).draft_length(0.02, decode_rows=1, step_rows=1, available=8) == 0
+    assert full_batch.draft_length([0.3] * 8, decode_rows=64, step_rows=64, available=8) == 0
+    assert taught(11.0, 1.0).draft_length([0.02] * 8, decode_rows=1, step_rows=1,
+                                          available=8) == 0
+
+
+def test_a_run_that_usually_fails_at_its_first_draft_is_not_tried():
+    control = taught(fixed_ms=6.0, per_row_ms=5.0)  # rows as dear as on a 2-core CPU
+    assert control.draft_length([0.25] + [0.99] * 7, 1, 1, 8) == 0
+    assert control.draft_length([0.97] * 8, 1, 1, 8) == 8
 
 
 def test_drafts_stay_within_what_is_offered_and_the_minimum():
     control = taught(fixed_ms=11.0, per_row_ms=1.0)
-    assert control.draft_length(0.9, decode_rows=1, step_rows=1, available=3) == 3
-    assert control.draft_length(0.9, decode_rows=1, step_rows=1, available=1) == 0
+    assert control.draft_length([0.9] * 8, decode_rows=1, step_rows=1, available=3) == 3
+    assert control.draft_length([0.9] * 8, decode_rows=1, step_rows=1, available=1) == 0
 
 
 def test_before_decode_steps_tell_a_row_s_cost_the_policy_s_costs_are_used():
     control = DraftControl(min_draft=2, max_draft=8)
-    assert control.draft_length(0.9, 1, 1, 8) == 0  # nothing known: no drafts
+    assert control.draft_length([0.9] * 8, 1, 1, 8) == 0  # nothing known: no drafts
     policy_costs = StepCostModel()
     for tokens, ms in ((1, 12.0), (64, 76.0), (200, 212.0)):
         plan = IterationPlan(work=[IterationWork("p", (1,) * tokens, tuple(range(tokens)),
                                                  True, IterationPhase.PREFILL)],
                              token_count=tokens)
         policy_costs.observe(plan, ms / 1000)
-    assert control.draft_length(0.9, 1, 1, 8, fallback=policy_costs) > 0
+    assert control.draft_length([0.9] * 8, 1, 1, 8, fallback=policy_costs) > 0
 
 
 def test_bounds_are_checked():
