@@ -33,11 +33,15 @@ KIND_MEMORY = 0.97
 #: Weight, in rows, of the prior a request's record starts from: what drafts of the
 #: same kind get on the stage lately.
 PRIOR_ROWS = 2.0
-#: Survival at every depth before anything is known.
-FIRST_SURVIVAL = 0.5
+#: Survival at every depth before anything is known: hopeful, so a stage tries drafts of
+#: a kind it has not seen and learns what they get (a kind that fails is soon dropped).
+FIRST_SURVIVAL = 0.9
 #: Generated tokens after which a request that stopped drafting tries again, its record
 #: halfway back to the prior.
 RETRY_AFTER_TOKENS = 32
+#: Tokens the stage generates without a draft before each kind's record goes halfway
+#: back to hopeful, so a workload that starts copying is noticed again.
+KIND_RETRY_AFTER_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -140,6 +144,7 @@ class DraftControl:
         """How far drafts survive by how they were found (the length of the n-gram that
         matched: a longer match is a surer guess; 0 for a draft model), over every
         request."""
+        self._plain_tokens = 0
 
     def new_stats(self) -> DraftStats:
         """An empty record for a new request."""
@@ -149,6 +154,16 @@ class DraftControl:
         """Learn one verified row's outcome, for its request and its kind of draft."""
         stats.record(drafted, accepted)
         self._kind(kind).record(drafted, accepted)
+        self._plain_tokens = 0
+
+    def note_plain_step(self, stats: DraftStats, tokens: int) -> None:
+        """A speculating request's row carried no drafts and yielded ``tokens``."""
+        stats.note_plain_step(tokens)
+        self._plain_tokens += tokens
+        if self._plain_tokens >= KIND_RETRY_AFTER_TOKENS:
+            for survival in self.by_kind.values():
+                survival.forget_half()
+            self._plain_tokens = 0
 
     def chances(self, stats: DraftStats, kind: int = 0) -> list[float]:
         """A request's survival chances for a draft of ``kind``, starting from what such

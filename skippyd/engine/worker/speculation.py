@@ -173,7 +173,7 @@ class Speculation:
             if work.phase is IterationPhase.DECODE and not work.draft:
                 gen = requests.get(work.sequence_id)
                 if gen is not None and gen.drafts is not None:
-                    gen.drafts.stats.note_plain_step(1)
+                    self.control.note_plain_step(gen.drafts.stats, 1)
 
     def forget(self, gen: Generation) -> None:
         """``gen`` left: free what drafting kept for it."""

@@ -75,7 +75,18 @@ def test_a_new_request_starts_from_what_drafts_of_its_kind_get_lately():
         control.record(veteran, 2, drafted=6, accepted=0)
     long_match = control.chances(control.new_stats(), 8)
     short_match = control.chances(control.new_stats(), 2)
-    assert long_match[0] > neutral[0] + 0.3 and short_match[0] < neutral[0] - 0.3
+    assert long_match[0] > 0.95 and short_match[0] < neutral[0] - 0.5
+
+
+def test_a_kind_of_draft_that_failed_is_tried_again_once_the_stage_went_long_without():
+    control = DraftControl(min_draft=2, max_draft=8)
+    stats = control.new_stats()
+    for _ in range(30):
+        control.record(stats, 2, drafted=6, accepted=0)
+    failed = control.chances(control.new_stats(), 2)[0]
+    for _ in range(2000):
+        control.note_plain_step(stats, 1)
+    assert control.chances(control.new_stats(), 2)[0] > failed + 0.3
 
 
 def test_a_request_that_stopped_drafting_drifts_back_towards_trying_again():
@@ -85,7 +96,7 @@ def test_a_request_that_stopped_drafting_drifts_back_towards_trying_again():
         control.record(stats, 2, drafted=4, accepted=0)
     low = control.chances(stats, 2)[0]
     for _ in range(40):
-        stats.note_plain_step(1)
+        control.note_plain_step(stats, 1)
     assert control.chances(stats, 2)[0] > low
     assert (stats.num_drafted, stats.num_accepted) == (40, 0)
 
