@@ -201,6 +201,90 @@ def config_show(path: ConfigPath, as_json: JsonFlag = False) -> None:
         typer.echo(config_to_toml(config), nl=False)
 
 
+@config_app.command("split")
+def config_split(
+    model: Annotated[Path, typer.Argument(help="The whole model (GGUF).", show_default=False)],
+    stages: Annotated[int, typer.Option("--stages", min=1, help="How many stages.")] = 2,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the configs "
+                                         "(created if missing).")] = Path("split"),
+    hosts: Annotated[str | None, typer.Option(
+        help="Each stage's host, comma-separated (default: all on 127.0.0.1).")] = None,
+    memory: Annotated[str | None, typer.Option(
+        help="Each stage's memory for its weights and KV cache, comma-separated (16G,8G).")]
+        = None,
+    ctx_size: Annotated[int | None, typer.Option(help="Context of every stage (default: the "
+                                                 "model's trained context).")] = None,
+    lanes: Annotated[int, typer.Option(min=1, help="Lanes of every stage.")] = 4,
+    tls: Annotated[bool, typer.Option("--tls", help="Write the pipeline's TLS keys into "
+                                      "OUTPUT/tls and set link.tls on every stage.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing configs.")] = False,
+) -> None:
+    """Cut a model into stages of balanced work and write one config per stage.
+
+    A layer's work is the bytes of its weight matrices; the final stage also computes the
+    output head. The cut keeps the busiest stage as light as possible, within each host's
+    memory when given. Links get distinct ports, one fresh secret is shared by all, stage
+    0 serves HTTP. Check the result with `skippyd config check OUTPUT/*.toml`.
+    """
+    from skippyd.gguf.model_info import ModelFileError, inspect_model
+    from skippyd.split_plan import (
+        SplitError,
+        kv_bytes_per_layer,
+        model_costs,
+        parse_size,
+        plan_split,
+        render_configs,
+    )
+
+    try:
+        info = inspect_model(model)
+        costs = model_costs(model)
+    except ModelFileError as exc:
+        raise fail(str(exc), ExitCode.MODEL) from None
+    host_list = [h.strip() for h in hosts.split(",")] if hosts else None
+    try:
+        limits = [parse_size(m) for m in memory.split(",")] if memory else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--memory") from None
+    ctx = ctx_size or info.n_ctx_train or 4096
+    try:
+        plans = plan_split(costs, stages, kv_bytes_per_layer=kv_bytes_per_layer(info, ctx),
+                           memory=limits, hosts=host_list)
+    except SplitError as exc:
+        raise fail(str(exc), ExitCode.USAGE) from None
+    existing = [output / f"stage-{plan.index}.toml" for plan in plans
+                if (output / f"stage-{plan.index}.toml").exists()]
+    if existing and not force:
+        raise fail(f"{existing[0]} exists; pass --force to overwrite it")
+    output.mkdir(parents=True, exist_ok=True)
+    configs = render_configs(model.resolve(), plans, output, ctx_size=ctx, lane_count=lanes,
+                             tls_paths=_split_keys(output, stages) if tls else None)
+    for config in configs:
+        config.path.write_text(config.text, encoding="utf-8")
+    table = Table("stage", "host", "layers", "work", "memory")
+    total = sum(plan.compute_bytes for plan in plans)
+    for plan in plans:
+        table.add_row(str(plan.index), plan.host,
+                      f"{plan.layer_start}-{plan.layer_end - 1}",
+                      f"{plan.compute_bytes / total:.0%}",
+                      f"{plan.memory_bytes / 2**30:.2f} GiB")
+    stdout.print(table)
+    stderr.print(f"wrote {len(configs)} configs to {escape(str(output))}; check them with "
+                 f"skippyd config check {escape(str(output))}/*.toml", highlight=False)
+
+
+def _split_keys(directory: Path, stages: int) -> dict[int, tuple[str, str, str]]:
+    from skippyd.link.keys import KeygenError, write_pipeline_keys
+
+    try:
+        written = write_pipeline_keys(directory / "tls", [f"stage-{i}" for i in range(stages)])
+    except KeygenError as exc:
+        raise fail(str(exc)) from None
+    ca = str(written.ca_cert.relative_to(directory))
+    return {i: (ca, str(keys.cert.relative_to(directory)), str(keys.key.relative_to(directory)))
+            for i, keys in enumerate(written.stages)}
+
+
 # -- model -----------------------------------------------------------------------------
 @model_app.command("inspect")
 def model_inspect(
