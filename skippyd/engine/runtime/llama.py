@@ -1,25 +1,15 @@
 """One llama.cpp context: lanes, sessions and batched iterations.
 
-One model and one context with ``n_seq_max = lane_count`` and one KV stream per lane
-(``kv_unified = False``, as llama-server runs its slots): ``ctx_size`` cells split evenly
-between the lanes. A lane is a sequence id; a session is bound to one lane while it is
-active, and every call to :meth:`LlamaRuntime.run_iteration` is exactly one
-``llama_decode`` holding the rows of many sessions.
-
-Why per-lane streams: with one unified pool every token's attention spans every used
-cell of every sequence (llama.cpp pads the span to the highest used cell), so on a small
-model a decode step of many short lanes costs more than with a stream per lane, and
-cells a cache keeps around cost every step. In return a lane holds at most
-``ctx_size / lane_count`` tokens, and a lane keeps its KV after its session ends: the
-prefix cache reuses it in place (see :mod:`skippyd.engine.runtime.lanes`).
-
-llama.cpp keeps the rows of a batch in one micro-batch only for consecutive sequence ids
-taking equal token counts, so rows are written in lane order and new sessions take the
-lowest idle lane: eight decode rows in lanes 0-7 are one graph evaluation, in lanes
-0-2 and 4-7 they would be two, so a lane left out between them gets a throw-away filler
-row for the call (``LlamaRuntime._padding_lanes``).
-
-No policy lives here: the worker decides what runs; this module only executes it. Only the
+One model and one context with ``n_seq_max = lane_count``; every call to
+:meth:`LlamaRuntime.run_iteration` is exactly one ``llama_decode`` holding the rows of many
+sessions, each bound to a lane (a sequence id) while it is active. The lanes share one
+KV pool of ``ctx_size`` cells (``runtime.kv_layout = "unified"``, the default: a session
+may use all of it) or have a stream each of ``ctx_size / lane_count`` cells
+(``per_lane``); a lane keeps its KV after its session ends, for the prefix cache
+(:mod:`skippyd.engine.runtime.lanes`). With a stream per lane llama.cpp keeps rows in one
+micro-batch only for consecutive lanes, so rows go in lane order and a lane left out
+between two gets a throw-away filler row (``LlamaRuntime._padding_lanes``).
+``docs/scheduler.md``, *KV memory*, has the trade-off. No policy lives here; only the
 worker thread may call a runtime.
 """
 

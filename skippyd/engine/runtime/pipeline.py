@@ -1,30 +1,12 @@
 """Stage 0 of a split pipeline as one :class:`~skippyd.engine.runtime.contract.Runtime`.
 
-:class:`PipelineRuntime` wraps stage 0's own layer slice (a non-final ``LlamaRuntime``)
-and the link to the rest of the chain, so stage 0's unchanged worker and
-policy drive the whole pipeline: each ``run_iteration`` runs the local layers,
-ships the rows (with tokens, positions and sampling) downstream as batches, and returns
-the predictions that the final stage sends straight back.
-
-The chain is kept busy three ways (see also docs/stage-protocol.md):
-
-* **Prefill chunks flow without waiting.** A call that samples nothing returns as soon
-  as its rows are sent, so stage 0 computes chunk k+1 while chunk k travels on.
-* **Decode groups.** The tokens of a call are cut into groups of nearly equal size (by
-  default one per stage); stage 0 computes group B while stage 1 works on group A. A
-  prompt chunk larger than a group's share is cut across groups, so a prefill flows
-  down the chain in parts instead of leaving the other stages idle while it runs.
-* **Decode look-ahead.** When one group's predictions arrive while the call still waits
-  for another group, stage 0 immediately runs that group's next decode step (the
-  predicted token at the next position) and ships it; predictions that arrive together
-  still go out as separate groups of the call's group size, so groups never merge. The
-  next call finds the step already in flight and only waits for it. A look-ahead the
-  scheduler does not ask for (the sequence finished, or it replays) is retracted
-  locally and trimmed away downstream by the next frame's first position (align "trim
-  if ahead, never extend").
-
-Only the worker thread calls this object, except the ``on_*`` listener callbacks, which
-the link's reader thread calls.
+:class:`PipelineRuntime` wraps stage 0's own layer slice and the link to the rest of
+the chain, so stage 0's unchanged worker and policy drive the whole pipeline: each
+``run_iteration`` runs the local layers, ships the rows downstream as batches and returns
+the predictions the final stage sends straight back. It keeps the chain busy with
+prefill chunks that flow without waiting, decode groups (one per stage by default) and
+decode look-ahead; ``docs/stage-protocol.md`` explains all three. Only the worker thread
+calls this object, except the ``on_*`` listener callbacks (the link's reader thread).
 """
 
 from __future__ import annotations
