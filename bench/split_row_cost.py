@@ -14,63 +14,16 @@ every group, so the chain reaches at most ``unsplit(8 rows) / max(stage total)``
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
 from skippyd.bench.models import add_model_option, layer_bounds, model_path
-from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import split_token_groups
 from skippyd.gguf.model_info import inspect_model
 from skippyd.gguf.slice import cached_slice
+from skippyd.split_measure import step_ms
 
 ROWS = (1, 2, 3, 4, 8)
-PROMPT_TOKENS = 60
-GREEDY = SamplingConfig(temperature=0.0)
-
-
-def step_ms(path: str, threads: int, first: bool, final: bool, n_embd: int,
-            steps: int, row_counts: tuple[int, ...]) -> dict[int, float]:
-    """Median milliseconds of one decode step of ``rows`` sessions, for each row count."""
-    runtime = LlamaRuntime(RuntimeOptions(path, lane_count=max(row_counts), ctx_size=4096,
-                                          threads=threads, first_stage=first,
-                                          final_stage=final))
-    rng = np.random.default_rng(0)
-
-    def request(session: str, count: int, position: int,
-                phase: RowPhase) -> IterationRequest:
-        positions = range(position, position + count)
-        if first:
-            return IterationRequest(session, [100 + p % 500 for p in positions],
-                                    positions=positions, sampling=GREEDY,
-                                    sample_last=final, phase=phase)
-        rows = (rng.standard_normal((count, n_embd)) * 0.1).astype(np.float32)
-        return IterationRequest(session, input_rows=rows, positions=positions,
-                                sampling=GREEDY, sample_last=final, phase=phase)
-
-    medians = {}
-    try:
-        for rows in row_counts:
-            sessions = [f"r{rows}-{i}" for i in range(rows)]
-            for session in sessions:
-                runtime.ensure_session_active(session)
-                runtime.run_iteration(
-                    [request(session, PROMPT_TOKENS, 0, RowPhase.PREFILL)])
-            times = []
-            for k in range(steps):
-                batch = [request(s, 1, PROMPT_TOKENS + k, RowPhase.DECODE)
-                         for s in sessions]
-                started = time.perf_counter()
-                runtime.run_iteration(batch)
-                times.append((time.perf_counter() - started) * 1000)
-            for session in sessions:
-                runtime.drop_session(session)
-            medians[rows] = statistics.median(times)
-    finally:
-        runtime.close()
-    return medians
 
 
 def main() -> None:
@@ -102,7 +55,8 @@ def main() -> None:
     costs = []
     print("ms per decode step, by rows in the step")
     for name, path, threads, first, final in targets:
-        cost = step_ms(path, threads, first, final, info.n_embd, args.steps, row_counts)
+        cost = step_ms(path, threads=threads, first=first, final=final, n_embd=info.n_embd,
+                       steps=args.steps, row_counts=row_counts)
         costs.append(cost)
         print(f"  {name:<48}" + "".join(f"{rows:>3}: {cost[rows]:6.1f}" for rows in row_counts),
               flush=True)

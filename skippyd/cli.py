@@ -10,10 +10,13 @@ a path is escaped for Rich (``[downstream]`` is not markup) and never hard-wrapp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -26,6 +29,11 @@ from skippyd.checks import check_config_file
 from skippyd.config import ConfigError, StageConfig, config_to_dict, example_config_toml
 from skippyd.exitcodes import ExitCode
 from skippyd.logs import journal_stream
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from skippyd.split_plan import ModelCosts, Work
 
 app = typer.Typer(
     help="skippyd: a llama.cpp stage daemon with continuous batching and an OpenAI API.",
@@ -218,13 +226,21 @@ def config_split(
     tls: Annotated[bool, typer.Option("--tls", help="Write the pipeline's TLS keys into "
                                       "OUTPUT/tls and set link.tls on every stage.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing configs.")] = False,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Time the layers and the output head on this machine and balance "
+        "by time instead of weight bytes (about a minute; run it on an idle host like "
+        "the stages').")] = False,
+    threads: Annotated[int | None, typer.Option(
+        min=1, help="llama.cpp threads for --measure (default: this machine's CPUs).")]
+        = None,
 ) -> None:
     """Cut a model into stages of balanced work and write one config per stage.
 
-    A layer's work is the bytes of its weight matrices; the final stage also computes the
-    output head. The cut keeps the busiest stage as light as possible, within each host's
-    memory when given. Links get distinct ports, one fresh secret is shared by all, stage
-    0 serves HTTP. Check the result with `skippyd config check OUTPUT/*.toml`.
+    A layer's work is the bytes of its weight matrices, or with --measure its time here;
+    the final stage also computes the output head. The cut keeps the busiest stage as
+    light as possible, within each host's memory when given. Links get distinct ports,
+    one fresh secret is shared by all, stage 0 serves HTTP. Check the result with
+    `skippyd config check OUTPUT/*.toml`.
     """
     from skippyd.gguf.model_info import ModelFileError, inspect_model
     from skippyd.split_plan import (
@@ -248,7 +264,9 @@ def config_split(
         raise typer.BadParameter(str(exc), param_hint="--memory") from None
     ctx = ctx_size or info.n_ctx_train or 4096
     try:
-        plans = plan_split(costs, stages, kv_bytes_per_layer=kv_bytes_per_layer(info, ctx),
+        work = _measured_work(model, costs, threads) if measure else None
+        plans = plan_split(costs, stages, work=work,
+                           kv_bytes_per_layer=kv_bytes_per_layer(info, ctx),
                            memory=limits, hosts=host_list)
     except SplitError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
@@ -261,16 +279,34 @@ def config_split(
                              tls_paths=_split_keys(output, stages) if tls else None)
     for config in configs:
         config.path.write_text(config.text, encoding="utf-8")
-    table = Table("stage", "host", "layers", "work", "memory")
-    total = sum(plan.compute_bytes for plan in plans)
+    table = Table("stage", "host", "layers", "work", *(["ms/step"] if measure else []),
+                  "memory")
+    total = sum(plan.work for plan in plans) or 1.0
     for plan in plans:
         table.add_row(str(plan.index), plan.host,
                       f"{plan.layer_start}-{plan.layer_end - 1}",
-                      f"{plan.compute_bytes / total:.0%}",
+                      f"{plan.work / total:.0%}",
+                      *([f"{plan.work:.1f}"] if measure else []),
                       f"{plan.memory_bytes / 2**30:.2f} GiB")
     stdout.print(table)
     stderr.print(f"wrote {len(configs)} configs to {escape(str(output))}; check them with "
                  f"skippyd config check {escape(str(output))}/*.toml", highlight=False)
+
+
+def _measured_work(model: Path, costs: ModelCosts, threads: int | None) -> Work:
+    from skippyd.config.defaults import available_cpus
+    from skippyd.split_measure import MEASURE_ROWS, Timing, measure_work
+
+    threads = threads or available_cpus()
+    stderr.print(f"timing decode steps of {MEASURE_ROWS} rows on {threads} thread(s)…",
+                 highlight=False)
+
+    def report(timing: Timing) -> None:
+        part = f"layers {timing.layer_start}-{timing.layer_end - 1}" + (
+            " and the output head" if timing.head else "")
+        stderr.print(f"  {part}: {timing.ms:.1f} ms", highlight=False)
+
+    return measure_work(model, costs, threads=threads, report=report)
 
 
 def _split_keys(directory: Path, stages: int) -> dict[int, tuple[str, str, str]]:
@@ -283,6 +319,37 @@ def _split_keys(directory: Path, stages: int) -> dict[int, tuple[str, str, str]]
     ca = str(written.ca_cert.relative_to(directory))
     return {i: (ca, str(keys.cert.relative_to(directory)), str(keys.key.relative_to(directory)))
             for i, keys in enumerate(written.stages)}
+
+
+def _quantized_size(source: Path, quant: str) -> int:
+    from skippyd.engine.runtime.quantize import BITS_PER_WEIGHT
+
+    return int(source.stat().st_size * BITS_PER_WEIGHT.get(quant, 16.0) / 16.0)
+
+
+@contextlib.contextmanager
+def _output_growth(progress: Progress, description: str, output: Path,
+                   expected: int) -> Iterator[None]:
+    """A progress bar that follows ``output`` growing towards ``expected`` bytes while
+    the block runs (a call into native code that reports no progress of its own)."""
+    task = progress.add_task(description, total=expected)
+    done = threading.Event()
+
+    def follow() -> None:
+        while not done.wait(0.5):
+            with contextlib.suppress(OSError):
+                progress.update(task, completed=min(output.stat().st_size, expected))
+
+    watcher = threading.Thread(target=follow, name="quantize-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+    with contextlib.suppress(OSError):
+        size = output.stat().st_size
+        progress.update(task, total=size, completed=size)
 
 
 # -- model -----------------------------------------------------------------------------
@@ -403,9 +470,10 @@ def model_synth(
             else:
                 from skippyd.engine.runtime.quantize import QuantizeError, quantize_model
 
-                progress.add_task(f"quantizing to {quant} (llama.cpp)", total=None)
                 try:
-                    quantize_model(partial, output, quant, threads=available_cpus())
+                    with _output_growth(progress, f"quantizing to {quant} (llama.cpp)",
+                                        output, _quantized_size(partial, quant)):
+                        quantize_model(partial, output, quant, threads=available_cpus())
                 except QuantizeError as exc:
                     raise fail(str(exc), ExitCode.MODEL) from None
     except ConfigError as exc:

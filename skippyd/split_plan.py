@@ -7,7 +7,8 @@ ranges that keep the most loaded stage as light as possible (a pipeline runs at 
 slowest stage's pace), within each host's memory when it is given. Each stage gets a
 config of its own: its layer range, its link (listening on its host, distinct ports when
 hosts repeat), its neighbours, one fresh secret shared by all, stage 0's HTTP listener,
-and with ``tls`` the pipeline's keys (:mod:`skippyd.link.keys`).
+and with ``tls`` the pipeline's keys (:mod:`skippyd.link.keys`). Timed work instead of
+bytes comes from :mod:`skippyd.split_measure`.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ def parse_size(text: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Work:
+    """What each layer and the output head cost, in one unit, for balancing the cut."""
+
+    layers: tuple[float, ...]
+    head: float
+    unit: str
+    """``"bytes"`` (weights multiplied per token) or ``"ms"`` (timed per decode step)."""
+
+
+def weight_work(costs: ModelCosts) -> Work:
+    """Work as the bytes of weights each part multiplies per token."""
+    return Work(tuple(float(size) for size in costs.layers), float(costs.head), "bytes")
+
+
+@dataclass(frozen=True, slots=True)
 class StagePlan:
     index: int
     layer_start: int
@@ -95,10 +111,12 @@ class StagePlan:
     """Weight bytes this stage multiplies per token (its layers, and the head if final)."""
     memory_bytes: int
     """Its weights and its KV cache at the planned context."""
+    work: float
+    """Its share of the :class:`Work` the cut balanced, in that work's unit."""
 
 
-def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
-               memory: Sequence[int] | None = None,
+def plan_split(costs: ModelCosts, stages: int, *, work: Work | None = None,
+               kv_bytes_per_layer: int = 0, memory: Sequence[int] | None = None,
                hosts: Sequence[str] | None = None) -> list[StagePlan]:
     """Cut the layers into ``stages`` contiguous ranges, the most loaded as light as
     possible, each within its ``memory`` (bytes, per stage) when given.
@@ -106,6 +124,8 @@ def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
     Args:
         costs: The model's weights (:func:`model_costs`).
         stages: How many stages.
+        work: What each layer and the head cost (default: their weight bytes,
+            :func:`weight_work`); timed work comes from :mod:`skippyd.split_measure`.
         kv_bytes_per_layer: KV cache bytes one layer takes at the planned context.
         memory: Each stage's memory; None: no limit.
         hosts: Each stage's host (default: all on 127.0.0.1).
@@ -116,6 +136,9 @@ def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
     """
     layers = costs.layers
     n = len(layers)
+    work = work if work is not None else weight_work(costs)
+    if len(work.layers) != n:
+        raise SplitError(f"work given for {len(work.layers)} layers; the model has {n}")
     if not 1 <= stages <= n:
         raise SplitError(f"--stages: between 1 and the model's {n} layers (got {stages})")
     for name, values in (("--memory", memory), ("--hosts", hosts)):
@@ -124,9 +147,16 @@ def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
     prefix = [0]
     for size in layers:
         prefix.append(prefix[-1] + size)
+    work_prefix = [0.0]
+    for cost in work.layers:
+        work_prefix.append(work_prefix[-1] + cost)
 
     def compute(stage: int, start: int, end: int) -> int:
         return prefix[end] - prefix[start] + (costs.head if stage == stages - 1 else 0)
+
+    def load_of(stage: int, start: int, end: int) -> float:
+        return work_prefix[end] - work_prefix[start] + (work.head if stage == stages - 1
+                                                        else 0.0)
 
     def weighs(stage: int, start: int, end: int) -> int:
         extra = (costs.embedding if stage == 0 else 0) + (
@@ -146,7 +176,7 @@ def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
             for i in range(s - 1, j):
                 if best[s - 1][i] == infinite or not fits(s - 1, i, j):
                     continue
-                load = max(best[s - 1][i], compute(s - 1, i, j))
+                load = max(best[s - 1][i], load_of(s - 1, i, j))
                 if load < best[s][j]:
                     best[s][j], cut[s][j] = load, i
     if best[stages][n] == infinite:
@@ -158,7 +188,8 @@ def plan_split(costs: ModelCosts, stages: int, *, kv_bytes_per_layer: int = 0,
     where = list(hosts) if hosts is not None else ["127.0.0.1"] * stages
     return [StagePlan(s, bounds[s], bounds[s + 1], where[s],
                       compute(s, bounds[s], bounds[s + 1]),
-                      weighs(s, bounds[s], bounds[s + 1])) for s in range(stages)]
+                      weighs(s, bounds[s], bounds[s + 1]),
+                      load_of(s, bounds[s], bounds[s + 1])) for s in range(stages)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,14 @@ from typer.testing import CliRunner
 
 from skippyd.cli import app
 from skippyd.exitcodes import ExitCode
-from skippyd.split_plan import ModelCosts, SplitError, model_costs, parse_size, plan_split
+from skippyd.split_plan import (
+    ModelCosts,
+    SplitError,
+    Work,
+    model_costs,
+    parse_size,
+    plan_split,
+)
 
 runner = CliRunner()
 
@@ -30,6 +37,19 @@ def test_the_output_head_moves_layers_off_the_final_stage():
     plans = plan_split(costs, 2)
     assert ranges(plans) == [(0, 7), (7, 12)]  # 70 against 50 + 30: the lightest heaviest
     assert [p.compute_bytes for p in plans] == [70, 80]
+
+
+def test_timed_work_moves_the_cut_where_weight_bytes_would_not():
+    # Bytes say the head is free; the clock says it takes as long as four layers.
+    costs = ModelCosts(layers=(10,) * 12, embedding=50, head=0)
+    assert ranges(plan_split(costs, 2)) == [(0, 6), (6, 12)]
+    timed = Work(layers=(1.0,) * 12, head=4.0, unit="ms")
+    plans = plan_split(costs, 2, work=timed)
+    assert ranges(plans) == [(0, 8), (8, 12)]
+    assert [p.work for p in plans] == [8.0, 8.0]
+    assert [p.compute_bytes for p in plans] == [80, 40]  # weights stay weights
+    with pytest.raises(SplitError, match="11 layers"):
+        plan_split(costs, 2, work=Work(layers=(1.0,) * 11, head=0.0, unit="ms"))
 
 
 def test_a_small_host_gets_fewer_layers_and_no_cut_fits_too_little():
@@ -107,3 +127,36 @@ def test_a_split_that_cannot_be_made_is_refused_with_its_reason(tmp_path, tiny_m
     assert result.exit_code == ExitCode.USAGE and "--stages" in result.output
     result = runner.invoke(app, ["config", "split", str(tmp_path / "missing.gguf")])
     assert result.exit_code == ExitCode.MODEL
+
+
+@pytest.mark.model
+def test_measure_times_the_layers_and_the_head_here_and_balances_by_time(
+        tmp_path, smollm2_path, monkeypatch):
+    from skippyd.split_measure import measure_work
+
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the timed slices
+
+    costs = model_costs(smollm2_path)
+    seen = []
+    work = measure_work(smollm2_path, costs, threads=2, steps=6, report=seen.append)
+    assert [(t.layer_start, t.layer_end, t.head) for t in seen] == [
+        (0, 1, False), (0, 7, False), (29, 30, True)]
+    assert work.unit == "ms" and len(work.layers) == 30
+    # Equal layers by weight take equal time; the slope between the timings is positive.
+    assert len(set(costs.layers)) == 1 and min(work.layers) > 0
+    assert work.head >= 0 and sum(work.layers) < 1000
+
+    out, configs = split(tmp_path, smollm2_path, "--stages", "2", "--measure",
+                         "--threads", "2")
+    assert configs[0]["stage"]["layer_end"] == configs[1]["stage"]["layer_start"]
+    check = runner.invoke(app, ["config", "check", *map(str, sorted(out.glob("*.toml")))])
+    assert check.exit_code == 0, check.output
+
+
+def test_measure_refuses_a_model_too_shallow_to_time(tiny_model_path):
+    from skippyd.split_measure import measure_work
+
+    costs = ModelCosts(layers=(10, 10), embedding=1, head=1)
+    with pytest.raises(SplitError, match="3 layers"):
+        measure_work(tiny_model_path, costs, threads=1)

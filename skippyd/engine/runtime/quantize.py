@@ -24,6 +24,10 @@ QUANT_TYPES: dict[str, int] = {
     "Q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
 }
 
+#: About how many bits a weight takes in each, to foresee the output's size from an f16
+#: source's (16 bits a weight); a K-quant's mix of types makes it an estimate.
+BITS_PER_WEIGHT: dict[str, float] = {"Q4_0": 4.5, "Q4_K_M": 4.9, "Q8_0": 8.5}
+
 
 class QuantizeError(RuntimeError):
     """llama.cpp refused to quantize the model."""
