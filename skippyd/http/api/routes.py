@@ -316,7 +316,9 @@ class OpenAiApi:
             if self._metrics is not None:
                 self._metrics.record_rejection("unavailable")
             detail = f": {reason}" if reason else ""
-            raise ApiError(503, f"server is {status}{detail}", code=status)
+            # A degraded pipeline is reconnecting (within seconds): worth retrying soon.
+            headers = {"Retry-After": "1"} if status == "degraded" else None
+            raise ApiError(503, f"server is {status}{detail}", code=status, headers=headers)
 
     def _budget(self, num_prompt_tokens: int, requested: int | None,
                 prompt_param: str) -> tuple[int, tuple[int, int] | None]:
