@@ -495,6 +495,10 @@ class LinkSection:
     """Largest frame accepted from a peer."""
     connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
     """How long to keep trying to reach a peer (60 s)."""
+    silence_timeout_s: float = _setting(3.0, lo=2.0, hi=600.0)
+    """A stage connection on which nothing arrived for this long is taken for lost, as
+    if it had closed: the peer stopped, or its machine or network is gone. Peers PING
+    every second; raise it only for links that can hold seconds of traffic queued."""
     advertise: str | None = _setting(None, check=_check_endpoint)
     """Final stage: the ``host:port`` stage 0 dials for predictions (default: ``listen``;
     set it when stage 0 reaches this stage through a NAT, a port forward or a proxy)."""

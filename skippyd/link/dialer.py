@@ -3,14 +3,16 @@
 :class:`ChainLink` dials stage 1 (a CHAIN connection, which every stage extends to the
 next one before answering), then dials the final stage's return endpoint (a RETURN
 connection) so predictions come straight back to stage 0. A
-connector thread keeps the pair up: when either side fails it tells the pipeline
-runtime (``on_down``), waits with exponential backoff and dials again. Each successful
+connector thread keeps the pair up: when either side fails, closed or silent for
+``link.silence_timeout_s`` (``skippyd.link.liveness``), it tells the pipeline runtime
+(``on_down``), waits with exponential backoff and dials again. Each successful
 connection gets a new ``epoch`` so results of a lost connection are never mistaken
 for the current one's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from skippyd.engine.runtime.pipeline_types import (
 from skippyd.engine.telemetry_events import ChainDown, ChainUp, TelemetryPayload
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import Hello, HelloAck, Role, dial_handshake
+from skippyd.link.liveness import SILENCE_TIMEOUT_S
 from skippyd.link.probe import LinkPinger, link_view
 from skippyd.link.tls import LinkTls, dial_tls
 from skippyd.link.wire import (
@@ -88,6 +91,8 @@ class ChainIdentity:
     """Send activation rows as float16 (``link.activation_dtype = "f16"``)."""
     tls: LinkTls | None = None
     """Run both connections inside TLS (``link.tls``)."""
+    silence_timeout_s: float = SILENCE_TIMEOUT_S
+    """A connection on which nothing arrives for this long is lost (``link.silence_timeout_s``)."""
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
@@ -99,7 +104,8 @@ class ChainIdentity:
         return cls(downstream.stage_id, downstream.address, config.link.secret.encode(),
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
                    session_tokens, max_batch_tokens, config.link.max_frame_bytes,
-                   config.link.activation_dtype == "f16", tls)
+                   config.link.activation_dtype == "f16", tls,
+                   config.link.silence_timeout_s)
 
 
 #: TCP keepalive: probe after this idle time, then every interval, give up after count.
@@ -109,8 +115,9 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
 def configure_socket(sock: socket.socket) -> None:
     """No Nagle delay on small decode frames; keepalive finds vanished peers in ~25 s.
 
-    NOTE: the kernel's default (2 hours idle) would let a chain whose stage 0 vanished
-    without a FIN hold a later stage's only chain slot for that long.
+    The silence watch (``skippyd.link.liveness``) notices a silent peer much sooner;
+    keepalive is the backstop for a connection nobody watches, where the kernel's
+    default (2 hours idle) would let a vanished peer hold resources for that long.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -210,7 +217,8 @@ class ChainLink:
 
     def start(self, listener: ChainListener) -> None:
         self._listener = listener
-        self._pinger = LinkPinger("skippyd-chain-pinger").start()
+        self._pinger = LinkPinger("skippyd-chain-pinger",
+                                  silence_timeout_s=self.identity.silence_timeout_s).start()
         self._thread.start()
 
     def close(self) -> None:
@@ -327,6 +335,9 @@ class ChainLink:
         hello = Hello(Role.CHAIN, chain_id, ident.n_embd, 0, ident.layer_end, ident.model_id)
         data, ack = dial(ident.endpoint, ident.secret, hello, tls=ident.tls,
                          expect_id=ident.downstream_id)
+        # Stage 1 watches this connection from now on: let it hear from stage 0 while
+        # the return connection is dialled.
+        self._ping(data)
         try:
             self._check_capacity(ack)
             # The final stage's certificate must name the stage the chain announced.
@@ -334,6 +345,7 @@ class ChainLink:
                           Hello(Role.RETURN, chain_id, ident.n_embd, 0, ident.layer_end,
                                 ident.model_id), tls=ident.tls, expect_id=ack.final_stage_id)
         except BaseException:
+            self._forget(data)
             data.close()
             raise
         limits = LinkLimits(max_frame_bytes=ident.max_frame_bytes, row_width=ident.n_embd)
@@ -358,8 +370,9 @@ class ChainLink:
     def _go_up(self, data: FrameSocket, ret: FrameSocket, ack: HelloAck) -> None:
         with self._lock:
             if self._closed.is_set():
-                data.close()
-                ret.close()
+                for conn in (data, ret):
+                    self._forget(conn)
+                    conn.close()
                 return
             self._last_failure = None
             self._epoch += 1
@@ -371,8 +384,11 @@ class ChainLink:
             self._up = True
             self._reason = None
         if self._pinger is not None:
-            self._pinger.add(data)
-            self._pinger.add(ret)
+            # A peer that stops answering (a stopped process, a lost machine) leaves
+            # the connections open but silent: end them as if they had closed.
+            lose = functools.partial(self._mark_down, epoch)
+            self._pinger.watch(data, self.identity.downstream_id, lose)
+            self._pinger.watch(ret, self._final_id, lose)
         for target, conn, name in ((self._read_returns, ret, "return"),
                                    (self._watch_data, data, "watch")):
             threading.Thread(target=target, args=(conn, epoch), daemon=True,
@@ -393,8 +409,7 @@ class ChainLink:
             was_up, self._up = self._up, False
             self._reason = f"{reason} (reconnecting)"
         for conn in conns:
-            if self._pinger is not None:
-                self._pinger.remove(conn)
+            self._forget(conn)
             conn.close()
         if was_up and not self._closed.is_set():
             logger.warning("pipeline lost: %s; reconnecting", reason)
@@ -403,6 +418,14 @@ class ChainLink:
         if self._listener is not None:
             self._listener.on_down(epoch, reason)
         self._down.set()
+
+    def _ping(self, conn: FrameSocket) -> None:
+        if self._pinger is not None:
+            self._pinger.add(conn)
+
+    def _forget(self, conn: FrameSocket) -> None:
+        if self._pinger is not None:
+            self._pinger.remove(conn)
 
     def _read_returns(self, conn: FrameSocket, epoch: int) -> None:
         """Deliver RESULT and ERROR frames of the return connection until it fails."""

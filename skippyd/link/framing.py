@@ -62,6 +62,8 @@ class FrameSocket:
         self.bytes_out = 0
         self.round_trips = RoundTrips()
         """What this end's PINGs measured (``skippyd.link.probe``)."""
+        self.last_heard = time.monotonic()
+        """When bytes last arrived (``time.monotonic()``): what a silence watch reads."""
         self.deadline: float | None = None
         self.body_timeout_s: float | None = None
         self._header = bytearray(HEADER_BYTES)
@@ -119,6 +121,7 @@ class FrameSocket:
                 if n == 0:
                     break
                 done += n
+                self.last_heard = time.monotonic()
         finally:
             self.bytes_in += done
             if deadline is not None:

@@ -35,6 +35,7 @@ from skippyd.link.handshake import (
     send_ack,
     send_refuse,
 )
+from skippyd.link.liveness import SILENCE_TIMEOUT_S
 from skippyd.link.probe import LinkPinger
 from skippyd.link.relay import ChainConnection
 from skippyd.link.tls import LinkTls, LinkTlsError, accept_tls
@@ -89,6 +90,8 @@ class StageFacts:
     """The stage whose certificate a CHAIN connection must present (with ``tls``)."""
     tls: LinkTls | None = None
     """Every connection runs inside TLS (``link.tls``)."""
+    silence_timeout_s: float = SILENCE_TIMEOUT_S
+    """A chain's connection on which nothing arrives for this long ends the chain."""
 
 
 class StageLinkServer:
@@ -108,8 +111,10 @@ class StageLinkServer:
         self.timeline = timeline or StageTimeline()
         """Where this stage's batches spend their time (its chain connections add to it)."""
         self._status = status
-        self.pinger = LinkPinger(f"skippyd-link-pinger-{facts.stage_id}")
-        """PINGs every chain connection of this stage (started with the listener)."""
+        self.pinger = LinkPinger(f"skippyd-link-pinger-{facts.stage_id}",
+                                 silence_timeout_s=facts.silence_timeout_s)
+        """PINGs and watches every chain connection of this stage (started with the
+        listener)."""
         self._sock: socket.socket | None = None
         self._address: tuple[str, int] | None = None
         self._handshakes = PendingHandshakes(MAX_PENDING_HANDSHAKES, MAX_HANDSHAKES_PER_PEER)

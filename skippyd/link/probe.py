@@ -7,6 +7,11 @@ and the round trip includes whatever the PING queued behind: frames in the sende
 socket buffer, a reader held up by a full worker queue. A slow stage (not a dead one)
 therefore shows as a growing round trip on the links into it, next to its queue
 figures, on every stage that touches those links.
+
+Each connection has a pinging thread of its own: a PING that cannot leave (the peer
+reads nothing) holds back no other connection's. The same PINGs keep a connection from
+looking silent to its peer's :class:`~skippyd.link.liveness.SilenceWatch`, which
+:class:`LinkPinger` also runs for the connections its owner asks it to watch.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import termios
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from skippyd.link.liveness import SILENCE_TIMEOUT_S, SilenceWatch
 
 if TYPE_CHECKING:
     from skippyd.link.framing import FrameSocket
@@ -83,38 +91,57 @@ def link_view(conn: FrameSocket | None, peer: str, role: str) -> dict[str, Any]:
 
 
 class LinkPinger:
-    """A thread that PINGs every registered connection each :data:`PING_INTERVAL_S`."""
+    """PINGs every added connection each :data:`PING_INTERVAL_S`, from one thread per
+    connection, and ends watched connections that stay silent (``silence_timeout_s``)."""
 
-    def __init__(self, name: str, interval_s: float = PING_INTERVAL_S) -> None:
+    def __init__(self, name: str, interval_s: float = PING_INTERVAL_S,
+                 silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
+        self._name = name
         self._interval_s = interval_s
         self._lock = threading.Lock()
-        self._conns: set[FrameSocket] = set()
+        self._conns: dict[FrameSocket, threading.Event] = {}
+        self._count = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self.silence = SilenceWatch(f"{name}-watch", silence_timeout_s)
 
     def start(self) -> LinkPinger:
-        self._thread.start()
+        self.silence.start()
         return self
 
     def add(self, conn: FrameSocket) -> None:
+        """Start PINGing ``conn`` (again adding it changes nothing)."""
         with self._lock:
-            self._conns.add(conn)
+            if conn in self._conns or self._stop.is_set():
+                return
+            stop = self._conns[conn] = threading.Event()
+            self._count += 1
+            name = f"{self._name}-{self._count}"
+        threading.Thread(target=self._ping, args=(conn, stop), daemon=True, name=name).start()
+
+    def watch(self, conn: FrameSocket, peer: str, on_silent: Callable[[str], None]) -> None:
+        """PING ``conn`` and hand it to ``on_silent`` once ``peer`` stays silent."""
+        self.add(conn)
+        self.silence.watch(conn, peer, on_silent)
 
     def remove(self, conn: FrameSocket) -> None:
+        """Stop PINGing and watching ``conn``; its thread ends at its next turn."""
+        self.silence.forget(conn)
         with self._lock:
-            self._conns.discard(conn)
+            stop = self._conns.pop(conn, None)
+        if stop is not None:
+            stop.set()
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._interval_s + 1)
+        with self._lock:
+            stops, self._conns = list(self._conns.values()), {}
+        for stop in stops:
+            stop.set()
+        self.silence.close()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            with self._lock:
-                conns = list(self._conns)
-            for conn in conns:
-                try:
-                    conn.send_ping(time.monotonic_ns())
-                except OSError:
-                    pass  # the connection's reader notices and ends it
+    def _ping(self, conn: FrameSocket, stop: threading.Event) -> None:
+        while not stop.wait(self._interval_s) and not self._stop.is_set():
+            try:
+                conn.send_ping(time.monotonic_ns())
+            except OSError:
+                return  # the connection's reader notices and ends it

@@ -5,7 +5,9 @@ waiting, so the worker computes while a *completer* thread, in arrival order, fo
 earlier batches' rows downstream or sends their predictions to stage 0. The reader
 applies a DROP only once the session's queued iterations have run, so its lane is free
 before the next batch asks for one. Every iteration carries a deadline and the
-connection's closing event, so nothing runs or waits for a caller that is gone.
+connection's closing event, so nothing runs or waits for a caller that is gone. A
+neighbour silent for ``link.silence_timeout_s`` (``skippyd.link.liveness``) ends the
+connection as a closed one does.
 ``docs/stage-protocol.md``, *What a later stage does*, has the rules.
 """
 
@@ -143,9 +145,13 @@ class ChainConnection:
         self._upstream.sock.settimeout(None)
         # Idle between frames is fine; stalling inside one is not.
         self._upstream.body_timeout_s = FRAME_BODY_TIMEOUT_S
-        for conn in (self._upstream, self._downstream):
-            if conn is not None:
-                self._server.pinger.add(conn)
+        # A neighbour that stops answering without closing (a stopped process, a lost
+        # machine) ends the chain as a closed connection would.
+        pinger = self._server.pinger
+        pinger.watch(self._upstream, "the upstream stage", self.close)
+        if self._downstream is not None:
+            pinger.watch(self._downstream, self._facts.downstream_id or "downstream",
+                         self.close)
         logger.info("chain connection from %s accepted (%d stage(s) from here to the end)",
                     self._peer, ack.num_stages)
         completer = threading.Thread(target=self._complete_loop, daemon=True,
@@ -181,7 +187,7 @@ class ChainConnection:
             if self._closing.is_set() or self._return is not None:
                 return False
             self._return = conn
-        self._server.pinger.add(conn)
+        self._server.pinger.watch(conn, "stage 0 (return connection)", self.close)
         self._return_ready.set()
         return True
 
