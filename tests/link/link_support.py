@@ -110,12 +110,15 @@ class Chain:
     """A split pipeline of ``len(bounds) - 1`` stage processes.
 
     ``tls``: every link runs TLS, with keys made for the chain in ``workdir/tls`` (and
-    one for the tests' own STATUS queries, ``monitor``).
+    one for the tests' own STATUS queries, ``monitor``). ``max_chains``: each later
+    stage's ``link.max_chains`` (2 lets the abuse tests dial a chain beside stage 0's;
+    1 is the default of a real stage).
     """
 
     def __init__(self, bounds: tuple[int, ...], workdir: Path, slice_dir: Path, *,
-                 tls: bool = False) -> None:
+                 tls: bool = False, max_chains: int = 2) -> None:
         self.bounds = bounds
+        self.max_chains = max_chains
         self.workdir = workdir
         self.slice_dir = slice_dir
         self.ports = [free_port() for _ in bounds[:-1]]
@@ -146,8 +149,7 @@ class Chain:
             text += (f'tls = true\ntls_ca = "{self.keys / "ca.crt"}"\n'
                      f'tls_cert = "{self.keys / f"stage-{i}.crt"}"\n'
                      f'tls_key = "{self.keys / f"stage-{i}.key"}"\n')
-        # The abuse tests dial a chain of their own beside stage 0's (default: 1 chain).
-        text += "max_chains = 2\n"
+        text += f"max_chains = {self.max_chains}\n"
         text += f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
         if i > 0:
             text += (f'[upstream]\nstage_id = "stage-{i - 1}"\n'
