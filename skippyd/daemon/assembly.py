@@ -239,14 +239,14 @@ class StageEngine:
         self._lock = threading.Lock()
 
     def _speculation(self, local: LlamaRuntime) -> Speculation | None:
-        """The stage's speculative decoding, or None (off, or a split stage 0: drafts are
-        verified only where the logits are).
+        """Stage 0's speculative decoding, or None when off. On a split pipeline stage 0
+        drafts and the final stage verifies (``docs/stage-protocol.md``).
 
         Raises:
             StartupError: The draft model cannot be loaded or has another vocabulary.
         """
         spec = self.config.speculative
-        if not spec.enabled or not self.config.is_final:
+        if not spec.enabled:
             return None
         settings = SpeculationSettings(spec.mode, spec.min_draft, spec.max_draft)
         draft = None

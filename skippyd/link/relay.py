@@ -312,10 +312,16 @@ class ChainConnection:
         group = DirectGroup((self.chain_id, request_id), len(entries))
         for entry in entries:
             name = self._session_name(entry.session_id)
+            # The final stage verifies an entry's drafts; a middle stage computes their
+            # rows like any others (the next entry trims what was rejected).
+            drafts = entry.draft_count if final else 0
+            inputs = len(entry.token_ids) - drafts
             iteration = DirectIteration(
-                session_id=name, token_ids=entry.token_ids, positions=list(entry.positions),
+                session_id=name, token_ids=entry.token_ids[:inputs],
+                positions=list(entry.positions)[:inputs],
                 sampling=entry.sampling if final else None, input_rows=entry.rows,
                 sample_last=entry.sample_last and final,
+                draft=entry.token_ids[inputs:],
                 phase=RowPhase.DECODE if entry.decode else RowPhase.PREFILL,
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
@@ -409,7 +415,7 @@ class ChainConnection:
         started = time.perf_counter()
         self._note_timeline(pending, outcomes)
         if self._facts.is_final:
-            samples = [ChainSample(i, o.predicted, o.is_eog)
+            samples = [ChainSample(i, o.predicted, o.is_eog, o.followers, o.drafted)
                        for i, (e, o) in enumerate(zip(pending.entries, outcomes, strict=True))
                        if e.sample_last]
             data = encode_result(pending.request_id, samples)

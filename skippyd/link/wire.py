@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from skippyd.engine.worker.settings import MAX_NATIVE_ITERATION_TOKENS
 logger = logging.getLogger(__name__)
 
 #: Bumped on any incompatible change of a frame layout or of the handshake.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"SKPL"
 #: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
 #: first_position i32, token_count u32, row_width u32.
@@ -45,6 +45,14 @@ _SAMPLING_HAS_SEED = 1
 _SAMPLING_IGNORE_EOS = 2
 _RESULT = struct.Struct("<IiI")
 _RESULT_EOG = 1
+#: The record is a token accepted after the previous record's (a verified draft).
+_RESULT_FOLLOWS = 2
+#: Bits 8-15 of an entry's first record: the drafts the entry carried.
+_RESULT_DRAFTED_SHIFT = 8
+_RESULT_FLAGS = _RESULT_EOG | _RESULT_FOLLOWS | 0xFF << _RESULT_DRAFTED_SHIFT
+#: Most drafts one entry may carry (the ``speculative.max_draft`` bound).
+MAX_DRAFTS = 64
+_DRAFT_COUNT = struct.Struct("<I")
 
 
 class FrameKind(enum.IntEnum):
@@ -72,15 +80,17 @@ class Flag(enum.IntFlag):
     END_OF_BATCH = 1 << 3
     DECODE = 1 << 4
     ROWS_F16 = 1 << 5
+    DRAFTS = 1 << 6
 
 
 #: Kinds whose body has a small fixed bound, refused above it before any body is read.
 _MAX_BODY_BYTES = {
     FrameKind.DROP: 0, FrameKind.ERROR: MAX_TEXT_BYTES, FrameKind.REFUSE: MAX_TEXT_BYTES,
-    FrameKind.STATUS: MAX_STATUS_BYTES, FrameKind.RESULT: MAX_BATCH_ENTRIES * _RESULT.size,
+    FrameKind.STATUS: MAX_STATUS_BYTES,
+    FrameKind.RESULT: MAX_BATCH_ENTRIES * (1 + MAX_DRAFTS) * _RESULT.size,
 }
 _ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
-                 | Flag.DECODE | Flag.ROWS_F16)
+                 | Flag.DECODE | Flag.ROWS_F16 | Flag.DRAFTS)
 #: Largest magnitude float16 holds; a frame with a larger value travels as float32.
 F16_MAX = float(np.finfo(np.float16).max)
 _KINDS = {int(kind): kind for kind in FrameKind}
@@ -194,6 +204,9 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
             flags |= Flag.ROWS_F16
             rows = rows.astype("<f2")
         parts.append(rows.tobytes())
+    if entry.draft_count:
+        flags |= Flag.DRAFTS
+        parts.append(_DRAFT_COUNT.pack(entry.draft_count))
     flags |= (Flag.SAMPLE_LAST if entry.sample_last else 0) | (
         Flag.DECODE if entry.decode else 0)
     return encode_frame(FrameKind.ITERATION, b"".join(parts), flags=int(flags),
@@ -203,10 +216,16 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
 
 
 def encode_result(request_id: int, samples: list[ChainSample]) -> bytes:
-    body = b"".join(_RESULT.pack(s.index, s.token, _RESULT_EOG if s.is_eog else 0)
-                    for s in samples)
-    return encode_frame(FrameKind.RESULT, body, request_id=request_id,
-                        token_count=len(samples))
+    """A RESULT: per sample one record, then one per token it accepted after it."""
+    records = []
+    for s in samples:
+        records.append(_RESULT.pack(s.index, s.token, (_RESULT_EOG if s.is_eog else 0)
+                                    | s.drafted << _RESULT_DRAFTED_SHIFT))
+        records.extend(_RESULT.pack(s.index, token, _RESULT_FOLLOWS
+                                    | (_RESULT_EOG if is_eog else 0))
+                       for token, is_eog in s.followers)
+    return encode_frame(FrameKind.RESULT, b"".join(records), request_id=request_id,
+                        token_count=len(records))
 
 
 def encode_text(kind: FrameKind, text: str, *, request_id: int = 0) -> bytes:
@@ -275,8 +294,12 @@ def _check_iteration_header(body_bytes: int, flags: int, first: int, count: int,
                                 f"{limits.row_width} (agreed at the handshake)")
     if flags & Flag.ROWS_F16 and not width:
         raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
-    # Tokens, positions and rows, plus one sampling block: nothing may claim more.
-    most = 4 * count * (2 + width) + _SAMPLING.size + MAX_LOGIT_BIAS * _BIAS.size
+    if flags & Flag.DRAFTS and not flags & Flag.SAMPLE_LAST:
+        raise LinkProtocolError("ITERATION frame: DRAFTS flag without SAMPLE_LAST")
+    # Tokens, positions and rows, one sampling block and a draft count: nothing may
+    # claim more.
+    most = (4 * count * (2 + width) + _SAMPLING.size + MAX_LOGIT_BIAS * _BIAS.size
+            + _DRAFT_COUNT.size)
     if body_bytes > most:
         raise LinkProtocolError(f"ITERATION frame: body_bytes {body_bytes} exceeds the "
                                 f"{most} bytes {count} tokens of width {width} can need")
@@ -320,7 +343,8 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
     positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
     row_value_bytes = 2 if flags & Flag.ROWS_F16 else 4
     rows_bytes = row_value_bytes * count * width
-    sampling_bytes = len(body) - offset - positions_bytes - rows_bytes
+    drafts_bytes = _DRAFT_COUNT.size if flags & Flag.DRAFTS else 0
+    sampling_bytes = len(body) - offset - positions_bytes - rows_bytes - drafts_bytes
     has_sampling = bool(flags & Flag.SAMPLING)
     if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
         raise LinkProtocolError(f"ITERATION frame body is {len(body)} bytes, which does not "
@@ -350,11 +374,18 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
             # NaN or Inf would flow through every later layer and come out as tokens.
             raise LinkProtocolError("ITERATION frame: activation rows must be finite "
                                     "(NaN or Inf found)")
+        offset += row_value_bytes * count * width
+    draft_count = 0
+    if drafts_bytes:
+        (draft_count,) = _DRAFT_COUNT.unpack_from(body, offset)
+        if not 1 <= draft_count <= min(MAX_DRAFTS, count - 1):
+            raise LinkProtocolError(f"ITERATION frame: {draft_count} drafts in {count} "
+                                    f"tokens (1..{min(MAX_DRAFTS, count - 1)})")
     return ChainEntry(
         session_id=header.session_id, first_position=header.first_position,
         token_ids=tokens.tolist(), rows=rows, sampling=sampling,
         sample_last=bool(flags & Flag.SAMPLE_LAST), decode=bool(flags & Flag.DECODE),
-        has_positions=bool(positions_bytes),
+        has_positions=bool(positions_bytes), draft_count=draft_count,
     )
 
 
@@ -395,16 +426,34 @@ def decode_sampling(block: bytes, max_context_tokens: int | None = None) -> Samp
 
 def _decode_result(header: FrameHeader, body: bytes | bytearray) -> tuple[ChainSample, ...]:
     count = header.token_count
-    if count > MAX_BATCH_ENTRIES or len(body) != count * _RESULT.size:
-        raise LinkProtocolError(f"RESULT frame: {count} samples do not fit {len(body)} bytes "
-                                f"(at most {MAX_BATCH_ENTRIES})")
-    samples = []
+    most = MAX_BATCH_ENTRIES * (1 + MAX_DRAFTS)
+    if count > most or len(body) != count * _RESULT.size:
+        raise LinkProtocolError(f"RESULT frame: {count} records do not fit {len(body)} bytes "
+                                f"(at most {most})")
+    samples: list[ChainSample] = []
+    followers: list[tuple[int, bool]] = []
+
+    def close_sample() -> None:
+        if followers:
+            samples[-1] = replace(samples[-1], followers=tuple(followers))
+            followers.clear()
+
     for i in range(count):
         index, token, flags = _RESULT.unpack_from(body, i * _RESULT.size)
-        if index >= MAX_BATCH_ENTRIES or token < 0 or flags & ~_RESULT_EOG:
-            raise LinkProtocolError(f"RESULT frame: bad sample {i} (index {index}, "
+        drafted = flags >> _RESULT_DRAFTED_SHIFT & 0xFF
+        follows = bool(flags & _RESULT_FOLLOWS)
+        if (index >= MAX_BATCH_ENTRIES or token < 0 or flags & ~_RESULT_FLAGS
+                or (follows and (drafted or not samples or samples[-1].index != index
+                                 or len(followers) >= samples[-1].drafted))
+                or drafted > MAX_DRAFTS):
+            raise LinkProtocolError(f"RESULT frame: bad record {i} (index {index}, "
                                     f"token {token}, flags {flags:#x})")
-        samples.append(ChainSample(index, token, bool(flags & _RESULT_EOG)))
+        if follows:
+            followers.append((token, bool(flags & _RESULT_EOG)))
+            continue
+        close_sample()
+        samples.append(ChainSample(index, token, bool(flags & _RESULT_EOG), drafted=drafted))
+    close_sample()
     return tuple(samples)
 
 

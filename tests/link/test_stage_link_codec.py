@@ -3,6 +3,7 @@ rejection rule, and a fuzzed decoder that may only ever raise ``LinkProtocolErro
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 import threading
@@ -123,7 +124,7 @@ def _header(kind=FrameKind.ITERATION, body=0, flags=0, first=0, count=1, width=0
     (_header(body=8)[:-3], "truncated frame header"),
     (_header(body=8) + b"\0" * 4, "truncated ITERATION frame"),
     (_header(body=5, count=1) + b"\0" * 5, "does not match 1 tokens"),
-    (_header(kind=FrameKind.RESULT, body=12, count=2) + b"\0" * 12, "2 samples do not fit"),
+    (_header(kind=FrameKind.RESULT, body=12, count=2) + b"\0" * 12, "2 records do not fit"),
     (_header(kind=FrameKind.DROP, body=1, count=0) + b"x", "DROP frame body of 1 bytes exceeds"),
     (_header(kind=FrameKind.STATUS, body=1 << 16 + 1, count=0), "STATUS frame body of"),
 ], ids=lambda value: value if isinstance(value, str) else "")
@@ -397,3 +398,42 @@ def test_a_frame_body_has_its_own_deadline():
         right.sendall(encode_frame(FrameKind.STATUS, b"s" * 1000)[:HEADER_BYTES + 10])
         with pytest.raises(TimeoutError):
             reader.read()
+
+
+def test_drafts_and_the_tokens_accepted_after_them_round_trip():
+    entry = dataclasses.replace(_entry(5), draft_count=3)
+    [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=True),
+                            LIMITS)
+    assert frame.header.flags & Flag.DRAFTS and frame.payload.draft_count == 3
+    assert frame.payload.token_ids == [1, 2, 3, 4, 5] and frame.payload.sampling == SAMPLING
+    samples = [ChainSample(0, 42, False, followers=((7, False), (8, False)), drafted=3),
+               ChainSample(1, 9, False),
+               ChainSample(2, 4, False, drafted=2),
+               ChainSample(3, 5, False, followers=((2, True),), drafted=4)]
+    [result] = decode_stream(encode_result(3, samples), LIMITS)
+    assert result.header.token_count == 7 and result.payload == tuple(samples)
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda e: dataclasses.replace(e, sample_last=False), "DRAFTS flag without SAMPLE_LAST"),
+    (lambda e: dataclasses.replace(e, token_ids=[1, 2, 3], rows=e.rows[:3]), "3 drafts in 3"),
+])
+def test_drafts_without_sampling_or_without_input_are_refused(mutate, message):
+    entry = mutate(dataclasses.replace(_entry(5), draft_count=3))
+    with pytest.raises(LinkProtocolError, match=message):
+        decode_stream(encode_iteration(3, entry, end_of_batch=True), LIMITS)
+
+
+@pytest.mark.parametrize("samples", [
+    [ChainSample(0, 42, False, followers=((7, False), (8, False)), drafted=1)],  # > drafted
+])
+def test_a_result_with_more_accepted_tokens_than_drafts_is_refused(samples):
+    with pytest.raises(LinkProtocolError, match="bad record 2"):
+        decode_stream(encode_result(3, samples), LIMITS)
+
+
+def test_a_follower_record_without_its_sample_is_refused():
+    record = struct.pack("<IiI", 0, 7, 2)  # FOLLOWS, but nothing before it
+    data = encode_frame(FrameKind.RESULT, record, request_id=3, token_count=1)
+    with pytest.raises(LinkProtocolError, match="bad record 0"):
+        decode_stream(data, LIMITS)

@@ -185,16 +185,17 @@ class IterationRequest:
     """Sample a token from the logits of the last row (final stages only)."""
     phase: RowPhase = RowPhase.PREFILL
     draft: Sequence[int] = ()
-    """Tokens guessed to follow ``token_ids`` (speculative decoding), computed as extra
-    rows after them and verified in order: each is kept while it is what the request's
-    own sampling picks at the row before it; the first that is not, and every row after
-    it, leaves the session's KV. Needs ``sample_last`` and token input."""
+    """Tokens guessed to follow the input (speculative decoding), computed as extra rows
+    after it and verified in order: each is kept while it is what the request's own
+    sampling picks at the row before it; the first that is not, and every row after it,
+    leaves the session's KV. Needs ``sample_last``. With row input (a split pipeline's
+    final stage) ``input_rows`` holds the draft rows too, after the input's."""
 
     @property
     def num_tokens(self) -> int:
         """Rows of input, drafts not included."""
         if self.input_rows is not None:
-            return int(self.input_rows.shape[0])
+            return int(self.input_rows.shape[0]) - len(self.draft)
         return len(self.token_ids)
 
     @property

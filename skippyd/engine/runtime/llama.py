@@ -500,14 +500,15 @@ class LlamaRuntime:
                 raise InvalidIterationError(
                     f"session {sid}: a non-first stage takes float32 rows of width {self.n_embd}"
                 )
-            if request.token_ids and len(request.token_ids) != len(rows):
+            if request.num_tokens < 1:
+                raise InvalidIterationError(f"session {sid}: rows for the drafts only")
+            if request.token_ids and len(request.token_ids) != request.num_tokens:
                 raise InvalidIterationError(f"session {sid}: token sideband length != row count")
         if request.sample_last and not self.options.final_stage:
             raise InvalidIterationError(f"session {sid}: only the final stage can sample")
         if request.draft:
-            if not (request.sample_last and self.options.first_stage):
-                raise InvalidIterationError(
-                    f"session {sid}: drafts need token input and sample_last")
+            if not request.sample_last:
+                raise InvalidIterationError(f"session {sid}: drafts need sample_last")
             bad = [t for t in request.draft if not 0 <= t < self.n_vocab]
             if bad:
                 raise InvalidIterationError(

@@ -77,6 +77,9 @@ class PipelineRuntime:
         self._async_error: str | None = None
         self._wire_ids: dict[str, int] = {}
         self._shipped_epoch: dict[str, int] = {}
+        self._drafting: set[str] = set()
+        """Sessions whose last step carried drafts: no look-ahead for them (the next
+        step will likely carry drafts again, which a look-ahead step cannot)."""
         self._next_wire_id = 1
         self._next_batch_id = 1
         self.watch: CallWatch = unwatched()
@@ -185,6 +188,7 @@ class PipelineRuntime:
     def drop_session(self, session_id: str) -> None:
         """Free the session here and, through a DROP frame, on every later stage."""
         self.local.drop_session(session_id)
+        self._drafting.discard(session_id)
         with self._cond:
             self._steps.pop(session_id, None)
         wire_id = self._wire_ids.pop(session_id, None)
@@ -242,7 +246,8 @@ class PipelineRuntime:
         group_rows = -(-len(requests) // self._num_groups())
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
-        lengths = [len(requests[i].token_ids) for i in fresh]
+        # A request with drafts travels whole: its rows count as one decode row here.
+        lengths = [1 if requests[i].draft else len(requests[i].token_ids) for i in fresh]
         for group in split_token_groups(lengths, groups):
             items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, look_ahead=False)
@@ -278,8 +283,12 @@ class PipelineRuntime:
         needed: dict[int, InflightStep] = {}
         fresh: list[int] = []
         for index, (request, start) in enumerate(zip(requests, starts, strict=True)):
+            if request.draft:
+                self._drafting.add(request.session_id)
+            else:
+                self._drafting.discard(request.session_id)
             step = self._steps.get(request.session_id)
-            if step is not None and step.matches(request, start):
+            if step is not None and step.matches(request, start) and not request.draft:
                 needed[index] = step
                 self.counters.lookahead_hits += 1
                 continue
@@ -297,9 +306,13 @@ class PipelineRuntime:
 
     def _ship(self, items: list[tuple[IterationRequest, int]],
               look_ahead: bool) -> tuple[list[InflightStep | None], float]:
-        """Compute ``items`` locally and send them downstream as one batch."""
-        local = [IterationRequest(r.session_id, r.token_ids,
-                                  positions=range(start, start + len(r.token_ids)),
+        """Compute ``items`` locally and send them downstream as one batch.
+
+        A request's drafts are plain rows here, after its input; the final stage
+        verifies them, and :meth:`_output` removes the rejected ones from this stage.
+        """
+        local = [IterationRequest(r.session_id, (*r.token_ids, *r.draft),
+                                  positions=range(start, start + r.num_rows),
                                   sampling=r.sampling, phase=r.phase) for r, start in items]
         started = time.perf_counter()
         output = self.local.run_iteration(local)
@@ -311,12 +324,16 @@ class PipelineRuntime:
         for (request, start), rows in zip(items, output.output_rows, strict=True):
             entries.append(ChainEntry(
                 session_id=self._wire_id(request.session_id), first_position=start,
-                token_ids=list(request.token_ids), rows=rows,
+                token_ids=[*request.token_ids, *request.draft], rows=rows,
                 sampling=request.sampling if request.sample_last else None,
                 sample_last=request.sample_last, decode=request.phase is RowPhase.DECODE,
+                draft_count=len(request.draft),
             ))
             steps.append(InflightStep(request.session_id, start, tuple(request.token_ids),
-                               request.sampling, look_ahead) if request.sample_last else None)
+                                      request.sampling, look_ahead,
+                                      drafts=len(request.draft),
+                                      followed=bool(request.draft))
+                         if request.sample_last else None)
         self._send(entries, steps, [r.session_id for r, _ in items])
         return steps, output.compute_s
 
@@ -410,6 +427,7 @@ class PipelineRuntime:
         for step in arrived:
             step.followed = True
             if (self._steps.get(step.session_id, step) is step
+                    and step.session_id not in self._drafting
                     and self.local.session_token_count(step.session_id) == step.end):
                 request = IterationRequest(step.session_id, [step.result.token],  # type: ignore[union-attr]
                                            sampling=step.sampling, sample_last=True,
@@ -439,10 +457,21 @@ class PipelineRuntime:
         samples = []
         with self._cond:
             for index, step in sorted(needed.items()):
-                assert step.result is not None
-                samples.append(IterationSample(index, step.result.token, step.result.is_eog))
+                result = step.result
+                assert result is not None
+                samples.append(IterationSample(
+                    index, result.token, result.is_eog,
+                    followers=tuple(IterationSample(index, token, is_eog)
+                                    for token, is_eog in result.followers),
+                    drafted=result.drafted))
                 if self._steps.get(step.session_id) is step:
                     del self._steps[step.session_id]  # consumed
+        for step in needed.values():
+            result = step.result
+            assert result is not None
+            if len(result.followers) < step.drafts:
+                # The final stage kept the accepted drafts: so does this stage.
+                self.local.trim_session(step.session_id, step.end + len(result.followers))
         return IterationOutput(output_rows=[None] * len(requests), samples=samples,
                                compute_s=compute_s)
 

@@ -59,6 +59,9 @@ class ChainEntry:
     """A decode step (phase hint only)."""
     has_positions: bool = True
     """Whether the position sideband is sent (always, by skippyd's own writers)."""
+    draft_count: int = 0
+    """The last this many tokens (and rows) are drafts the final stage verifies
+    (speculative decoding); needs ``sample_last``."""
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +80,11 @@ class ChainSample:
     """Index of the entry within its batch."""
     token: int
     is_eog: bool
+    followers: tuple[tuple[int, bool], ...] = ()
+    """(token, ends generation) accepted after ``token`` at the entry's draft rows, in
+    order; generation goes on from the last."""
+    drafted: int = 0
+    """Drafts the entry carried, accepted or not."""
 
 
 class Downstream(Protocol):
@@ -123,7 +131,11 @@ class InflightStep:
     result: ChainSample | None = None
     error: RuntimeFailure | None = None
     followed: bool = False
-    """A look-ahead step was already started from this step's prediction."""
+    """A look-ahead step was already started from this step's prediction (or none may
+    be: a step with drafts)."""
+    drafts: int = 0
+    """Drafts shipped after ``tokens`` (their rows are in this stage's KV until the
+    result says how many were accepted)."""
 
     @property
     def end(self) -> int:

@@ -22,7 +22,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from skippyd.engine.runtime.contract import IterationOutput, RuntimeFailure, SessionAlignment
+from skippyd.engine.runtime.contract import (
+    IterationOutput,
+    IterationSample,
+    RuntimeFailure,
+    SessionAlignment,
+)
 from skippyd.engine.telemetry_events import DirectBatchFinished
 from skippyd.engine.worker.commands import DropSessionCommand
 from skippyd.engine.worker.direct_batch import (
@@ -188,7 +193,7 @@ class BatchWorker:
             runtime_ms=(finished - started) * 1000.0))
 
 
-def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[int, bool]]:
+def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, IterationSample]:
     """Index samples by request, rejecting malformed outputs.
 
     Raises:
@@ -198,7 +203,7 @@ def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[
         raise WorkerBackendError(
             f"scheduler iteration returned {len(output.output_rows)} outputs "
             f"for {num_requests} requests")
-    samples: dict[int, tuple[int, bool]] = {}
+    samples: dict[int, IterationSample] = {}
     for sample in output.samples:
         index = sample.request_index
         if not 0 <= index < num_requests:
@@ -208,18 +213,23 @@ def _map_samples(output: IterationOutput, num_requests: int) -> dict[int, tuple[
         if index in samples:
             raise WorkerBackendError(
                 f"scheduler iteration returned duplicate sample for request {index}")
-        samples[index] = (sample.token, sample.is_eog)
+        samples[index] = sample
     return samples
 
 
 def _reply_outcomes(runnable: _Runnable, output: IterationOutput,
-                    samples: dict[int, tuple[int, bool]], started: float,
+                    samples: dict[int, IterationSample], started: float,
                     finished: float) -> None:
     run_ms = (finished - started) * 1000.0
     for index, (item, alignment) in enumerate(runnable):
-        token, is_eog = samples.get(index, (-1, False))
+        sample = samples.get(index)
         rows = output.output_rows[index] if output.output_rows else None
         resolve_future(item.reply, IterationOutcome(
-            predicted=token, is_eog=is_eog, output_rows=rows, batch_size=len(runnable),
+            predicted=-1 if sample is None else sample.token,
+            is_eog=sample is not None and sample.is_eog, output_rows=rows,
+            batch_size=len(runnable),
             batch_wait_ms=max(0.0, started - item.enqueued_at) * 1000.0, run_ms=run_ms,
-            session_alignment=alignment))
+            session_alignment=alignment,
+            followers=() if sample is None else tuple((f.token, f.is_eog)
+                                                      for f in sample.followers),
+            drafted=0 if sample is None else sample.drafted))

@@ -65,6 +65,7 @@ def validate_direct_iteration(
     positions: Sequence[int],
     max_iteration_tokens: int | None,
     input_rows: np.ndarray | None = None,
+    draft: Sequence[int] = (),
 ) -> None:
     """Check a direct iteration's shape before it is queued.
 
@@ -72,24 +73,26 @@ def validate_direct_iteration(
         token_ids: Input tokens (or the token sideband of activation rows).
         positions: Empty, or a whole number of positions per token (mRoPE uses 4).
         max_iteration_tokens: Configured limit; None means only the native cap.
-        input_rows: Optional activation rows, one per token.
+        input_rows: Optional activation rows, one per token (and per draft).
+        draft: Drafted tokens verified after the input.
 
     Raises:
         InvalidRequestError: The shape cannot run as one native iteration.
     """
-    num_tokens = len(token_ids) if input_rows is None else int(input_rows.shape[0])
+    rows = len(token_ids) + len(draft) if input_rows is None else int(input_rows.shape[0])
+    num_tokens = rows - len(draft)
     if input_rows is not None and token_ids and len(token_ids) != num_tokens:
         raise InvalidRequestError(
             f"input rows ({num_tokens}) and token ids ({len(token_ids)}) disagree"
         )
-    if num_tokens == 0:
+    if num_tokens <= 0:
         raise InvalidRequestError("scheduler iteration requires at least one token")
     limit = MAX_NATIVE_ITERATION_TOKENS
     if max_iteration_tokens is not None:
         limit = min(max_iteration_tokens, MAX_NATIVE_ITERATION_TOKENS)
-    if num_tokens > limit:
+    if rows > limit:
         raise InvalidRequestError(
-            f"scheduler iteration has {num_tokens} tokens, which exceeds the "
+            f"scheduler iteration has {rows} tokens, which exceeds the "
             f"{limit}-token configured iteration limit"
         )
     if positions and len(positions) % num_tokens != 0:
@@ -111,6 +114,11 @@ class IterationOutcome:
     run_ms: float
     """Time the batched runtime call took."""
     session_alignment: SessionAlignment | None = None
+    followers: tuple[tuple[int, bool], ...] = ()
+    """(token, ends generation) sampled after ``predicted`` at the rows of the drafts it
+    confirmed (see :attr:`IterationSample.followers`)."""
+    drafted: int = 0
+    """Drafts verified, accepted or not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +148,9 @@ class DirectIteration:
     input_rows: np.ndarray | None = None
     sample_last: bool = False
     phase: RowPhase = RowPhase.PREFILL
+    draft: Sequence[int] = ()
+    """Drafted tokens to verify after the input (final stage; ``input_rows`` holds
+    their rows too)."""
     target_token_count: int | None = None
     """Trim the session to this many tokens first if it is ahead."""
     group: DirectGroup | None = None
@@ -181,9 +192,10 @@ class DirectIteration:
 
     @property
     def num_tokens(self) -> int:
+        """Rows it puts in a batch (drafts included)."""
         if self.input_rows is not None:
             return int(self.input_rows.shape[0])
-        return len(self.token_ids)
+        return len(self.token_ids) + len(self.draft)
 
     def make_runtime_request(self) -> IterationRequest:
         return IterationRequest(
@@ -194,6 +206,7 @@ class DirectIteration:
             sampling=self.sampling,
             sample_last=self.sample_last,
             phase=self.phase,
+            draft=self.draft,
         )
 
 

@@ -264,7 +264,7 @@ class BatchHandle(WorkerHandle):
         """
         validate_direct_iteration(iteration.token_ids, iteration.positions,
                                   self._loop.settings.max_direct_iteration_tokens,
-                                  iteration.input_rows)
+                                  iteration.input_rows, iteration.draft)
         iteration.ensure_active()
         self._enqueue(iteration)
         return iteration.reply

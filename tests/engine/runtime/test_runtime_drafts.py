@@ -8,8 +8,17 @@ a plain decode of the same tokens rather than assume one bit-identical run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from cache_helpers import GREEDY, greedy_continue, open_runtime, prefill, tokens
+from cache_helpers import (
+    GREEDY,
+    greedy_continue,
+    open_runtime,
+    prefill,
+    tiny_options,
+    tokens,
+)
 
 from skippyd.engine.runtime.contract import (
     InvalidIterationError,
@@ -99,3 +108,39 @@ def test_drafts_are_refused_without_sampling_or_beyond_the_lane(tiny_model_path)
         with pytest.raises(InvalidIterationError, match="beyond its lane"):
             decode_with(runtime, "s", 5, [6] * 60)  # a lane holds 256 tokens
         assert runtime.session_token_count("s") == 200
+
+
+def test_a_final_stage_fed_rows_verifies_drafts_like_the_whole_model(tiny_model_path,
+                                                                     reference, tmp_path):
+    # A split pipeline: stage 0 computes the pending token and the drafts as plain rows,
+    # the final stage gets those rows with the drafts named, and verifies them.
+    from skippyd.engine.runtime.llama import LlamaRuntime
+    from skippyd.gguf.slice import slice_model
+
+    head = slice_model(tiny_model_path, 0, 2, tmp_path / "head.gguf")
+    tail = slice_model(tiny_model_path, 2, 4, tmp_path / "tail.gguf")
+    options = tiny_options(head, lanes=2, ctx_size=1024)
+    with LlamaRuntime(dataclasses.replace(options, final_stage=False)) as first, \
+            LlamaRuntime(dataclasses.replace(options, model_path=str(tail),
+                                             first_stage=False)) as final:
+        def step(session_tokens: list[int], draft: list[int], position: int):
+            out = first.run_iteration([IterationRequest("s", session_tokens + draft)])
+            rows = out.output_rows[0]
+            request = IterationRequest("s", session_tokens, input_rows=rows,
+                                       positions=range(position,
+                                                       position + len(session_tokens)),
+                                       sampling=GREEDY, sample_last=True, draft=draft)
+            return final.run_iteration([request]).samples[0]
+
+        assert step(tokens(1, 20), [], 0).token == reference[0]
+        wrong = (reference[3] + 1) % 290 + 3
+        sample = step([reference[0]], [reference[1], reference[2], wrong], 20)
+        assert [s.token for s in sample.tokens] == reference[1:4] and sample.drafted == 3
+        assert final.session_token_count("s") == 23  # the rejected row left the KV
+        first.trim_session("s", 23)
+        sample = step([reference[3]], reference[4:8], 23)
+        assert [s.token for s in sample.tokens] == reference[4:9]
+        with pytest.raises(InvalidIterationError, match="drafts only"):
+            final.run_iteration([IterationRequest(
+                "s", [], input_rows=first.run_iteration([IterationRequest(
+                    "t", [5, 6])]).output_rows[0], sample_last=True, draft=[5, 6])])
