@@ -493,8 +493,9 @@ class LinkSection:
     """Upstream chains a later stage serves at once; a second stage 0 is refused."""
     max_frame_bytes: int = _setting(64 * MIB, lo=4096, hi=(1 << 32) - 1)
     """Largest frame accepted from a peer."""
-    connect_timeout_s: float = _setting(60.0, lo=1.0, hi=3600.0)
-    """How long to keep trying to reach a peer (60 s)."""
+    connect_timeout_s: float = _setting(30.0, lo=1.0, hi=3600.0)
+    """How long one attempt to connect to the next stage may take, handshake included;
+    stage 0 then tries again with backoff."""
     silence_timeout_s: float = _setting(3.0, lo=2.0, hi=600.0)
     """A stage connection on which nothing arrived for this long is taken for lost, as
     if it had closed: the peer stopped, or its machine or network is gone. Peers PING

@@ -50,6 +50,7 @@ def _facts(config: StageConfig, runtime: LlamaRuntime, tls: LinkTls | None) -> S
         upstream_id=config.upstream.stage_id if config.upstream else None,
         tls=tls,
         silence_timeout_s=link.silence_timeout_s,
+        connect_timeout_s=link.connect_timeout_s,
     )
 
 

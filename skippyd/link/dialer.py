@@ -93,6 +93,8 @@ class ChainIdentity:
     """Run both connections inside TLS (``link.tls``)."""
     silence_timeout_s: float = SILENCE_TIMEOUT_S
     """A connection on which nothing arrives for this long is lost (``link.silence_timeout_s``)."""
+    connect_timeout_s: float = CHAIN_SETUP_TIMEOUT_S
+    """Longest one dial may take, handshake included (``link.connect_timeout_s``)."""
 
     @classmethod
     def from_config(cls, config: StageConfig, n_embd: int, lanes: int,
@@ -105,7 +107,7 @@ class ChainIdentity:
                    config.stage.model_id, config.stage.layer_end, n_embd, lanes,
                    session_tokens, max_batch_tokens, config.link.max_frame_bytes,
                    config.link.activation_dtype == "f16", tls,
-                   config.link.silence_timeout_s)
+                   config.link.silence_timeout_s, config.link.connect_timeout_s)
 
 
 #: TCP keepalive: probe after this idle time, then every interval, give up after count.
@@ -333,8 +335,8 @@ class ChainLink:
         ident = self.identity
         chain_id = int.from_bytes(os.urandom(8), "little")
         hello = Hello(Role.CHAIN, chain_id, ident.n_embd, 0, ident.layer_end, ident.model_id)
-        data, ack = dial(ident.endpoint, ident.secret, hello, tls=ident.tls,
-                         expect_id=ident.downstream_id)
+        data, ack = dial(ident.endpoint, ident.secret, hello, ident.connect_timeout_s,
+                         tls=ident.tls, expect_id=ident.downstream_id)
         # Stage 1 watches this connection from now on: let it hear from stage 0 while
         # the return connection is dialled.
         self._ping(data)
@@ -343,7 +345,8 @@ class ChainLink:
             # The final stage's certificate must name the stage the chain announced.
             ret, _ = dial(parse_host_port(ack.return_endpoint), ident.secret,
                           Hello(Role.RETURN, chain_id, ident.n_embd, 0, ident.layer_end,
-                                ident.model_id), tls=ident.tls, expect_id=ack.final_stage_id)
+                                ident.model_id), ident.connect_timeout_s, tls=ident.tls,
+                          expect_id=ack.final_stage_id)
         except BaseException:
             self._forget(data)
             data.close()

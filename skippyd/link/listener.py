@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from skippyd.engine.runtime.pipeline_types import StageTimeline
-from skippyd.link.dialer import configure_socket
+from skippyd.link.dialer import CHAIN_SETUP_TIMEOUT_S, configure_socket
 from skippyd.link.framing import FrameSocket
 from skippyd.link.handshake import (
     HANDSHAKE_TIMEOUT_S,
@@ -92,6 +92,8 @@ class StageFacts:
     """Every connection runs inside TLS (``link.tls``)."""
     silence_timeout_s: float = SILENCE_TIMEOUT_S
     """A chain's connection on which nothing arrives for this long ends the chain."""
+    connect_timeout_s: float = CHAIN_SETUP_TIMEOUT_S
+    """Longest a dial of the next stage may take, handshake included."""
 
 
 class StageLinkServer:

@@ -243,7 +243,8 @@ class ChainConnection:
                       facts.layer_end, facts.model_id)
         try:
             self._downstream, ack = dial(facts.downstream, facts.secret, hello,
-                                         tls=facts.tls, expect_id=facts.downstream_id)
+                                         facts.connect_timeout_s, tls=facts.tls,
+                                         expect_id=facts.downstream_id)
         except (OSError, LinkProtocolError) as exc:
             raise _Refusal(f"{facts.downstream_id} at {facts.downstream[0]}:"
                            f"{facts.downstream[1]}: {exc}") from None
