@@ -220,8 +220,9 @@ def config_split(
     memory: Annotated[str | None, typer.Option(
         help="Each stage's memory for its weights and KV cache, comma-separated (16G,8G).")]
         = None,
-    ctx_size: Annotated[int | None, typer.Option(help="Context of every stage (default: the "
-                                                 "model's trained context).")] = None,
+    ctx_size: Annotated[int | None, typer.Option(
+        help="Tokens one request may hold on every stage; each lane's KV stream gets that "
+             "many cells (default: the model's trained context).")] = None,
     lanes: Annotated[int, typer.Option(min=1, help="Lanes of every stage.")] = 4,
     tls: Annotated[bool, typer.Option("--tls", help="Write the pipeline's TLS keys into "
                                       "OUTPUT/tls and set link.tls on every stage.")] = False,
@@ -266,7 +267,7 @@ def config_split(
     try:
         work = _measured_work(model, costs, threads) if measure else None
         plans = plan_split(costs, stages, work=work,
-                           kv_bytes_per_layer=kv_bytes_per_layer(info, ctx),
+                           kv_bytes_per_layer=kv_bytes_per_layer(info, ctx * lanes),
                            memory=limits, hosts=host_list)
     except SplitError as exc:
         raise fail(str(exc), ExitCode.USAGE) from None
@@ -275,7 +276,8 @@ def config_split(
     if existing and not force:
         raise fail(f"{existing[0]} exists; pass --force to overwrite it")
     output.mkdir(parents=True, exist_ok=True)
-    configs = render_configs(model.resolve(), plans, output, ctx_size=ctx, lane_count=lanes,
+    configs = render_configs(model.resolve(), plans, output, ctx_size=ctx * lanes,
+                             lane_count=lanes,
                              tls_paths=_split_keys(output, stages) if tls else None)
     for config in configs:
         config.path.write_text(config.text, encoding="utf-8")

@@ -216,7 +216,8 @@ def render_configs(model: Path, plans: list[StagePlan], directory: Path, *, ctx_
         model: The whole model (each stage slices its range at start).
         plans: :func:`plan_split`'s stages.
         directory: Where the configs will be.
-        ctx_size, lane_count: The same on every stage (each holds every session).
+        ctx_size, lane_count: The same on every stage (each holds every session; each
+            lane's KV stream gets ``ctx_size / lane_count`` cells).
         tls_paths: Per stage index, its (CA, certificate, key) paths relative to
             ``directory``, for ``link.tls``.
         secret: The shared link secret (a fresh random one if None).

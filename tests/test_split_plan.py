@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from skippyd.cli import app
 from skippyd.exitcodes import ExitCode
+from skippyd.gguf.model_info import inspect_model
 from skippyd.split_plan import (
     ModelCosts,
     SplitError,
@@ -94,6 +95,9 @@ def test_the_configs_it_writes_form_one_pipeline(tmp_path, tiny_model_path):
     assert configs[0]["link"]["secret"] == configs[1]["link"]["secret"]
     assert len(configs[0]["link"]["secret"]) >= 32 and "http" in configs[0]
     assert configs[0]["downstream"]["endpoint"] == "tcp://127.0.0.1:9102"
+    # Each of the 4 lanes may hold the model's trained context, on every stage.
+    trained = inspect_model(tiny_model_path).n_ctx_train
+    assert [c["runtime"]["ctx_size"] for c in configs] == [4 * trained] * 2
     check = runner.invoke(app, ["config", "check", *map(str, sorted(out.glob("*.toml")))])
     assert check.exit_code == 0, check.output
     again = runner.invoke(app, ["config", "split", str(tiny_model_path), "-o", str(out)])

@@ -167,7 +167,8 @@ def resolve_context(config: StageConfig, *, n_ctx_train: int | None, kv_values_p
                     available_bytes: int | None) -> tuple[StageConfig, str | None]:
     """Size ``runtime.ctx_size`` from the model when the config leaves it open.
 
-    The pool gets the model's trained context, capped so the KV cache takes at most
+    Every request may hold the model's trained context: each lane gets it (``per_lane``)
+    or the one pool does (``unified``), capped so the KV cache takes at most
     :data:`KV_MEMORY_SHARE` of ``available_bytes``.
 
     Args:
@@ -187,16 +188,19 @@ def resolve_context(config: StageConfig, *, n_ctx_train: int | None, kv_values_p
     value_bytes = (CACHE_TYPE_BYTES[runtime.cache_type_k]
                    + CACHE_TYPE_BYTES[runtime.cache_type_v]) / 2
     cell_bytes = max(1.0, kv_values_per_token * value_bytes)
-    cells, why = trained, f"the model's trained context ({trained} tokens)"
+    streams = runtime.lane_count if runtime.kv_layout == "per_lane" else 1
+    each = "each lane gets " if streams > 1 else ""
+    per_stream, why = trained, f"{each}the model's trained context ({trained} tokens)"
     if n_ctx_train is None or n_ctx_train <= 0:
-        why = f"{FALLBACK_CONTEXT} tokens (the model does not say its trained context)"
+        why = f"{each}{FALLBACK_CONTEXT} tokens (the model does not say its trained context)"
     if available_bytes is not None:
-        budget = int(available_bytes * KV_MEMORY_SHARE / cell_bytes)
+        budget = int(available_bytes * KV_MEMORY_SHARE / cell_bytes) // streams
         budget -= budget % CONTEXT_STEP
-        if budget < cells:
-            cells = max(CONTEXT_STEP, budget)
-            why = (f"what fits half of the {available_bytes / 2**30:.1f} GiB available "
-                   f"(the model was trained for {trained})")
+        if budget < per_stream:
+            per_stream = max(CONTEXT_STEP, budget)
+            why = (f"{each}what fits half of the {available_bytes / 2**30:.1f} GiB available"
+                   f" (the model was trained for {trained})")
+    cells = per_stream * streams
     size = cells * cell_bytes / 2**20
     message = (f"runtime.ctx_size = {cells} cells ({size:.0f} MiB of KV cache): {why}; "
                "set runtime.ctx_size to choose")

@@ -35,6 +35,7 @@ from skippyd.config import (
     load_config,
     parse_config,
     parse_host_port,
+    resolve_context,
 )
 from skippyd.config import defaults as config_defaults
 from skippyd.config.schema import SECTIONS
@@ -80,7 +81,7 @@ def test_default_config_values() -> None:
     runtime = config.runtime
     assert (runtime.ctx_size, runtime.lane_count, runtime.n_batch, runtime.n_ubatch) == (
         None, 4, 2048, 512)  # the context is sized from the model once it is read
-    assert runtime.kv_layout == "unified" and runtime.session_tokens is None
+    assert runtime.kv_layout == "per_lane" and runtime.session_tokens is None
     assert runtime.threads == available_cpus() == runtime.threads_batch
     assert (runtime.cache_type_k, runtime.cache_type_v, runtime.flash_attn) == (
         "f16", "f16", "auto")
@@ -105,7 +106,7 @@ def test_derived_defaults_follow_other_keys() -> None:
     assert config.stage.model_id == "Tiny-Llama.Q8_0"
     assert config.runtime.threads_batch == 3
     assert config.http is not None and config.http.max_prompt_tokens is None
-    assert config.runtime.session_tokens == 1024  # what the prompt limit follows
+    assert config.runtime.session_tokens == 1024 // 4  # a lane's share: the prompt limit
     assert config.control.socket_path.name == "alpha.sock"
     assert config.resolved_model_path == Path("models/Tiny-Llama.Q8_0.gguf")
 
@@ -301,7 +302,8 @@ def test_unknown_keys_and_sections_suggest(data: dict, expected: str) -> None:
     ({"runtime": {"cache_type_v": "q4_0", "flash_attn": "disabled"}},
      'runtime.cache_type_v: a quantized V cache needs flash attention '
      '(got "q4_0" with flash_attn = "disabled")'),
-    ({"runtime": {"ctx_size": 1024}, "http": {"max_prompt_tokens": 2048}},
+    ({"runtime": {"ctx_size": 1024, "kv_layout": "unified"},
+      "http": {"max_prompt_tokens": 2048}},
      "http.max_prompt_tokens: must be at most what one request may hold (got 2048 > 1024)"),
     ({"runtime": {"ctx_size": 4096, "kv_layout": "per_lane"},
       "http": {"max_prompt_tokens": 2048}},
@@ -446,7 +448,7 @@ def test_overrides_apply_and_rederive_defaults() -> None:
     assert config.http is not None
     assert config.http.listen == "0.0.0.0:9000" and config.http.api_key is None
     assert config.runtime.ctx_size == 2048 and config.http.max_prompt_tokens is None
-    assert config.runtime.session_tokens == 2048  # the prompt limit follows it
+    assert config.runtime.session_tokens == 2048 // 8  # a lane's share: the prompt limit
     assert (config.runtime.lane_count, config.runtime.threads_batch) == (8, 2)
     assert config.runtime.n_batch == 1024  # kept from the file
     assert config.telemetry.log_level == "debug"
@@ -666,3 +668,28 @@ def test_telemetry_keys_for_logs_and_the_metrics_listener() -> None:
     assert info.value.keys == ["telemetry.log_format", "telemetry.metrics_listen"]
     assert 'did you mean "json"' in str(info.value)
     assert "another port than http.listen (both use 8080)" in str(info.value)
+
+
+@pytest.mark.parametrize(("layout", "available", "cells", "why"), [
+    # Each of the 4 lanes gets the whole trained context; one pool gets it once.
+    ("per_lane", None, 4 * 8192, "each lane gets the model's trained context (8192 tokens)"),
+    ("unified", None, 8192, "the model's trained context (8192 tokens)"),
+    # 1 GiB available, half for KV, 1 KiB a token: 512 Ki cells, 128 Ki a lane.
+    ("per_lane", 1 << 30, 4 * 8192, "each lane gets the model's trained context"),
+    # 64 MiB: 32 Ki cells in all, 8 Ki a lane: exactly the trained context.
+    ("per_lane", 64 << 20, 4 * 8192, "each lane gets the model's trained context"),
+    # 32 MiB: 16 Ki cells, 4 Ki a lane.
+    ("per_lane", 32 << 20, 4 * 4096, "each lane gets what fits half of the 0.0 GiB"),
+    ("unified", 8 << 20, 4096, "what fits half of the 0.0 GiB available"),
+])
+def test_an_open_context_gives_every_request_the_trained_context_within_memory(
+        layout, available, cells, why):
+    config = parse_config({"runtime": {"kv_layout": layout}})
+    # 512 K and V values a token at f16: 1 KiB a cell.
+    sized, message = resolve_context(config, n_ctx_train=8192, kv_values_per_token=512,
+                                     available_bytes=available)
+    assert sized.runtime.ctx_size == cells and why in message
+    assert sized.runtime.session_tokens == (cells // 4 if layout == "per_lane" else cells)
+    fixed = parse_config({"runtime": {"ctx_size": 2048, "kv_layout": layout}})
+    assert resolve_context(fixed, n_ctx_train=8192, kv_values_per_token=512,
+                           available_bytes=available) == (fixed, None)

@@ -58,7 +58,7 @@ class FakeEngine:
     def __init__(self, stats: WorkerStats, health: tuple[str, str | None],
                  link: dict | None = None) -> None:
         self.config = parse_config({"stage": {"id": "beta", "layer_start": 0, "layer_end": 12},
-                                    "runtime": {"lane_count": 3, "ctx_size": 1024}})
+                                    "runtime": {"lane_count": 3, "ctx_size": 3072}})
         self.model_id = "some-model"
         self.ctx_size = 1024
         self.offload = {"gpu_layers": 0, "main_gpu": 0, "tensor_split": [],
@@ -109,7 +109,7 @@ def busy_stats() -> StatsWithLanes:
 
 def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     engine = FakeEngine(busy_stats(), ("failed", "worker panicked"))
-    metrics = ServingMetrics(engine.worker.stats, kv_cells_total=lambda: 1024)
+    metrics = ServingMetrics(engine.worker.stats, kv_cells_total=lambda: 3072)
     metrics.record_rejection("queue_full")
     snap = build_snapshot(engine, metrics, time.monotonic() - 5.0)
     assert set(snap) == {"stage", "uptime_s", "health", "lane_count", "lanes", "queues", "wave",
@@ -132,8 +132,8 @@ def test_snapshot_schema_with_lanes_from_the_worker() -> None:
     assert snap["queues"] == {"waiting": 2, "commands": 0, "direct": 0}
     assert snap["wave"] == {"active_sessions": 1, "batch_size": 3, "fullness": 1 / 3,
                             "full": False}
-    assert snap["kv"] == {"cells_used": 256, "cells_total": 1024, "usage": 0.25,
-                          "layout": "unified", "request_max_tokens": 1024}
+    assert snap["kv"] == {"cells_used": 256, "cells_total": 3072, "usage": 256 / 3072,
+                          "layout": "per_lane", "request_max_tokens": 1024}
     assert snap["counters"]["rejected"] == 1 and snap["counters"]["preempted"] == 1
     assert snap["scheduler"]["last_step_ms"] == 3.0
     assert snap["scheduler"]["step_target_ms"] == 500.0
@@ -167,7 +167,7 @@ def test_render_shows_busy_lanes_and_health() -> None:
     assert "failed (worker panicked)" in text and "up 1h02m" in text
     assert "chatcmpl-123" in text and "decode" in text and "1 busy of 3" in text
     assert "waiting 2" in text
-    assert "one pool, up to 1024 tokens a request" in text
+    assert "a stream per lane, up to 1024 tokens a request" in text
     assert "last step 3.00 ms (target 500 ms)" in text
     assert "fast paths" in text and "greedy pick numpy" in text
     assert re.search(r"offload +CPU *\n", text)
