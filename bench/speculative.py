@@ -21,8 +21,14 @@ skippyd off (drafting must notice when it cannot pay). Acceptance is reported fr
 server's response (skippyd's ``usage.completion_tokens_details``, llama-server's
 ``timings``).
 
+``--stages N`` (with ``--rtt-ms``) serves both skippyd sides as a split pipeline of N
+stages, one core and one thread each, pinned as ``bench/split_machines.py`` pins them,
+every link through the link shaper at that round trip: stage 0 drafts, the final stage
+verifies. llama-server has no split, so it is left out there.
+
     python bench/speculative.py [--llama-server PATH] [--model PATH] [--streams 1,8]
-        [--workloads copy,free] [--rounds 3] [--max-tokens 256] [--json OUT]
+        [--workloads copy,free] [--rounds 3] [--max-tokens 256]
+        [--stages 2 --rtt-ms 5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
 import importlib
 import inspect
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -48,8 +56,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from skippyd.bench.models import add_model_option, model_path
+from skippyd.bench.models import add_model_option, layer_bounds, model_path
 from skippyd.bench.process import ServerProcess, free_port, skippyd_process
+from skippyd.gguf.model_info import inspect_model
 
 console = Console(width=None if Console().is_terminal else 140)
 LLAMA_SERVER_READY = r"listening on (?P<url>http://\S+)"
@@ -139,22 +148,64 @@ class Setup:
     llama_server: Path | None
     workdir: Path
     max_tokens: int
+    stages: int = 1
+    rtt_ms: float = 0.0
 
 
-def start_side(setup: Setup, side: str) -> ServerProcess:
+class SplitSide:
+    """A skippyd side served as a pipeline of ``setup.stages`` pinned stages (see
+    ``bench/split_machines.py``), every link through a shaper at ``setup.rtt_ms``."""
+
+    def __init__(self, setup: Setup, mode: str, name: str) -> None:
+        import split_machines  # a sibling script: python puts bench/ on the path
+
+        workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=setup.workdir))
+        # A request's context as on one server: its lane's share of --ctx.
+        args = argparse.Namespace(model=str(setup.model), ctx=setup.ctx // setup.lanes,
+                                  lanes=setup.lanes, cores_per_stage=1)
+
+        class DraftingChain(split_machines.Chain):
+            def config(self, i: int) -> Path:
+                path = super().config(i)
+                if i == 0:
+                    path.write_text(path.read_text() + f'[speculative]\nmode = "{mode}"\n')
+                return path
+
+        cpus = sorted(os.sched_getaffinity(0))
+        bounds = layer_bounds(inspect_model(setup.model).n_layer, setup.stages)
+        self._stack = contextlib.ExitStack()
+        try:
+            self.chain = DraftingChain(
+                workdir, args, bounds, split_machines.assign_cores(cpus, setup.stages, 1),
+                workdir, shaped=setup.rtt_ms > 0).start(self._stack)
+            if setup.rtt_ms > 0:
+                self.chain.shape(setup.rtt_ms)
+        except BaseException:
+            self._stack.close()
+            raise
+        self.url = self.chain.url
+
+    def stop(self) -> None:
+        self._stack.close()
+
+
+def start_side(setup: Setup, side: str) -> ServerProcess | SplitSide:
     if side.startswith("llama-server"):
         assert setup.llama_server is not None
         argv = [str(setup.llama_server), "-m", str(setup.model), "-np", str(setup.lanes),
-                "-c", str(setup.ctx), "--kv-unified", "-t", str(setup.threads),
+                "-c", str(setup.ctx), "--no-kv-unified", "-t", str(setup.threads),
                 "-tb", str(setup.threads), "--spec-type", "ngram-mod",
                 "--host", "127.0.0.1", "--port", str(free_port())]
         return ServerProcess(argv, LLAMA_SERVER_READY, name=side).start()
     mode = side.split()[1]
     name = side.replace(" ", "-")
+    if setup.stages > 1:
+        return SplitSide(setup, mode, name)
     path = setup.workdir / f"{name}.toml"
     path.write_text(
         f'[stage]\nid = "{name}"\nmodel_path = "{setup.model}"\n'
         f"[runtime]\nlane_count = {setup.lanes}\nctx_size = {setup.ctx}\n"
+        f'kv_layout = "per_lane"\n'
         f"threads = {setup.threads}\nthreads_batch = {setup.threads}\n"
         f'[speculative]\nmode = "{mode}"\n'
         f'[control]\nsocket = "{setup.workdir / (name + ".sock")}"\n'
@@ -240,7 +291,7 @@ def run(setup: Setup, sides: Sequence[str], workloads: Sequence[str], streams: S
     cells = {(w, s): Cell() for w in workloads for s in streams}
     for r in range(rounds):
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-        procs: dict[str, ServerProcess] = {}
+        procs: dict[str, ServerProcess | SplitSide] = {}
         try:
             for side in order:
                 procs[side] = start_side(setup, side)
@@ -329,8 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--stages", type=int, default=1,
+                        help="serve the skippyd sides as a split pipeline of this many "
+                             "stages (one pinned core each)")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="with --stages: every link's round trip, through the shaper")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.stages < 1 or (args.rtt_ms and args.stages == 1) or args.rtt_ms < 0:
+        parser.error("--stages: at least 1; --rtt-ms: not negative, and only with --stages")
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
@@ -339,10 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams = [int(s) for s in args.streams.split(",") if s]
     except ValueError:
         parser.error("--streams: comma-separated integers")
-    sides = [s for s in SIDES if args.llama_server is not None or not s.startswith("llama")]
+    sides = [s for s in SIDES if (args.llama_server is not None and args.stages == 1)
+             or not s.startswith("llama")]
     with tempfile.TemporaryDirectory(prefix="skippyd-spec-") as tmp:
         setup = Setup(model_path(args).resolve(), args.threads, args.lanes, args.ctx,
-                      args.llama_server, Path(tmp), args.max_tokens)
+                      args.llama_server, Path(tmp), args.max_tokens, args.stages,
+                      args.rtt_ms)
         cells = run(setup, sides, workloads, streams, args.rounds, args.requests_per_stream)
     rows = verdicts(cells)
     print_report(cells, rows)

@@ -138,8 +138,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lanes", type=int, default=None,
                         help="lanes of every server (default: the most streams)")
     parser.add_argument("--ctx", type=int, default=None,
-                        help="context of every server (default: what the workloads need, "
-                             "at least 4096)")
+                        help="tokens one request may hold on every server, each lane its "
+                             "own KV stream (default: what the workloads need)")
     parser.add_argument("--slice-cache", type=Path, default=None,
                         help="where stages keep their slices (default: a temporary "
                              "directory; give one to reuse a large model's slices)")
@@ -167,9 +167,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.mode = "unpinned" if args.unpinned else "pinned"
     args.lanes = args.lanes or max(args.streams)
     if args.ctx is None:
-        needed = max(max(args.streams) * (args.prompt_tokens + args.output_tokens),
-                     args.prefill_tokens + args.output_tokens)
-        args.ctx = max(4096, 256 * math.ceil(needed * 1.25 / 256))
+        needed = max(args.prompt_tokens, args.prefill_tokens) + args.output_tokens
+        args.ctx = max(1024, 256 * math.ceil(needed * 1.25 / 256))
     return args
 
 
@@ -201,7 +200,8 @@ def layer_ranges(args: argparse.Namespace) -> tuple[int, ...]:
 
 def _runtime(args: argparse.Namespace, slices: Path) -> str:
     threads = args.cores_per_stage
-    return (f"[runtime]\nctx_size = {args.ctx}\nlane_count = {args.lanes}\n"
+    return (f"[runtime]\nctx_size = {args.ctx * args.lanes}\nlane_count = {args.lanes}\n"
+            f'kv_layout = "per_lane"\n'
             f"threads = {threads}\nthreads_batch = {threads}\n"
             f"slice_cache_dir = {json.dumps(str(slices))}\n")
 

@@ -37,7 +37,8 @@ both sides get the same prompts):
   inter-token latency are shown side by side.
 
 ``--kv-layout`` puts both servers in the same KV layout (llama-server's
-``--kv-unified`` / ``--no-kv-unified``); ``--requests-scale`` (request counts, prefill
+``--kv-unified`` / ``--no-kv-unified``; by default a stream per slot, skippyd's default);
+``--requests-scale`` (request counts, prefill
 groups, cotenant arrivals), ``--output-tokens`` and ``--long-interval`` size the
 workloads for a slower model (a round in minutes).
 
@@ -118,7 +119,7 @@ class Setup:
     workdir: Path
     skippyd_extra: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra skippyd config sections/keys (``--set section.key=value``)."""
-    kv_layout: str = "unified"
+    kv_layout: str = "per_lane"
     """Both servers' KV layout: one pool for every slot, or one stream per slot."""
     requests_scale: float = 1.0
     """Multiplies the closed-loop workloads' request counts (a slow model's round)."""
@@ -530,7 +531,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=8192)
-    parser.add_argument("--kv-layout", choices=("unified", "per_lane"), default="unified",
+    parser.add_argument("--kv-layout", choices=("unified", "per_lane"), default="per_lane",
                         help="both servers' KV layout: llama-server's --kv-unified or "
                              "--no-kv-unified, skippyd's runtime.kv_layout")
     parser.add_argument("--requests-scale", type=float, default=1.0,

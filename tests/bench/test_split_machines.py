@@ -26,7 +26,7 @@ def test_defaults_measure_every_workload_pinned_on_one_core_per_stage(sm) -> Non
     assert (args.stages, args.cores_per_stage, args.rtt, args.streams) == (2, 1, [0.0],
                                                                           [1, 8, 16])
     assert args.workloads == list(sm.WORKLOADS) and args.mode == "pinned"
-    assert args.lanes == 16 and args.ctx >= 4096
+    assert args.lanes == 16 and args.ctx >= 2000 + 64  # a request's prefill prompt and output
     args = sm.parse_args(["--rtt", "0,5,20,5", "--streams", "8", "--unpinned", "--only",
                           "streams,greedy"])
     assert args.rtt == [0.0, 5.0, 20.0] and args.streams == [8]
