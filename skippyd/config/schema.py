@@ -227,8 +227,8 @@ class RuntimeSection:
     tokens. ``unified``: the lanes share one pool of ``ctx_size`` cells, so one request
     may use all of it while the others use little, in less memory; requests are admitted
     by the cells they need, and when the pool runs out the youngest is preempted and
-    recomputed later; every row's attention spans the pool's used cells, which costs
-    5-7 % of an 8-stream step on a 1B model and more with long prompts beside."""
+    recomputed later; every row's attention spans the pool's used cells, which cost about
+    5 % of the CPU per token at 8 streams on a 1B model, more with long prompts beside."""
     lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
     """Concurrent sequences (llama.cpp sequence ids)."""
     n_batch: int = _setting(2048, lo=1, hi=1 << 16)
