@@ -23,11 +23,9 @@ import json
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -46,7 +44,13 @@ from skippyd.bench.models import (
     model_line,
     model_path,
 )
-from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
+from skippyd.bench.process import (
+    SKIPPYD_READY,
+    STAGE_READY,
+    ServerProcess,
+    free_port,
+    wait_pipeline_connected,
+)
 from skippyd.bench.report import level_metrics
 from skippyd.bench.shaper import READY_LINE
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
@@ -167,15 +171,6 @@ class Pipeline:
                             tls=self.monitor)
 
 
-def wait_connected(url: str, timeout_s: float = 60.0) -> None:
-    health = url.removesuffix("/v1") + "/health"
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(health, timeout=5).json().get("status") != "ok":
-        if time.monotonic() > deadline:
-            raise RuntimeError("the chain did not reconnect through the shapers")
-        time.sleep(0.1)  # stage 0 redials with backoff after the shapers restart
-
-
 async def measure(pipeline: Pipeline, url: str, args: argparse.Namespace,
                   num_stages: int) -> list[dict[str, Any]]:
     spec = WorkloadSpec(concurrency=(args.concurrency,), num_requests=args.requests,
@@ -186,7 +181,7 @@ async def measure(pipeline: Pipeline, url: str, args: argparse.Namespace,
         for rate in args.rate_mbit:
             for index, rtt in enumerate(args.rtt_ms):
                 pipeline.shape(rtt, rate)
-                wait_connected(url)
+                wait_pipeline_connected(url)
                 target = await warm_up(client, await resolve_target(client, "split", url),
                                        spec, 300.0)
                 before = pipeline.status()["chain"]

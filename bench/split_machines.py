@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from skippyd.bench.process import (
     ServerProcess,
     free_port,
     sigterm_exits,
+    wait_pipeline_connected,
 )
 from skippyd.bench.report import level_metrics
 from skippyd.bench.shaper import READY_LINE
@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 console = Console(width=None if Console().is_terminal else 140)
 
 SECRET = "split-machines-bench-secret-0123456789"
+#: How long a chain may take to connect (a large model's stages load slowly).
+CONNECT_TIMEOUT_S = 120.0
 WORKLOADS = ("streams", "prefill", "greedy", "memory")
 #: Streams -> least chain / unsplit output tok/s (pinned: the unsplit on one stage's cores).
 STREAM_TARGETS = {8: 1.6, 16: 1.7}
@@ -292,7 +294,7 @@ class Chain:
             self.stages.insert(0, Server(name, proc, self.cores[i]))
         self.url = self.stages[0].proc.url
         if not self.shaper_ports:
-            wait_connected(self.url)
+            wait_pipeline_connected(self.url, CONNECT_TIMEOUT_S)
         return self
 
     def shape(self, rtt_ms: float) -> None:
@@ -304,7 +306,7 @@ class Chain:
                     f"127.0.0.1:{port}", "--target", f"127.0.0.1:{target}",
                     "--rtt-ms", str(rtt_ms)]
             self.shapers.append(ServerProcess(argv, READY_LINE, name=f"shaper-{port}").start())
-        wait_connected(self.url)
+        wait_pipeline_connected(self.url, CONNECT_TIMEOUT_S)
 
     def unshape(self) -> None:
         while self.shapers:
@@ -313,20 +315,6 @@ class Chain:
     def status(self) -> list[dict[str, Any]]:
         """Every stage's STATUS, read over its own link listener (never shaped)."""
         return [query_status(("127.0.0.1", port), SECRET.encode()) for port in self.link_ports]
-
-
-def wait_connected(url: str, timeout_s: float = 120.0) -> None:
-    health = url.removesuffix("/v1") + "/health"
-    deadline = time.monotonic() + timeout_s
-    body: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            body = httpx.get(health, timeout=5, trust_env=False).json()
-        if body.get("status") == "ok":
-            return
-        time.sleep(0.1)  # stage 0 dials the chain with backoff: poll its health
-    raise BenchError(f"the chain did not connect in {timeout_s:.0f} s: "
-                     f"{body.get('reason', 'no answer')}")
 
 
 def thread_affinities(pid: int) -> dict[int, set[int]]:

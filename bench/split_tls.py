@@ -38,11 +38,11 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from split_links import Pipeline, wait_connected
+from split_links import Pipeline
 
 from skippyd.bench.loadgen import ProgressHook, make_client, resolve_target, run_level, warm_up
 from skippyd.bench.models import add_model_option, model_layers, model_path
-from skippyd.bench.process import thread_cpu_seconds
+from skippyd.bench.process import thread_cpu_seconds, wait_pipeline_connected
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 
@@ -100,7 +100,7 @@ async def measure(chains: dict[str, Pipeline], urls: dict[str, str],
                 chain.shape(rtt, args.rate_mbit)
             targets = {}
             for name in VARIANTS:
-                wait_connected(urls[name])
+                wait_pipeline_connected(urls[name])
                 target = await resolve_target(client, name, urls[name])
                 targets[name] = await warm_up(client, target, specs[0], 300.0)
             for spec in specs:

@@ -247,23 +247,31 @@ def skippyd_pipeline(config_paths: Sequence[str], *,
                     config_paths[index]]
             stack.enter_context(ServerProcess(argv, STAGE_READY, name=f"stage {index}"))
         head = stack.enter_context(skippyd_process(config_paths[0]))
-        _wait_connected(head, connect_timeout_s)
+        wait_pipeline_connected(head.url, connect_timeout_s, head=head)
         yield head
 
 
-def _wait_connected(head: ServerProcess, timeout_s: float) -> None:
+def wait_pipeline_connected(url: str, timeout_s: float = PIPELINE_CONNECT_TIMEOUT_S, *,
+                            head: ServerProcess | None = None) -> None:
+    """Poll stage 0's ``/health`` at ``url`` until the whole chain is connected.
+
+    Raises:
+        BenchError: Not connected within ``timeout_s`` (with the reason stage 0 gives,
+            and ``head``'s last log lines when given).
+    """
     import httpx  # deferred: only pipelines poll health
 
-    health = head.url.removesuffix("/v1") + "/health"
+    health = url.removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout_s
     body: dict[str, Any] = {}
     while time.monotonic() < deadline:
         try:
-            body = httpx.get(health, timeout=5).json()
+            body = httpx.get(health, timeout=5, trust_env=False).json()
         except (httpx.HTTPError, ValueError):
             body = {}
         if body.get("status") == "ok":
             return
         time.sleep(0.1)  # stage 0 dials the chain with backoff: poll its health
     raise BenchError(f"the pipeline did not connect in {timeout_s:.0f} s: "
-                     f"{body.get('reason', 'no answer')}\n" + head.log_tail())
+                     f"{body.get('reason', 'no answer')}"
+                     + ("" if head is None else "\n" + head.log_tail()))
