@@ -56,6 +56,9 @@ BACKOFF_MAX_S = 2.0
 CHAIN_SETUP_TIMEOUT_S = 30.0
 #: One TCP connect attempt.
 DIAL_TIMEOUT_S = 5.0
+#: After start, how long stage 0 waits for the next stage quietly: stages started together
+#: (by systemd, by a script) come up in any order, so early refusals are not a fault.
+STARTUP_GRACE_S = 15.0
 
 
 class ChainListener(Protocol):
@@ -208,6 +211,9 @@ class ChainLink:
         self._final_id = "the final stage"
         self._reason: str | None = "connecting"
         self._last_failure: str | None = None
+        self._warned = False
+        """This outage's failure was said at warning level already."""
+        self._started_at = time.monotonic()
         self._data: FrameSocket | None = None
         self._return: FrameSocket | None = None
         self._bytes = [0, 0]
@@ -219,6 +225,7 @@ class ChainLink:
 
     def start(self, listener: ChainListener) -> None:
         self._listener = listener
+        self._started_at = time.monotonic()
         self._pinger = LinkPinger("skippyd-chain-pinger",
                                   silence_timeout_s=self.identity.silence_timeout_s).start()
         self._thread.start()
@@ -325,8 +332,16 @@ class ChainLink:
             self._closed.wait(BACKOFF_MIN_S)
 
     def _note_failure(self, reason: str, delay: float) -> None:
-        # Say it once at warning level; identical repeats during the backoff are debug.
-        level = logging.WARNING if reason != self._last_failure else logging.DEBUG
+        # Each new reason is said once; identical repeats during the backoff are debug. Until
+        # the pipeline has first connected, within the start-up grace, it is only info.
+        new = reason != self._last_failure
+        starting = (self._epoch == 0
+                    and time.monotonic() - self._started_at < STARTUP_GRACE_S)
+        if starting:
+            level = logging.INFO if new else logging.DEBUG
+        else:
+            level = logging.WARNING if new or not self._warned else logging.DEBUG
+            self._warned = True
         logger.log(level, "cannot reach the pipeline: %s (retrying in %.1f s)", reason, delay)
         self._last_failure = reason
         self._reason = f"{reason} (reconnecting)"
@@ -378,6 +393,7 @@ class ChainLink:
                     conn.close()
                 return
             self._last_failure = None
+            self._warned = False
             self._epoch += 1
             epoch = self._epoch
             self._data, self._return = data, ret
