@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import pytest
 from link_support import free_port
 
 from skippyd.link import dialer

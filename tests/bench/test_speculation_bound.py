@@ -1,0 +1,56 @@
+"""bench/speculation_bound.py: the drafter replayed over an answer, the oracle's draft
+lengths, and one tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from bench_script import BENCH_DIR, loaded
+
+
+@pytest.fixture(scope="module")
+def sb():
+    with loaded("speculation_bound") as module:
+        yield module
+
+
+def test_the_drafter_replayed_over_an_answer_counts_what_it_would_accept(sb) -> None:
+    prompt = [10, 11, 12, 13, 14, 15]
+    answer = [10, 11, 12, 13, 20, 21]
+    # After "10 11" the drafter copies "12 13 14 15" from the prompt: two survive.
+    assert sb.accepted_drafts(prompt, answer, 16) == [0, 2, 1, 0, 0]
+    assert sb.accepted_drafts(prompt, answer, 1) == [0, 1, 1, 0, 0]
+
+
+def test_the_oracle_drafts_where_it_pays_and_never_loses_to_plain_decoding(sb) -> None:
+    accepted = [0, 2, 1, 0, 0]
+    costs = [1.0, 1.5, 2.0, 2.5]  # c(1)..c(4)
+    # One plain step, one with two drafts (both kept: three tokens for 2.0), one plain.
+    assert sb.oracle(accepted, costs, 3) == (4.0, 3, 2, 2)
+    # Where a row costs more than a step, drafting never pays.
+    assert sb.oracle(accepted, [1.0, 2.1, 3.2, 4.3], 3) == (5.0, 5, 0, 0)
+
+
+def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(tiny_model_path: Path,
+                                                                    tmp_path: Path) -> None:
+    out = tmp_path / "bound.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "speculation_bound.py"), "--model",
+         str(tiny_model_path), "--threads", "1", "--prompts", "2", "--max-tokens", "12",
+         "--max-draft", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert len(figures["row_cost_ms"]) == 4 and all(c > 0 for c in figures["row_cost_ms"])
+    assert len(figures["answers"]) == 2
+    for answer in figures["answers"]:
+        assert 1 <= answer["tokens"] <= 12 and answer["prefill_s"] > 0
+        # Drafting nothing is one of the oracle's choices: it is never slower than plain.
+        assert answer["oracle_s"] <= answer["plain_s"] + 1e-12 and answer["ratio"] >= 1.0
+    assert figures["perfect_drafter_ratio"] >= 1.0
+    assert "a drafter that is always right" in result.stdout
