@@ -529,7 +529,7 @@ def test_all_examples_load() -> None:
 def test_single_example() -> None:
     config = load_config(EXAMPLES / "single.toml")
     assert config.stage.model_path is None and config.is_first and config.is_final
-    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, 8192)
+    assert (config.runtime.lane_count, config.runtime.ctx_size) == (8, None)
 
 
 @pytest.mark.parametrize(("directory", "ranges"), [
@@ -595,7 +595,7 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
     with pytest.raises(ConfigError) as info:
         check_pipeline([configs[0], small])
     assert info.value.keys == ["stages[1].runtime.lane_count", "stages[1].runtime.ctx_size"]
-    assert "must be at least stages[0].runtime.lane_count = 8 (got 2)" in str(info.value)
+    assert "must be at least stages[0].runtime.lane_count = 4 (got 2)" in str(info.value)
     unified = dataclasses.replace(configs[1], runtime=dataclasses.replace(
         configs[1].runtime, lane_count=16, kv_layout="unified"))
     check_pipeline([configs[0], unified])  # in one pool every session may use all of it
@@ -606,8 +606,8 @@ def test_check_pipeline_needs_no_listening_stage_0_but_equal_capacity() -> None:
     with pytest.raises(ConfigError) as info:
         check_pipeline([head, crowded])
     assert info.value.keys == ["stages[1].runtime.ctx_size"]
-    assert "512 tokens per session (per_lane layout, ctx_size 8192, 16 lanes) must be at least " \
-        "stage 0's 1024" in str(info.value)
+    assert "2048 tokens per session (per_lane layout, ctx_size 32768, 16 lanes) must be at " \
+        "least stage 0's 8192" in str(info.value)
 
 
 def test_link_advertise_and_activation_dtype() -> None:
