@@ -17,6 +17,10 @@ API (no server, no scheduler):
    would accept. Knowing that in advance, dynamic programming picks the draft length of
    every step that finishes the answer soonest (``c(1 + k)`` per step, ``k`` from 0 to
    ``--max-draft``). No policy that has to guess can beat it.
+4. **Fixed rules.** For comparison, a few rules without foresight on the same answers
+   and costs (draft every proposal whole; only after an 8-token match; whole only after a
+   step whose drafts were all kept): what a simple policy gets, between plain decoding
+   and the oracle.
 
 It prints, per prompt and in total: plain decoding's time (``c(1)`` per token), the
 oracle's, and the bound on the copy workload's output tok/s ratio (ngram / off) with the
@@ -34,7 +38,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -144,23 +148,66 @@ class Decoder:
         return [statistics.median(s) for s in samples]
 
 
-def accepted_drafts(prompt: Sequence[int], answer: Sequence[int], most: int) -> list[int]:
-    """Per ``j`` (answer tokens known, the last one pending), how many of the drafter's
-    up to ``most`` drafts the answer accepts; index ``j - 1``."""
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What the drafter proposes at one token of an answer, and what the answer keeps."""
+
+    drafts: int
+    """Tokens proposed (at most the limit)."""
+    match: int
+    """Length of the run of last tokens found again (0: nothing proposed)."""
+    accepted: int
+    """Leading drafts the answer confirms."""
+
+
+def proposals(prompt: Sequence[int], answer: Sequence[int], most: int) -> list[Proposal]:
+    """Per ``j`` (answer tokens known, the last one pending), the drafter's proposal of
+    up to ``most`` tokens and how many of them the answer accepts; index ``j - 1``."""
     index = NgramIndex()
     index.extend(prompt)
     index.extend(answer[:1])
-    accepted = []
+    out = []
     for j in range(1, len(answer)):
-        drafts, _ = index.propose(most)
+        drafts, match = index.propose(most)
         hits = 0
         for draft, actual in zip(drafts, answer[j:], strict=False):
             if draft != actual:
                 break
             hits += 1
-        accepted.append(hits)
+        out.append(Proposal(len(drafts), match, hits))
         index.extend(answer[j:j + 1])
-    return accepted
+    return out
+
+
+def accepted_drafts(prompt: Sequence[int], answer: Sequence[int], most: int) -> list[int]:
+    """Per ``j``, how many of the drafter's up to ``most`` drafts the answer accepts."""
+    return [p.accepted for p in proposals(prompt, answer, most)]
+
+
+#: Fixed rules a policy without foresight could follow, for comparison with the oracle:
+#: each maps (a proposal, whether the last step's drafts were all kept) to a draft length.
+RULES: dict[str, Callable[[Proposal, bool], int]] = {
+    "every proposal, whole": lambda p, kept: p.drafts,
+    "8-token matches only": lambda p, kept: p.drafts if p.match >= 8 else 0,
+    "after a fully kept step": lambda p, kept: p.drafts if kept else min(p.drafts, 2),
+}
+
+
+def follow(rule: Callable[[Proposal, bool], int], found: Sequence[Proposal],
+           costs: Sequence[float]) -> tuple[float, int, int, int]:
+    """Decode an answer with ``rule`` choosing each step's drafts (no foresight):
+    (seconds, steps, drafted, accepted)."""
+    n = len(found) + 1
+    j, seconds, steps, drafted, accepted, kept = 1, 0.0, 0, 0, 0, True
+    while j < n:
+        proposal = found[j - 1]
+        k = max(0, min(rule(proposal, kept), proposal.drafts, len(costs) - 1))
+        hits = min(k, proposal.accepted)
+        seconds += costs[k]
+        steps, drafted, accepted = steps + 1, drafted + k, accepted + hits
+        kept = hits == k
+        j += hits + 1
+    return seconds, steps, drafted, accepted
 
 
 def oracle(accepted: Sequence[int], costs: Sequence[float], most: int) -> tuple[float, int, int, int]:
@@ -217,27 +264,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             decoder.close()
     tokenizer.close()
     bounds = []
+    ruled: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in RULES}
     for prompt, answer in zip(prompts, answers, strict=True):
-        accepted = accepted_drafts(prompt, answer.tokens, args.max_draft)
-        seconds, steps, drafted, hits = oracle(accepted, costs, args.max_draft)
+        found = proposals(prompt, answer.tokens, args.max_draft)
+        seconds, steps, drafted, hits = oracle([p.accepted for p in found], costs,
+                                               args.max_draft)
         bounds.append(Bound(len(answer.tokens), answer.prefill_s,
                             (len(answer.tokens) - 1) * costs[0], seconds, steps, drafted, hits))
+        for name, rule in RULES.items():
+            taken, _, rule_drafted, rule_hits = follow(rule, found, costs)
+            ruled[name][0] += taken
+            ruled[name][1] += rule_drafted
+            ruled[name][2] += rule_hits
     perfect = max((k + 1) * costs[0] / costs[k] for k in range(len(costs)))
     total = Bound(*(sum(getattr(b, f) for b in bounds) for f in (
         "tokens", "prefill_s", "plain_s", "oracle_s", "steps", "drafted", "accepted")))
-    report(costs, bounds, total, perfect)
+    rules = {name: Bound(total.tokens, total.prefill_s, total.plain_s, taken, 0,
+                         int(drafted), int(hits))
+             for name, (taken, drafted, hits) in ruled.items()}
+    report(costs, bounds, total, perfect, rules)
     if args.json is not None:
         args.json.write_text(json.dumps({
             "model": str(path), "threads": args.threads, "row_cost_ms": [c * 1000 for c in costs],
             "answers": [{**asdict(b), "ratio": b.ratio} for b in bounds],
             "total": {**asdict(total), "ratio": total.ratio},
             "decode_only_ratio": total.plain_s / total.oracle_s,
+            "rules": {name: {**asdict(b), "ratio": b.ratio} for name, b in rules.items()},
             "perfect_drafter_ratio": perfect}, indent=2))
     return 0
 
 
 def report(costs: Sequence[float], bounds: Sequence[Bound], total: Bound,
-           perfect: float) -> None:
+           perfect: float, rules: dict[str, Bound]) -> None:
     rows = Table(title="one llama_decode of r rows of one sequence, logits on every row")
     rows.add_column("rows", justify="right")
     rows.add_column("ms", justify="right")
@@ -258,6 +316,12 @@ def report(costs: Sequence[float], bounds: Sequence[Bound], total: Bound,
     console.print(table)
     console.print(f"decode alone (no prefill): {total.plain_s / total.oracle_s:.3f}x; "
                   f"a drafter that is always right: {perfect:.3f}x")
+    table = Table(title="fixed rules without foresight, the same answers and costs")
+    for column in ("rule", "decode s", "drafts accepted", "tok/s ratio"):
+        table.add_column(column, justify="right")
+    for name, b in rules.items():
+        table.add_row(name, f"{b.oracle_s:.2f}", f"{b.accepted}/{b.drafted}", f"{b.ratio:.3f}")
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,17 @@ def test_the_oracle_drafts_where_it_pays_and_never_loses_to_plain_decoding(sb) -
     assert sb.oracle(accepted, [1.0, 2.1, 3.2, 4.3], 3) == (5.0, 5, 0, 0)
 
 
+def test_a_rule_without_foresight_pays_for_the_drafts_it_loses(sb) -> None:
+    found = sb.proposals([10, 11, 12, 13, 14, 15], [10, 11, 12, 13, 20, 21], 16)
+    assert [(p.drafts, p.match, p.accepted) for p in found] == [
+        (0, 0, 0), (6, 2, 2), (6, 2, 1), (6, 4, 0), (0, 0, 0)]
+    costs = [1.0 + 0.5 * k for k in range(7)]
+    # Whole proposals: plain, then six drafts (two kept: 4.0 for three tokens), then plain.
+    assert sb.follow(sb.RULES["every proposal, whole"], found, costs) == (6.0, 3, 6, 2)
+    # Only 8-token matches: none here, so plain decoding.
+    assert sb.follow(sb.RULES["8-token matches only"], found, costs) == (5.0, 5, 0, 0)
+
+
 def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(tiny_model_path: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "bound.json"
@@ -54,3 +65,5 @@ def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(tiny_model_pat
         assert answer["oracle_s"] <= answer["plain_s"] + 1e-12 and answer["ratio"] >= 1.0
     assert figures["perfect_drafter_ratio"] >= 1.0
     assert "a drafter that is always right" in result.stdout
+    assert set(figures["rules"]) == {"every proposal, whole", "8-token matches only",
+                                     "after a fully kept step"}
