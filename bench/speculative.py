@@ -15,9 +15,10 @@ Workloads (greedy, ``--max-tokens`` output tokens, chat completions):
   most of the prompt, the case drafting is for.
 * ``free``: a short story about a subject of its own: little of the answer repeats.
 
-Targets, as ratios of output tok/s: ``copy`` at 1 stream, ngram >= 1.3x skippyd off and
->= 1.0x llama-server with ngram-mod; everything else (``free``, and 8 streams) >= 0.98x
-skippyd off (drafting must notice when it cannot pay). Acceptance is reported from each
+Targets, as ratios of output tok/s: ``copy`` at 1 stream on the embedded model, one
+machine, ngram >= 1.3x skippyd off and >= 1.0x llama-server with ngram-mod; everything
+else (``free``, 8 streams, another ``--model`` such as the random-weight shapes, a split)
+>= 0.98x skippyd off (drafting must notice when it cannot pay). Acceptance is reported from each
 server's response (skippyd's ``usage.completion_tokens_details``, llama-server's
 ``timings``).
 
@@ -322,10 +323,20 @@ def run(setup: Setup, sides: Sequence[str], workloads: Sequence[str], streams: S
     return cells
 
 
-def verdicts(cells: dict[tuple[str, int], Cell]) -> list[dict[str, Any]]:
+#: ngram / off on the copy workload at 1 stream, where the gain is asked for.
+COPY_GAIN = 1.3
+#: ngram / off everywhere else: drafting may not cost more than this.
+NO_LOSS = 0.98
+
+
+def verdicts(cells: dict[tuple[str, int], Cell], *,
+             gain_asked: bool = True) -> list[dict[str, Any]]:
+    """``gain_asked``: the copy workload at 1 stream must gain :data:`COPY_GAIN` (the
+    embedded model on one machine); otherwise every cell checks the cost side only."""
     rows = []
     for (workload, n), cell in cells.items():
-        checks = [("skippyd off", 1.3 if (workload, n) == ("copy", 1) else 0.98)]
+        gain = gain_asked and (workload, n) == ("copy", 1)
+        checks = [("skippyd off", COPY_GAIN if gain else NO_LOSS)]
         if (workload, n) == ("copy", 1):
             checks.append(("llama-server ngram-mod", 1.0))
         for anchor, target in checks:
@@ -404,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.llama_server, Path(tmp), args.max_tokens, args.stages,
                       args.rtt_ms)
         cells = run(setup, sides, workloads, streams, args.rounds, args.requests_per_stream)
-    rows = verdicts(cells)
+    rows = verdicts(cells, gain_asked=args.model is None and args.stages == 1)
     print_report(cells, rows)
     if args.json:
         args.json.write_text(json.dumps({
