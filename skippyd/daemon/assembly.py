@@ -248,7 +248,8 @@ class StageEngine:
         spec = self.config.speculative
         if not spec.enabled:
             return None
-        settings = SpeculationSettings(spec.mode, spec.min_draft, spec.max_draft)
+        settings = SpeculationSettings(spec.mode, spec.min_draft, spec.max_draft,
+                                       split_by_sequence=not local.shares_kv_pool)
         draft = None
         if spec.mode == "draft":
             assert spec.draft_model_path is not None  # the config rules require it

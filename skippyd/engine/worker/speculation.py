@@ -47,6 +47,10 @@ class SpeculationSettings:
     """Fewest drafts a row carries when it carries any."""
     max_draft: int = 16
     """Most drafts a row carries."""
+    split_by_sequence: bool = False
+    """The runtime computes a batch in micro-batches of equal rows per sequence (a KV
+    stream per lane): drafts beside another sequence's rows add a micro-batch, a whole
+    pass over the weights, so drafts ride only on a step's lone row."""
 
     @property
     def enabled(self) -> bool:
@@ -116,6 +120,8 @@ class Speculation:
             fallback: Step costs the policy learned from every step.
         """
         if not self.settings.enabled:
+            return plan
+        if self.settings.split_by_sequence and len(plan.work) > 1:
             return plan
         decode_rows = sum(1 for w in plan.work if w.phase is IterationPhase.DECODE)
         room = budget - plan.token_count

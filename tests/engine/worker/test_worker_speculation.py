@@ -8,6 +8,8 @@ side exactly; the tiny real model checks the whole path once.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from fake_runtime import FakeRuntime
 from worker_support import barrier, generate
@@ -38,9 +40,10 @@ class TaughtControl(DraftControl):
         pass
 
 
-def speculating(max_session_tokens: int = 4096, max_draft: int = 6) -> Speculation:
-    return Speculation(SpeculationSettings("ngram", 2, max_draft), max_session_tokens,
-                       control=TaughtControl(max_draft))
+def speculating(max_session_tokens: int = 4096, max_draft: int = 6, *,
+                split_by_sequence: bool = False) -> Speculation:
+    return Speculation(SpeculationSettings("ngram", 2, max_draft, split_by_sequence),
+                       max_session_tokens, control=TaughtControl(max_draft))
 
 
 def test_a_request_that_repeats_its_prompt_gets_several_tokens_a_step(make_handle):
@@ -107,6 +110,23 @@ def test_drafts_that_are_never_accepted_stop_being_drafted(make_handle):
     assert len(result.tokens) == 90 and result.accepted == 0
     drafted_rows = [request for call in runtime.calls for request in call if request.draft]
     assert 0 < len(drafted_rows) < 12, len(drafted_rows)  # of some 30 chances
+
+
+def test_with_a_stream_per_lane_drafts_ride_only_on_a_lone_row(make_handle):
+    # Beside another sequence's rows, a per-lane runtime would compute the drafts in a
+    # micro-batch of their own: a second pass over the weights for a few guesses.
+    runtime = FakeRuntime(lane_count=2, script={"a": PATTERN * 6, "b": PATTERN * 6})
+    worker = make_handle(runtime, speculation=speculating(split_by_sequence=True))
+    prompt = [1, *PATTERN, *PATTERN]
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(generate, worker, prompt, 40, request_id="a")
+        short = pool.submit(generate, worker, prompt, 8, request_id="b")
+        alone, beside = long.result(), short.result()
+    shared = [call for call in runtime.calls if len(call) > 1]
+    assert shared, "the two requests never shared a step"
+    assert not any(request.draft for call in shared for request in call)
+    assert alone.tokens == (PATTERN * 6)[:40] and beside.tokens == PATTERN
+    assert alone.drafted > 0  # on its own once the short one ended
 
 
 @pytest.mark.parametrize("layout", ["unified", "per_lane"])
