@@ -268,9 +268,14 @@ def test_utility_endpoints(server):
 
 def test_plain_greedy_output_is_the_same_beside_every_feature(client):
     """A plain greedy request gives its solo text while constrained, tool, logprob and
-    n>1 requests share its batches (prompts with a clear greedy margin)."""
+    n>1 requests share its batches (prompts with a clear greedy margin).
+
+    A batch's shape changes llama.cpp's arithmetic in the last bits, which flips a near
+    tie: "Monday, Tuesday, Wednesday," continues " and Thursday) to create a 3-day" and
+    then "weekend" or "cycle" by a hair. Eight tokens stay clear of it; cross-talk between
+    requests would show in the first of them."""
     def plain(prompt):
-        return client.completions.create(model="any", prompt=prompt, max_tokens=12,
+        return client.completions.create(model="any", prompt=prompt, max_tokens=8,
                                          temperature=0).choices[0].text
 
     def constrained():
