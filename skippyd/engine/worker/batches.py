@@ -187,7 +187,7 @@ class BatchWorker:
             return
         telemetry.publish(DirectBatchFinished(
             batch_size=len(runnable),
-            token_count=sum(item.num_tokens for item, _ in runnable),
+            token_count=sum(item.num_rows for item, _ in runnable),
             batch_wait_max_ms=max((started - item.enqueued_at) * 1000.0
                                   for item, _ in runnable),
             runtime_ms=(finished - started) * 1000.0))

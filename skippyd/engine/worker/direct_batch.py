@@ -191,8 +191,8 @@ class DirectIteration:
         return result
 
     @property
-    def num_tokens(self) -> int:
-        """Rows it puts in a batch (drafts included)."""
+    def num_rows(self) -> int:
+        """Rows it puts in a batch: its input and its drafts."""
         if self.input_rows is not None:
             return int(self.input_rows.shape[0])
         return len(self.token_ids) + len(self.draft)
@@ -215,7 +215,7 @@ class _Batchable(Protocol):
     def session_id(self) -> str: ...
 
     @property
-    def num_tokens(self) -> int: ...
+    def num_rows(self) -> int: ...
 
     @property
     def group(self) -> DirectGroup | None: ...
@@ -250,13 +250,13 @@ def take_direct_iteration_batch(queue: deque[B], max_batch_size: int, token_budg
             deferred.append(request)
             continue
         claimed.add(request.session_id)
-        if request.num_tokens > budget and (batch or deferred):
+        if request.num_rows > budget and (batch or deferred):
             deferred.append(request)
             continue
         # NOTE: an over-budget head with nothing before it still runs alone; validation
         # keeps this unreachable, but it must never be deferred forever.
         batch.append(request)
-        budget -= request.num_tokens
+        budget -= request.num_rows
     queue.extendleft(reversed(deferred))
     return batch
 

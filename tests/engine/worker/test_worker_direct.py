@@ -37,7 +37,7 @@ WAIT_S = 5.0
 class Item:
     name: str
     session_id: str
-    num_tokens: int
+    num_rows: int
     group: DirectGroup | None = None
 
 
@@ -115,7 +115,7 @@ def test_direct_prefill_wave_never_exceeds_configured_native_batch_tokens():
     queue = deque(Item(f"p{i}", f"s{i}", 128) for i in range(8))
     batch = take_direct_iteration_batch(queue, 16, 512)
     assert names(batch) == ["p0", "p1", "p2", "p3"]
-    assert sum(item.num_tokens for item in batch) == 512
+    assert sum(item.num_rows for item in batch) == 512
     assert names(queue) == ["p4", "p5", "p6", "p7"]
 
 
