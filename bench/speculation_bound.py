@@ -47,6 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from skippyd.bench.models import add_model_option, model_path
+from skippyd.bench.runtime import decode_or_raise
 from skippyd.daemon.assembly import chat_prompt_tokens
 from skippyd.engine.policy.ngram import NgramIndex
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
@@ -109,11 +110,8 @@ class Decoder:
             batch.logits[i] = all_logits or i == len(tokens) - 1
         batch.n_tokens = len(tokens)
         started = time.perf_counter()
-        code = L.llama_decode(self.ctx, batch)
-        elapsed = time.perf_counter() - started
-        if code != 0:
-            raise RuntimeError(f"llama_decode returned {code}")
-        return elapsed
+        decode_or_raise(self.ctx, batch)
+        return time.perf_counter() - started
 
     def sample(self, row: int) -> int:
         return int(L.llama_sampler_sample(self.greedy, self.ctx, row))
