@@ -46,11 +46,11 @@ from skippyd.engine.runtime.tokenizer import (
 )
 from skippyd.engine.runtime.watch import CallWatch
 from skippyd.engine.worker.arrivals import Arrivals
+from skippyd.engine.worker.drafting import DraftModel, Speculation, SpeculationSettings
 from skippyd.engine.worker.faults import FAULT_ENV, FaultSwitch
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
-from skippyd.engine.worker.speculation import DraftModel, Speculation, SpeculationSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.engine.worker.worker_errors import WorkerStoppedError
 from skippyd.gguf.model_info import ModelInfo, inspect_model

@@ -42,6 +42,7 @@ from skippyd.engine.telemetry_events import RequestAdmitted, RequestFinished, Re
 from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.choice_forks import ChoiceForks
 from skippyd.engine.worker.commands import IDLE_POLL_INTERVAL_S, CancelCommand, SubmitCommand
+from skippyd.engine.worker.drafting import Speculation, SpeculationSettings
 from skippyd.engine.worker.generation_events import (
     AdmittedEvent,
     CompleteEvent,
@@ -55,7 +56,6 @@ from skippyd.engine.worker.plan_execution import PlanExecutor, PlanResult
 from skippyd.engine.worker.prefix_admission import NO_CACHE, Admission, PrefixAdmission
 from skippyd.engine.worker.record import NOT_ADMITTED, Generation, GenerationStatus
 from skippyd.engine.worker.settings import admission_tokens, kv_capacity_tokens
-from skippyd.engine.worker.speculation import Speculation, SpeculationSettings
 from skippyd.engine.worker.telemetry import step_finished
 from skippyd.engine.worker.worker_errors import (
     AdmissionTimeoutError,

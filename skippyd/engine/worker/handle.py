@@ -40,11 +40,11 @@ from skippyd.engine.worker.direct_batch import (
     IterationOutcome,
     validate_direct_iteration,
 )
+from skippyd.engine.worker.drafting import Speculation
 from skippyd.engine.worker.faults import FaultSwitch
 from skippyd.engine.worker.generation_events import GenerationEvent, GenerationRequest
 from skippyd.engine.worker.generations import GenerationWorker
 from skippyd.engine.worker.settings import WorkerSettings, kv_capacity_tokens
-from skippyd.engine.worker.speculation import Speculation
 from skippyd.engine.worker.telemetry import TelemetryHub, publish_worker_start
 from skippyd.engine.worker.wait_hooks import WaitHook
 from skippyd.engine.worker.worker_errors import (

@@ -29,7 +29,7 @@ from skippyd.engine.worker.generation_events import (
 if TYPE_CHECKING:
     from skippyd.engine.policy import ScheduledSequence
     from skippyd.engine.prefix_cache import Lease
-    from skippyd.engine.worker.speculation import RequestDrafts
+    from skippyd.engine.worker.drafting import RequestDrafts
 
 logger = logging.getLogger(__name__)
 

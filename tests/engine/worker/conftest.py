@@ -13,11 +13,11 @@ from skippyd.engine.prefix_cache import LivePrefixCache
 from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.command_loop import CommandLoop
 from skippyd.engine.worker.commands import SubmitCommand
+from skippyd.engine.worker.drafting import Speculation
 from skippyd.engine.worker.faults import FaultSwitch
 from skippyd.engine.worker.generations import GenerationWorker
 from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHandle
 from skippyd.engine.worker.settings import WorkerSettings
-from skippyd.engine.worker.speculation import Speculation
 from skippyd.engine.worker.telemetry import TelemetryHub
 
 WAIT_S = 5.0

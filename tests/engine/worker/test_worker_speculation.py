@@ -15,11 +15,11 @@ from fake_runtime import FakeRuntime
 from worker_support import barrier, generate
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
-from skippyd.engine.policy.speculation import DraftControl
+from skippyd.engine.policy.draft_length import DraftControl
 from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.worker.drafting import Speculation, SpeculationSettings
 from skippyd.engine.worker.generation_events import TokenControl
-from skippyd.engine.worker.speculation import Speculation, SpeculationSettings
 
 GREEDY = SamplingConfig(temperature=0.0, ignore_eos=True)
 PATTERN = [11, 12, 13, 14, 15, 16, 17, 18]

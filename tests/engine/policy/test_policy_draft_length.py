@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
+from skippyd.engine.policy.draft_length import DraftControl, Survival, expected_tokens
 from skippyd.engine.policy.ngram import NgramIndex
-from skippyd.engine.policy.speculation import DraftControl, Survival, expected_tokens
 from skippyd.engine.policy.step_budget import StepCostModel
 
 

@@ -3,7 +3,7 @@
 Before a plan runs, each decoding request that speculates may get a few drafted tokens
 after its pending one: from its own text (``ngram``: :mod:`~skippyd.engine.policy.ngram`)
 or from a small draft model (``draft``: :class:`DraftModel`). How many is the policy's
-call (:class:`~skippyd.engine.policy.speculation.DraftControl`): only as many as its
+call (:class:`~skippyd.engine.policy.draft_length.DraftControl`): only as many as its
 acceptance so far makes worth a row's cost on this machine. The runtime verifies them in
 the same ``llama_decode`` as everyone else's rows and returns the tokens accepted; the
 worker learns from the outcome. ``docs/scheduler.md``, *Speculative decoding*, has the
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from skippyd.engine.policy import IterationPhase, IterationPlan
+from skippyd.engine.policy.draft_length import DraftControl, DraftStats
 from skippyd.engine.policy.ngram import NgramIndex
-from skippyd.engine.policy.speculation import DraftControl, DraftStats
 from skippyd.engine.policy.step_budget import StepCostModel
 from skippyd.engine.runtime.contract import (
     GREEDY,
