@@ -19,8 +19,8 @@ from skippyd.link.wire import (
     HANDSHAKE_LIMITS,
     HEADER_BYTES,
     MAX_BATCH_ENTRIES,
-    Flag,
     Frame,
+    FrameFlag,
     FrameKind,
     LinkLimits,
     LinkProtocolError,
@@ -189,11 +189,11 @@ class BatchAssembler:
             raise LinkProtocolError(f"batch {header.request_id} exceeds {MAX_BATCH_ENTRIES} "
                                     "entries")
         self._request_id = header.request_id
-        self._half_rows = self._half_rows or bool(header.flags & Flag.ROWS_F16)
+        self._half_rows = self._half_rows or bool(header.flags & FrameFlag.ROWS_F16)
         self._sessions.add(header.session_id)
         assert isinstance(frame.payload, ChainEntry)
         self._entries.append(frame.payload)
-        if not header.flags & Flag.END_OF_BATCH:
+        if not header.flags & FrameFlag.END_OF_BATCH:
             return None
         done = (header.request_id, self._entries, self._half_rows)
         self._request_id, self._entries, self._sessions = None, [], set()

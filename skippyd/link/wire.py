@@ -71,7 +71,7 @@ class FrameKind(enum.IntEnum):
     STATUS = 30
 
 
-class Flag(enum.IntFlag):
+class FrameFlag(enum.IntFlag):
     """ITERATION flags (``flags`` header field); other kinds carry none."""
 
     POSITIONS = 1 << 0
@@ -89,8 +89,9 @@ _MAX_BODY_BYTES = {
     FrameKind.STATUS: MAX_STATUS_BYTES,
     FrameKind.RESULT: MAX_BATCH_ENTRIES * (1 + MAX_DRAFTS) * _RESULT.size,
 }
-_ALL_FLAGS = int(Flag.POSITIONS | Flag.SAMPLING | Flag.SAMPLE_LAST | Flag.END_OF_BATCH
-                 | Flag.DECODE | Flag.ROWS_F16 | Flag.DRAFTS)
+_ALL_FLAGS = int(FrameFlag.POSITIONS | FrameFlag.SAMPLING | FrameFlag.SAMPLE_LAST
+                 | FrameFlag.END_OF_BATCH | FrameFlag.DECODE | FrameFlag.ROWS_F16
+                 | FrameFlag.DRAFTS)
 #: Largest magnitude float16 holds; a frame with a larger value travels as float32.
 F16_MAX = float(np.finfo(np.float16).max)
 _KINDS = {int(kind): kind for kind in FrameKind}
@@ -188,27 +189,27 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
     count = len(entry.token_ids)
     tokens = np.asarray(entry.token_ids, dtype="<i4")
     parts = [tokens.tobytes()]
-    flags = Flag.END_OF_BATCH if end_of_batch else Flag(0)
+    flags = FrameFlag.END_OF_BATCH if end_of_batch else FrameFlag(0)
     if entry.has_positions:
-        flags |= Flag.POSITIONS
+        flags |= FrameFlag.POSITIONS
         parts.append(np.arange(entry.first_position, entry.first_position + count,
                                dtype="<i4").tobytes())
     if entry.sampling is not None:
-        flags |= Flag.SAMPLING
+        flags |= FrameFlag.SAMPLING
         parts.append(encode_sampling(entry.sampling))
     width = 0
     if entry.rows is not None:
         rows = np.ascontiguousarray(entry.rows, dtype="<f4")
         width = int(rows.shape[1])
         if half_rows and rows.size and float(np.abs(rows).max()) <= F16_MAX:
-            flags |= Flag.ROWS_F16
+            flags |= FrameFlag.ROWS_F16
             rows = rows.astype("<f2")
         parts.append(rows.tobytes())
     if entry.draft_count:
-        flags |= Flag.DRAFTS
+        flags |= FrameFlag.DRAFTS
         parts.append(_DRAFT_COUNT.pack(entry.draft_count))
-    flags |= (Flag.SAMPLE_LAST if entry.sample_last else 0) | (
-        Flag.DECODE if entry.decode else 0)
+    flags |= (FrameFlag.SAMPLE_LAST if entry.sample_last else 0) | (
+        FrameFlag.DECODE if entry.decode else 0)
     return encode_frame(FrameKind.ITERATION, b"".join(parts), flags=int(flags),
                         session_id=entry.session_id, request_id=request_id,
                         first_position=entry.first_position, token_count=count,
@@ -292,9 +293,9 @@ def _check_iteration_header(body_bytes: int, flags: int, first: int, count: int,
     if width not in (0, limits.row_width):
         raise LinkProtocolError(f"ITERATION frame: row_width {width}, expected "
                                 f"{limits.row_width} (agreed at the handshake)")
-    if flags & Flag.ROWS_F16 and not width:
+    if flags & FrameFlag.ROWS_F16 and not width:
         raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
-    if flags & Flag.DRAFTS and not flags & Flag.SAMPLE_LAST:
+    if flags & FrameFlag.DRAFTS and not flags & FrameFlag.SAMPLE_LAST:
         raise LinkProtocolError("ITERATION frame: DRAFTS flag without SAMPLE_LAST")
     # Tokens, positions and rows, one sampling block and a draft count: nothing may
     # claim more.
@@ -340,12 +341,12 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
                       max_context_tokens: int | None) -> ChainEntry:
     count, width, flags = header.token_count, header.row_width, header.flags
     offset = 4 * count
-    positions_bytes = 4 * count if flags & Flag.POSITIONS else 0
-    row_value_bytes = 2 if flags & Flag.ROWS_F16 else 4
+    positions_bytes = 4 * count if flags & FrameFlag.POSITIONS else 0
+    row_value_bytes = 2 if flags & FrameFlag.ROWS_F16 else 4
     rows_bytes = row_value_bytes * count * width
-    drafts_bytes = _DRAFT_COUNT.size if flags & Flag.DRAFTS else 0
+    drafts_bytes = _DRAFT_COUNT.size if flags & FrameFlag.DRAFTS else 0
     sampling_bytes = len(body) - offset - positions_bytes - rows_bytes - drafts_bytes
-    has_sampling = bool(flags & Flag.SAMPLING)
+    has_sampling = bool(flags & FrameFlag.SAMPLING)
     if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
         raise LinkProtocolError(f"ITERATION frame body is {len(body)} bytes, which does not "
                                 f"match {count} tokens of width {width}")
@@ -384,7 +385,7 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
     return ChainEntry(
         session_id=header.session_id, first_position=header.first_position,
         token_ids=tokens.tolist(), rows=rows, sampling=sampling,
-        sample_last=bool(flags & Flag.SAMPLE_LAST), decode=bool(flags & Flag.DECODE),
+        sample_last=bool(flags & FrameFlag.SAMPLE_LAST), decode=bool(flags & FrameFlag.DECODE),
         has_positions=bool(positions_bytes), draft_count=draft_count,
     )
 

@@ -28,7 +28,7 @@ from skippyd.link.handshake import (
 from skippyd.link.wire import (
     HEADER,
     HEADER_BYTES,
-    Flag,
+    FrameFlag,
     FrameKind,
     LinkAuthError,
     LinkLimits,
@@ -276,7 +276,7 @@ def test_float16_rows_halve_the_bytes_and_round_trip_within_float16_precision():
     half = encode_iteration(3, entry, end_of_batch=True, half_rows=True)
     assert len(full) - len(half) == 4 * WIDTH * 2
     [frame] = decode_stream(half, LIMITS)
-    assert frame.header.flags & Flag.ROWS_F16 and frame.payload.rows.dtype == np.float32
+    assert frame.header.flags & FrameFlag.ROWS_F16 and frame.payload.rows.dtype == np.float32
     np.testing.assert_array_equal(frame.payload.rows,
                                   entry.rows.astype(np.float16).astype(np.float32))
     request_id, _, half_rows = BatchAssembler().add(frame)
@@ -288,13 +288,13 @@ def test_rows_beyond_float16_range_travel_as_float32():
     entry.rows[1, 3] = 1e6
     [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=True),
                             LIMITS)
-    assert not frame.header.flags & Flag.ROWS_F16
+    assert not frame.header.flags & FrameFlag.ROWS_F16
     np.testing.assert_array_equal(frame.payload.rows, entry.rows)
 
 
 def test_a_float16_flag_without_rows_is_refused():
     data = bytearray(encode_iteration(3, _entry(2, rows=False), end_of_batch=True))
-    flags = int.from_bytes(data[6:8], "little") | int(Flag.ROWS_F16)
+    flags = int.from_bytes(data[6:8], "little") | int(FrameFlag.ROWS_F16)
     data[6:8] = flags.to_bytes(2, "little")
     with pytest.raises(LinkProtocolError, match="ROWS_F16 flag without rows"):
         decode_stream(bytes(data), LIMITS)
@@ -404,7 +404,7 @@ def test_drafts_and_the_tokens_accepted_after_them_round_trip():
     entry = dataclasses.replace(_entry(5), draft_count=3)
     [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=True),
                             LIMITS)
-    assert frame.header.flags & Flag.DRAFTS and frame.payload.draft_count == 3
+    assert frame.header.flags & FrameFlag.DRAFTS and frame.payload.draft_count == 3
     assert frame.payload.token_ids == [1, 2, 3, 4, 5] and frame.payload.sampling == SAMPLING
     samples = [ChainSample(0, 42, False, followers=((7, False), (8, False)), drafted=3),
                ChainSample(1, 9, False),
