@@ -34,7 +34,7 @@ from llama_cpp import llama_cpp as L
 from skippyd.bench.models import add_model_option, model_path
 from skippyd.config.schema import CACHE_TYPE_BYTES, FLASH_ATTN_TYPE_IDS, GGML_TYPE_IDS
 from skippyd.engine.runtime.llama_ext import ensure_backend
-from skippyd.gguf.model_info import inspect_model
+from skippyd.model_files.model_info import inspect_model
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from rich.table import Table
 
 from skippyd.bench.models import add_model_option, layer_bounds, model_path
 from skippyd.bench.process import ServerProcess, free_port, skippyd_process
-from skippyd.gguf.model_info import inspect_model
+from skippyd.model_files.model_info import inspect_model
 
 console = Console(width=None if Console().is_terminal else 140)
 LLAMA_SERVER_READY = r"listening on (?P<url>http://\S+)"

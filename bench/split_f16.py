@@ -25,8 +25,8 @@ from skippyd.engine.runtime.contract import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.pipeline_types import ChainEntry
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.slice import cached_slice
 from skippyd.link.wire import LinkLimits, decode_stream, encode_iteration
+from skippyd.model_files.slice import cached_slice
 
 GREEDY = SamplingConfig(temperature=0.0)
 PROMPTS = [

@@ -19,8 +19,8 @@ import numpy as np
 
 from skippyd.bench.models import add_model_option, layer_bounds, model_path
 from skippyd.engine.runtime.pipeline_types import split_token_groups
-from skippyd.gguf.model_info import inspect_model
-from skippyd.gguf.slice import cached_slice
+from skippyd.model_files.model_info import inspect_model
+from skippyd.model_files.slice import cached_slice
 from skippyd.split_measure import step_ms
 
 ROWS = (1, 2, 3, 4, 8)

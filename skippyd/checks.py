@@ -17,7 +17,7 @@ from skippyd.config import ConfigError, StageConfig, check_layer_range, check_pi
 from skippyd.exitcodes import ExitCode
 
 if TYPE_CHECKING:
-    from skippyd.gguf.model_info import ModelInfo
+    from skippyd.model_files.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def check_config_file(path: Path | None, *, size_context: bool = True,
         ModelFileError: The model file cannot be read.
     """
     from skippyd.config import apply_overrides, default_config
-    from skippyd.gguf.model_info import inspect_model
+    from skippyd.model_files.model_info import inspect_model
 
     config = load_config(path) if path is not None else default_config()
     if any(value is not None for value in overrides.values()):
@@ -170,7 +170,7 @@ def context_for_model(config: StageConfig, info: ModelInfo) -> tuple[StageConfig
 
 def check_one(path: Path) -> ConfigVerdict:
     """Check one config file and its model; never raises for a bad config or model."""
-    from skippyd.gguf.model_info import ModelFileError
+    from skippyd.model_files.model_info import ModelFileError
 
     verdict = ConfigVerdict(path)
     try:

@@ -75,7 +75,7 @@ def fail(message: str, code: ExitCode = ExitCode.FAILURE) -> typer.Exit:
 def load_checked_config(path: Path | None, *, size_context: bool = True,
                         **overrides) -> StageConfig:
     """Load (or default) a config, apply CLI overrides and check it against its model."""
-    from skippyd.gguf.model_info import ModelFileError
+    from skippyd.model_files.model_info import ModelFileError
 
     try:
         return check_config_file(path, size_context=size_context, **overrides)
@@ -243,7 +243,7 @@ def config_split(
     one fresh secret is shared by all, stage 0 serves HTTP. Check the result with
     `skippyd config check OUTPUT/*.toml`.
     """
-    from skippyd.gguf.model_info import ModelFileError, inspect_model
+    from skippyd.model_files.model_info import ModelFileError, inspect_model
     from skippyd.split_plan import (
         SplitError,
         kv_bytes_per_layer,
@@ -361,7 +361,7 @@ def model_inspect(
     as_json: JsonFlag = False,
 ) -> None:
     """Print a model's architecture, size, quantization and per-layer recurrent state."""
-    from skippyd.gguf.model_info import ModelFileError, inspect_model
+    from skippyd.model_files.model_info import ModelFileError, inspect_model
 
     try:
         info = inspect_model(path)
@@ -403,8 +403,8 @@ def model_slice(
     """Write the stage model for a layer range: a shallower GGUF stock llama.cpp loads."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from skippyd.gguf.model_info import ModelFileError
-    from skippyd.gguf.slice import slice_model
+    from skippyd.model_files.model_info import ModelFileError
+    from skippyd.model_files.slice import slice_model
 
     start, end = parse_layers(layers)
     columns = ("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -442,8 +442,8 @@ def model_synth(
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from skippyd.config.defaults import available_cpus, default_model_path
-    from skippyd.gguf.model_info import ModelFileError
-    from skippyd.gguf.synth import read_tokenizer, shape_named, write_f16_model
+    from skippyd.model_files.model_info import ModelFileError
+    from skippyd.model_files.synth import read_tokenizer, shape_named, write_f16_model
 
     quant = quant.upper()
     quants = ("Q4_0", "Q4_K_M", "Q8_0", "F16")

@@ -21,8 +21,8 @@ import numpy as np
 
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.gguf.model_info import inspect_model
-from skippyd.gguf.slice import cached_slice
+from skippyd.model_files.model_info import inspect_model
+from skippyd.model_files.slice import cached_slice
 from skippyd.split_plan import ModelCosts, SplitError, Work
 
 #: Tokens each timed session holds before its decode steps.

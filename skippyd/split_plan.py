@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skippyd.config.schema import CACHE_TYPE_BYTES
-from skippyd.gguf import scan
-from skippyd.gguf.model_info import ModelInfo, inspect_model
+from skippyd.model_files import scan
+from skippyd.model_files.model_info import ModelInfo, inspect_model
 
 #: First link port; stage ``i`` listens on ``LINK_PORT + i``.
 LINK_PORT = 9101

@@ -4,7 +4,7 @@
 * ``http``, ``link``, ``control`` and ``tui`` never import llama_cpp, directly or through
   a chain of imports.
 * Nothing imports upward: the engine never reaches the HTTP API, the link, the control
-  socket, the daemon, the TUI or the CLI; ``gguf`` and ``config`` reach nothing of the
+  socket, the daemon, the TUI or the CLI; ``model_files`` and ``config`` reach nothing of the
   rest of skippyd; the API, link and control socket never reach the daemon, and the TUI
   sees a daemon only through the control socket.
 * Inside ``http``, the rooms by concern import as the layers they are: ``parsing`` and
@@ -32,8 +32,8 @@ UPWARD = ("skippyd.http", "skippyd.link", "skippyd.control", "skippyd.daemon", "
           "skippyd.cli")
 RULES: dict[str, tuple[str, ...]] = {
     "engine": UPWARD,
-    "gguf": ("skippyd.engine", *UPWARD, "skippyd.config", "skippyd.bench", "llama_cpp"),
-    "config": ("skippyd.engine", *UPWARD, "skippyd.gguf", "skippyd.bench"),
+    "model_files": ("skippyd.engine", *UPWARD, "skippyd.config", "skippyd.bench", "llama_cpp"),
+    "config": ("skippyd.engine", *UPWARD, "skippyd.model_files", "skippyd.bench"),
     "http": ("llama_cpp", "skippyd.daemon", "skippyd.tui", "skippyd.cli"),
     "link": ("llama_cpp", "skippyd.daemon", "skippyd.tui", "skippyd.cli"),
     "control": ("llama_cpp", "skippyd.daemon", "skippyd.tui", "skippyd.cli"),

@@ -12,7 +12,7 @@ import isolation
 import pytest
 
 from skippyd.config import default_socket_path
-from skippyd.gguf.slice import default_slice_cache_dir
+from skippyd.model_files.slice import default_slice_cache_dir
 
 
 def test_this_run_points_every_default_location_at_a_private_dir():

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from skippyd.cli import app
 from skippyd.exitcodes import ExitCode
-from skippyd.gguf.model_info import inspect_model
+from skippyd.model_files.model_info import inspect_model
 from skippyd.split_plan import (
     ModelCosts,
     SplitError,

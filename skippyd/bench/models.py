@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from skippyd.config.defaults import default_model_path
-from skippyd.gguf.model_info import inspect_model
+from skippyd.model_files.model_info import inspect_model
 
 #: Where each cut falls, as a share of the layers: the final stage also computes the
 #: output head, so it gets fewer layers (17 and 11/22 of SmolLM2's 30).

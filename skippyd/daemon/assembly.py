@@ -53,9 +53,9 @@ from skippyd.engine.worker.handle import BatchHandle, GenerationHandle, WorkerHa
 from skippyd.engine.worker.settings import WorkerSettings
 from skippyd.engine.worker.telemetry import TelemetryHub
 from skippyd.engine.worker.worker_errors import WorkerStoppedError
-from skippyd.gguf.model_info import ModelInfo, inspect_model
-from skippyd.gguf.slice import cached_slice
 from skippyd.http.backend import HealthStatus
+from skippyd.model_files.model_info import ModelInfo, inspect_model
+from skippyd.model_files.slice import cached_slice
 
 logger = logging.getLogger(__name__)
 

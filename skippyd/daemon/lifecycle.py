@@ -43,7 +43,6 @@ from skippyd.daemon.startup import load_with_progress
 from skippyd.daemon.stats_log import log_throughput
 from skippyd.engine.runtime.contract import SamplingConfig
 from skippyd.exitcodes import ExitCode
-from skippyd.gguf.model_info import ModelFileError
 from skippyd.http.api.routes import create_app
 from skippyd.http.event_relay import relay_for
 from skippyd.http.guard.connections import (
@@ -55,6 +54,7 @@ from skippyd.http.guard.connections import (
 )
 from skippyd.http.observability.metrics import ServingMetrics, metrics_route
 from skippyd.http.parsing.request_params import HttpLimits
+from skippyd.model_files.model_info import ModelFileError
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from skippyd.engine.runtime.token_logprobs import (
     token_logprob,
 )
 from skippyd.engine.runtime.watch import CallWatch, unwatched
-from skippyd.gguf.model_info import inspect_model
+from skippyd.model_files.model_info import inspect_model
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 from skippyd.engine.runtime import llama_ext, native
 from skippyd.engine.runtime.contract import IterationRequest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.gguf.slice import cached_slice
+from skippyd.model_files.slice import cached_slice
 
 
 def _rows(model_path, monkeypatch, *, native: bool,

@@ -115,7 +115,7 @@ def test_a_final_stage_fed_rows_verifies_drafts_like_the_whole_model(tiny_model_
     # A split pipeline: stage 0 computes the pending token and the drafts as plain rows,
     # the final stage gets those rows with the drafts named, and verifies them.
     from skippyd.engine.runtime.llama import LlamaRuntime
-    from skippyd.gguf.slice import slice_model
+    from skippyd.model_files.slice import slice_model
 
     head = slice_model(tiny_model_path, 0, 2, tmp_path / "head.gguf")
     tail = slice_model(tiny_model_path, 2, 4, tmp_path / "tail.gguf")

@@ -15,7 +15,7 @@ from skippyd.engine.runtime import llama_ext, native
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.slice import cached_slice
+from skippyd.model_files.slice import cached_slice
 
 pytestmark = pytest.mark.model
 

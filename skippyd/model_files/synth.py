@@ -23,7 +23,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from skippyd.gguf.model_info import ModelFileError
+from skippyd.model_files.model_info import ModelFileError
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import pytest
 from skippyd.engine.runtime.contract import IterationRequest
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.model_info import ModelFileError, inspect_model, read_model_header
-from skippyd.gguf.slice import cached_slice, file_identity, slice_model
+from skippyd.model_files.model_info import ModelFileError, inspect_model, read_model_header
+from skippyd.model_files.slice import cached_slice, file_identity, slice_model
 
 
 def test_inspect_reports_the_model(tiny_model_path):

@@ -19,8 +19,14 @@ from skippyd.cli import app
 from skippyd.engine.runtime.contract import IterationRequest, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
-from skippyd.gguf.model_info import inspect_model
-from skippyd.gguf.synth import SHAPES, ModelShape, read_tokenizer, shape_named, write_f16_model
+from skippyd.model_files.model_info import inspect_model
+from skippyd.model_files.synth import (
+    SHAPES,
+    ModelShape,
+    read_tokenizer,
+    shape_named,
+    write_f16_model,
+)
 
 runner = CliRunner()
 TEXT = "Hello world, the cat sat on the mat. Skippyd serves models!"
@@ -108,7 +114,7 @@ def test_the_tensors_are_streamed_not_held(tmp_path, smollm2_path):
     # in. Written in chunks, the writer's peak stays far below either.
     code = (
         "import resource, sys\n"
-        "from skippyd.gguf.synth import read_tokenizer, shape_named, write_f16_model\n"
+        "from skippyd.model_files.synth import read_tokenizer, shape_named, write_f16_model\n"
         "tok = read_tokenizer(sys.argv[1])\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "write_f16_model(shape_named('0.5b', n_layer=1), sys.argv[2], tok)\n"

@@ -15,8 +15,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from skippyd.gguf import scan
-from skippyd.gguf.model_info import (
+from skippyd.model_files import scan
+from skippyd.model_files.model_info import (
     LAYER_TENSOR,
     ModelFileError,
     ModelInfo,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import gguf
 
-from skippyd.gguf import scan
+from skippyd.model_files import scan
 
 logger = logging.getLogger(__name__)
 
