@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterable
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +63,7 @@ class LabPrefixIndex:
         """Record ``tokens`` as resident on ``stage_index``."""
         self._prefixes.setdefault(stage_index, []).append(tuple(tokens))
 
-    def longest_match(self, stage_index: int, prompt: SequenceOf[int]) -> int:
+    def longest_match(self, stage_index: int, prompt: Sequence[int]) -> int:
         """Length of the longest resident prefix of ``prompt`` on ``stage_index``."""
         best = 0
         for resident in self._prefixes.get(stage_index, ()):
@@ -154,7 +153,7 @@ def _waiting_prefix(name: str, grouping: bool) -> LabScenario:
     return LabScenario(name, config, requests)
 
 
-def family_trace(families: SequenceOf[int], output_tokens: int = 1) -> tuple[SimRequest, ...]:
+def family_trace(families: Sequence[int], output_tokens: int = 1) -> tuple[SimRequest, ...]:
     """The locality fixture: one request per entry, all at t=0, prompts shared per family."""
     return tuple(
         SimRequest(f"r{i:03d}-f{family}", 0, FAMILY_PROMPT_TOKENS, output_tokens,

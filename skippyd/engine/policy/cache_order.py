@@ -11,8 +11,7 @@ walk never touches a real cache. ``docs/scheduler.md``, *Cache-aware ordering*.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from skippyd.engine.policy.input_errors import PolicyInputError, checked_count
@@ -86,7 +85,7 @@ class CacheAwareCandidate:
     """Caller's identifier for the item; returned in the ordered result."""
     affinity: CacheAffinity
     """Cache matches of the item's prompt."""
-    prompt_tokens: SequenceOf[int]
+    prompt_tokens: Sequence[int]
     """The prompt, used only by the waiting-prefix DFS grouping."""
     enqueued_turn: int
     """Turn at which the item first entered the queue (aging starts there)."""
@@ -95,7 +94,7 @@ class CacheAwareCandidate:
 
 
 def order_cache_aware_candidates(
-    candidates: SequenceOf[CacheAwareCandidate],
+    candidates: Sequence[CacheAwareCandidate],
     current_turn: int,
     aging_cost_per_turn: int,
     group_waiting_prefixes: bool,
@@ -137,7 +136,7 @@ def order_cache_aware_candidates(
 
 
 def waiting_prefix_dfs_order(
-    prompts: SequenceOf[SequenceOf[int]], orders: Iterable[int]
+    prompts: Sequence[Sequence[int]], orders: Iterable[int]
 ) -> list[int]:
     """Depth-first order of waiting prompts over their shared-prefix tree.
 
@@ -181,7 +180,7 @@ def waiting_prefix_dfs_order(
 
 
 def _partition_at(
-    prompts: SequenceOf[SequenceOf[int]],
+    prompts: Sequence[Sequence[int]],
     positions: list[int],
     depth: int,
     order_of: list[int],
@@ -207,7 +206,7 @@ def _partition_at(
     return terminal, [by_token[token] for token in ordered_tokens]
 
 
-def _common_run_end(group: list[SequenceOf[int]], depth: int) -> int:
+def _common_run_end(group: list[Sequence[int]], depth: int) -> int:
     """Return the first depth at which the prompts of ``group`` differ or one ends."""
     limit = min(len(prompt) for prompt in group)
     reference = group[0]
@@ -219,7 +218,7 @@ def _common_run_end(group: list[SequenceOf[int]], depth: int) -> int:
     return end
 
 
-def first_mismatch(left: SequenceOf[int], right: SequenceOf[int], start: int, end: int) -> int:
+def first_mismatch(left: Sequence[int], right: Sequence[int], start: int, end: int) -> int:
     """First index in ``[start, end)`` where the two prompts differ, else ``end``."""
     position = start
     # Skip whole equal chunks with slice comparison before scanning token by token.

@@ -8,8 +8,7 @@ inputs give identical plans.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from collections.abc import Sequence as SequenceOf
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from skippyd.engine.policy.config import SchedulerConfig
@@ -77,7 +76,7 @@ class PlanDraft:
 
 
 def plan_phase_homogeneous(
-    sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig, consecutive_prefill: int
+    sequences: Sequence[ScheduledSequence], config: SchedulerConfig, consecutive_prefill: int
 ) -> tuple[list[IterationWork], int]:
     """Plan either prompt work or decode work, never both.
 
@@ -116,7 +115,7 @@ def plan_phase_homogeneous(
 
 
 def plan_mixed(
-    sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig, decode_cursor: int
+    sequences: Sequence[ScheduledSequence], config: SchedulerConfig, decode_cursor: int
 ) -> tuple[list[IterationWork], int]:
     """Plan decode rows first, rotating, then fill the budget with prompt work.
 
@@ -144,8 +143,8 @@ def plan_mixed(
 
 
 def plan_budgeted(
-    sequences: SequenceOf[ScheduledSequence],
-    prefill_order: SequenceOf[ScheduledSequence],
+    sequences: Sequence[ScheduledSequence],
+    prefill_order: Sequence[ScheduledSequence],
     config: SchedulerConfig,
     prefill_budget: int,
     decode_cursor: int,
@@ -219,7 +218,7 @@ def even_chunk(remaining: int, most: int) -> int:
     return max(-(-remaining // steps), floor)
 
 
-def prompt_order(by_admission: SequenceOf[ScheduledSequence], prefill_budget: int, reserve: int,
+def prompt_order(by_admission: Sequence[ScheduledSequence], prefill_budget: int, reserve: int,
                  max_sequences: int) -> list[ScheduledSequence]:
     """The order prompt work is served in: prompts that finish in this step, then oldest first.
 
@@ -251,7 +250,7 @@ def prompt_order(by_admission: SequenceOf[ScheduledSequence], prefill_budget: in
     return promoted + [sequence for sequence in by_admission if sequence.id not in chosen]
 
 
-def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[ScheduledSequence], cursor: int) -> int:
+def _add_decode_rows(draft: PlanDraft, sequences: Sequence[ScheduledSequence], cursor: int) -> int:
     """Add the live decoders' rows, starting at ``cursor`` and rotating; returns the new
     cursor (where the scan stopped), so that decoders beyond the budget go next time."""
     count = len(sequences)
@@ -267,7 +266,7 @@ def _add_decode_rows(draft: PlanDraft, sequences: SequenceOf[ScheduledSequence],
     return (start + examined) % count if count else cursor
 
 
-def live_decode_rows(sequences: SequenceOf[ScheduledSequence], config: SchedulerConfig) -> int:
+def live_decode_rows(sequences: Sequence[ScheduledSequence], config: SchedulerConfig) -> int:
     """Live decoders, capped at the iteration budget (the calibration key)."""
     rows = sum(1 for sequence in sequences if sequence.is_live_decoder())
     return min(rows, config.max_tokens_per_iteration)
@@ -277,7 +276,7 @@ def check_plan_invariants(
     plan: IterationPlan,
     config: SchedulerConfig,
     active: Mapping[str, ScheduledSequence],
-    waiting: SequenceOf[ScheduledSequence],
+    waiting: Sequence[ScheduledSequence],
 ) -> None:
     """Raise RuntimeError, naming the values, if a fresh plan breaks a scheduler invariant.
 
