@@ -46,8 +46,8 @@ from skippyd.engine.worker.worker_stats import WorkerStats
 
 logger = logging.getLogger(__name__)
 
-#: Name of the worker thread.
-THREAD_NAME = "skippy-iteration-scheduler"
+#: Name of the worker thread, as thread dumps and tracebacks show it.
+THREAD_NAME = "skippyd-worker"
 #: Most seconds the stats snapshot lags behind a busy worker (readers: ``skippyd top``,
 #: ``/metrics``, the status line); an idle worker publishes at once.
 STATS_INTERVAL_S = 0.05

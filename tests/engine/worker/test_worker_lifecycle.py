@@ -62,7 +62,7 @@ def test_a_runtime_that_is_not_one_is_refused():
 
 def test_bounded_command_queue_fails_closed_with_overload(make_handle, blocked_worker):
     worker = make_handle(FakeRuntime(lane_count=1), queue_capacity=1)
-    assert worker.thread.name == "skippy-iteration-scheduler"
+    assert worker.thread.name == "skippyd-worker"
     _, release = blocked_worker(worker)
     assert fill_command_queue(worker) == 8  # max(1 + 1 lane, 8)
     recorder = EventRecorder()

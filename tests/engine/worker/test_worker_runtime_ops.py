@@ -20,7 +20,7 @@ def test_runtime_operations_execute_on_the_worker_thread(runtime_factory, make_h
         return runtime.lane_count
 
     assert on_worker(worker, lanes) == 3
-    assert seen_threads == ["skippy-iteration-scheduler"]
+    assert seen_threads == ["skippyd-worker"]
 
 
 def test_a_failing_runtime_operation_is_logged_and_the_worker_goes_on(
