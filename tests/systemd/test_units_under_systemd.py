@@ -251,8 +251,13 @@ def test_start_returns_once_ready_and_systemd_saw_each_loading_step_first(machin
     started = log.index("Started skippyd.service - skippyd llama.cpp stage daemon.")
     assert any("(READY=1" in line for line in log[:started]), "started before READY=1"
 
-    status = machine.run("systemctl", "status", "--no-pager", "skippyd").stdout
-    assert re.search(r'Status: "serving SmolLM2-135M-Instruct\.Q4_1', status), status
+    # Then the daemon's periodic line (right after READY=1, then each quarter of
+    # WatchdogSec=) replaces the one READY=1 carried: what it serves, and its load.
+    deadline = time.monotonic() + 60
+    while 'Status: "serving SmolLM2-135M-Instruct.Q4_1: 0 active, 0 waiting, 0 finished"' \
+            not in (status := machine.run("systemctl", "status", "--no-pager", "skippyd").stdout):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
     # skippyd status finds the control socket in the unit's runtime directory.
     assert "health ok" in machine.run("skippyd", "status").stdout
     # Under the sandbox, nothing fell back to a slower or weaker path: no warning at all.
@@ -350,6 +355,8 @@ def test_a_config_error_is_in_the_journal_as_an_error(machine, unit):
     entries = own(machine.wait_journal(lambda found: any(
         "runtime.lane_count" in m for m in messages(found)), "-u", "skippyd", after=cursor))
     assert [e["PRIORITY"] for e in entries if "runtime.lane_count" in e["MESSAGE"]] == ["3"]
+    errors = messages(machine.journal("-u", "skippyd", "-p", "err", after=cursor))
+    assert any("runtime.lane_count" in m for m in errors), errors
 
 
 def test_stop_lets_a_streaming_request_finish_and_the_unit_ends_inactive(machine, unit):
