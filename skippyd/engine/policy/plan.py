@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class IterationPhase(enum.Enum):
-    """Why a work row runs (the policy's phases; the runtime only knows prefill/decode)."""
+    """Why a work runs (the policy's phases; the runtime only knows prefill/decode)."""
 
     PREFILL = "prefill"
     """A prompt chunk; nothing generated yet."""
@@ -64,7 +64,7 @@ class IterationWork:
 
 @dataclass(frozen=True, slots=True)
 class IterationPrediction:
-    """A sampled token for one work row of a plan (sparse).
+    """A sampled token for one work of a plan (sparse: only works that sample get one).
 
     A negative ``token`` is the runtime's stop signal (end of generation): the sequence
     finishes without appending it.
@@ -103,9 +103,9 @@ class IterationPlan:
     """
 
     work: list[IterationWork] = field(default_factory=list)
-    """Work rows, in the order they were planned."""
+    """One work per scheduled sequence, in the order they were planned."""
     token_count: int = 0
-    """Sum of ``len(work.tokens)``."""
+    """Rows the plan puts in the batch: the sum of every work's ``token_count``."""
     admitted_ids: tuple[str, ...] = ()
     """Sequences admitted at the start of this plan (again, after a preemption)."""
     preempted: int = 0
@@ -123,7 +123,7 @@ class IterationPlan:
     def without_sequences(self, sequence_ids: Iterable[str]) -> IterationPlan:
         """A copy without the works of ``sequence_ids``, with ``token_count`` recomputed.
 
-        Used by a driver that drops works whose request went away before execution;
+        Used by a driver that drops works whose generation went away before execution;
         prediction ``work_index`` values then refer to the returned plan.
         """
         dropped = set(sequence_ids)
@@ -162,7 +162,8 @@ class IterationPlan:
         return sum(len(w.draft) for w in self.work)
 
     def phase_counts(self) -> tuple[int, int]:
-        """``(prefill_or_recompute_tokens, decode_rows)`` of this plan."""
+        """``(prompt_rows, decode_works)`` of this plan: the rows of prefill and recompute
+        works, and how many decode works (each one pending token, drafts not counted)."""
         prompt = sum(w.token_count for w in self.work if w.phase is not IterationPhase.DECODE)
         decode = sum(1 for w in self.work if w.phase is IterationPhase.DECODE)
         return prompt, decode

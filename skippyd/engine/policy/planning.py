@@ -1,4 +1,4 @@
-"""Building the work rows of one iteration.
+"""Building the works of one iteration.
 
 These functions advance the prefill cursors of the sequences they plan; the scheduler
 calls them on its admitted sequences, always in sorted-id order so that identical
@@ -89,7 +89,7 @@ def plan_phase_homogeneous(
         consecutive_prefill: Prompt-only iterations run back to back so far.
 
     Returns:
-        The work rows and the new consecutive-prefill counter.
+        The works and the new consecutive-prefill counter.
     """
     draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
     has_prefill = any(sequence.needs_replay() for sequence in sequences)
@@ -128,7 +128,7 @@ def plan_mixed(
         decode_cursor: Where the previous mixed plan's decode scan stopped.
 
     Returns:
-        The work rows and the new decode cursor.
+        The works and the new decode cursor.
     """
     draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
     decode_cursor = _add_decode_rows(draft, sequences, decode_cursor)
@@ -168,7 +168,7 @@ def plan_budgeted(
         oldest_prompt: The oldest admission with prompt work left, if any.
 
     Returns:
-        The work rows and the new decode cursor.
+        The works and the new decode cursor.
     """
     draft = PlanDraft(budget=config.max_tokens_per_iteration, work=[])
     decode_cursor = _add_decode_rows(draft, sequences, decode_cursor)

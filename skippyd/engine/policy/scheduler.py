@@ -180,7 +180,7 @@ class Scheduler:
     # -- planning --------------------------------------------------------------------------
 
     def plan_iteration(self) -> IterationPlan:
-        """Admit what fits and plan the next iteration's work rows.
+        """Admit what fits and plan the next iteration's works.
 
         Returns:
             A fresh plan; empty when there is nothing to run.

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PlanSample:
-    """A token sampled for one work row."""
+    """A token sampled for one work."""
 
     token: int
     is_eog: bool
@@ -102,7 +102,7 @@ class PlanResult:
 
 
 def make_runtime_request(work: IterationWork) -> IterationRequest:
-    """Map a policy work row to a runtime request (Recompute runs as a prefill)."""
+    """Map a policy work to a runtime request (Recompute runs as a prefill)."""
     phase = RowPhase.DECODE if work.phase is IterationPhase.DECODE else RowPhase.PREFILL
     # NOTE: explicit positions, not "after what the session holds": after a preemption
     # the replay restarts at 0 and the runtime must trim to it.
