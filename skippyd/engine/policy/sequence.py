@@ -63,7 +63,7 @@ def _token_tuple(tokens: Iterable[int], what: str) -> tuple[int, ...]:
 
 @dataclass(eq=False, repr=False)
 class ScheduledSequence:
-    """One generation request: prompt, generated tokens and scheduling state.
+    """The policy's view of one generation: prompt, generated tokens and scheduling state.
 
     ``admission_tokens`` defaults to ``len(prompt) + max_tokens``. The builder methods
     (``with_*``) mutate and return ``self``; call them before submitting. Once submitted,
@@ -75,13 +75,14 @@ class ScheduledSequence:
     """
 
     id: str
-    """ScheduledSequence id (unique among waiting and active sequences)."""
+    """Unique among waiting and active sequences; the worker uses the generation's
+    ``request_id``."""
     prompt_tokens: tuple[int, ...]
     """Prompt token ids; stored as an immutable tuple."""
     max_tokens: int
     """Generation ceiling: the sequence finishes once it holds this many tokens."""
     sampling: object | None = None
-    """Sampling configuration; opaque to the policy and copied into every work row."""
+    """Sampling configuration; opaque to the policy and copied into every work."""
     admission_tokens: int | None = None
     """Tokens of memory reserved on admission; None means ``len(prompt) + max_tokens``."""
     generated_tokens: list[int] = field(default_factory=list)

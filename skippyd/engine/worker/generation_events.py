@@ -23,9 +23,9 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingConfig | None = None
     fork_of: str | None = None
-    """Another request with the same prompt, submitted just before this one (the first
-    of ``n`` choices): this one copies that request's prompt KV once it is computed
-    instead of computing it again."""
+    """The ``request_id`` of another generation with the same prompt, submitted just
+    before this one (the first of ``n`` choices): this one copies that generation's
+    prompt KV once it is computed instead of computing it again."""
     speculative: bool = True
     """Whether its decoding may carry drafts when the stage speculates (False: never)."""
 

@@ -1,20 +1,20 @@
 """Stage 0's worker role: planned generations, one batched runtime call per turn.
 
 :class:`GenerationWorker` owns the policy :class:`~skippyd.engine.policy.Scheduler` and
-one :class:`~skippyd.engine.worker.record.Generation` per request it holds, in its one
-map ``requests``. A turn (:meth:`GenerationWorker.run_turn`) reads as a story:
+one :class:`~skippyd.engine.worker.record.Generation` per generation it holds, in its one
+map ``generations``. A turn (:meth:`GenerationWorker.run_turn`) reads as a story:
 
 1. apply the consumers' answered acknowledgements (a Stop ends its generation);
-2. end the requests whose deadline passed (waiting too long for a lane, or admitted and
+2. end the generations whose deadline passed (waiting too long for a lane, or admitted and
    making no progress);
-3. plan one iteration; tell the requests just admitted;
-4. give every newly planned request its runtime session (and its restored prefix);
+3. plan one iteration; tell the generations just admitted;
+4. give every newly planned generation its runtime session (and its restored prefix);
 5. run the plan as one runtime call (:mod:`~skippyd.engine.worker.plan_execution`);
-6. feed the samples back to the policy, send the token events, end the requests the
-   policy retired, release requests parked behind a prefix that is now computed;
+6. feed the samples back to the policy, send the token events, end the generations the
+   policy retired, release generations parked behind a prefix that is now computed;
 7. publish the step's telemetry.
 
-Every request leaves through :meth:`GenerationWorker.retire`, which frees what it holds
+Every generation leaves through :meth:`GenerationWorker.retire`, which frees what it holds
 (its policy sequence, its prefix-cache lease, its runtime session, its sibling links),
 then sends its one final event, whatever happened on the way.
 """
@@ -74,12 +74,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How often the deadlines of held requests are checked while the worker is busy.
+#: How often the deadlines of held generations are checked while the worker is busy.
 DEADLINE_CHECK_INTERVAL_S = 0.1
 #: A quiet spell this long, with no request being prepared, ends that wait early: a lone
 #: request loses no more than this.
 BURST_QUIET_S = 0.002
-#: Requests that finished together in the step that left the worker idle are expected
+#: Generations that finished together in the step that left the worker idle are expected
 #: back together (closed-loop clients) if the worker wakes within this many times
 #: ``burst_wait_s``.
 WAVE_WINDOW = 4
@@ -105,8 +105,8 @@ class GenerationWorker:
         self._runtime = runtime = loop.runtime
         config = loop.settings.policy
         self.scheduler = Scheduler(config)
-        self.requests: dict[str, Generation] = {}
-        """Every request the worker holds, by id: the one per-request map."""
+        self.generations: dict[str, Generation] = {}
+        """Every generation the worker holds, by id: the one per-generation map."""
         # One session never holds more than its lane's KV, whatever the pool holds.
         self._kv_capacity = min(kv_capacity_tokens(config), runtime.max_session_tokens)
         self.prefix = None if prefix_cache is None else PrefixAdmission(prefix_cache, runtime)
@@ -141,7 +141,7 @@ class GenerationWorker:
     # -- the role's face to the command loop ------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.generations)
 
     def handle(self, command: object) -> None:
         """Apply a Submit or a Cancel.
@@ -157,10 +157,10 @@ class GenerationWorker:
             raise TypeError(f"a generation worker runs no {type(command).__name__}")
 
     def answer_all(self, error: WorkerError) -> None:
-        """Answer every held request with ``error`` at once (the worker is stopping and may
+        """Answer every held generation with ``error`` at once (the worker is stopping and may
         be broken), then free what can still be freed. Never raises."""
-        held = list(self.requests.values())
-        self.requests.clear()
+        held = list(self.generations.values())
+        self.generations.clear()
         for gen in held:
             gen.end(ErrorEvent(error))
         for gen in held:
@@ -175,7 +175,7 @@ class GenerationWorker:
     def snapshot(self, stats: WorkerStats) -> WorkerStats:
         """``stats`` with this role's figures filled in."""
         metrics = self.scheduler.metrics()
-        outside = sum(1 for g in self.requests.values()
+        outside = sum(1 for g in self.generations.values()
                       if g.status in (_S.PARKED, _S.AWAITING_PROMPT))
         return dataclasses.replace(
             stats,
@@ -219,7 +219,7 @@ class GenerationWorker:
             del self._early_cancels[gen.id]
             gen.end(ErrorEvent(RequestCancelledError(f"request {gen.id} was cancelled")))
             return
-        if gen.id in self.requests:
+        if gen.id in self.generations:
             gen.end(ErrorEvent(InvalidRequestError(
                 f"a request is already queued or active: {gen.id}")))
             return
@@ -229,9 +229,9 @@ class GenerationWorker:
                 f"request {gen.id} needs {len(request.prompt_tokens)} tokens of KV cache, "
                 f"more than the {self._kv_capacity} available")))
             return
-        self.requests[gen.id] = gen
+        self.generations[gen.id] = gen
         self.speculation.admit(gen)
-        first = None if request.fork_of is None else self.requests.get(request.fork_of)
+        first = None if request.fork_of is None else self.generations.get(request.fork_of)
         if first is not None and self._forks.hold(gen, first):
             if ChoiceForks.prompt_computed(first):
                 self._release_later_choices(first)
@@ -239,14 +239,14 @@ class GenerationWorker:
         self._route(gen)
 
     def _route(self, gen: Generation) -> None:
-        """Send a request into the policy through the prefix cache (it may restore or park)."""
+        """Send a generation into the policy through the prefix cache (it may restore or park)."""
         admission: Admission | None = NO_CACHE
         sampling = gen.request.sampling
         # NOTE: prompt log-probabilities need every prompt row computed: no restore.
         if self.prefix is not None and (sampling is None or sampling.prompt_logprobs is None):
             try:
                 self._loop.faults.reach("prefix-cache")
-                admission = self.prefix.route(gen, self.requests.values(), self._may_park())
+                admission = self.prefix.route(gen, self.generations.values(), self._may_park())
             except Exception as exc:
                 self._fail_locally(gen, "prefix cache lookup", exc)
                 return
@@ -254,13 +254,13 @@ class GenerationWorker:
             self._enter_policy(gen, admission)
 
     def _may_park(self) -> bool:
-        """Parked requests count against the waiting-queue capacity."""
-        parked = sum(1 for g in self.requests.values() if g.status is _S.PARKED)
+        """Parked generations count against the waiting-queue capacity."""
+        parked = sum(1 for g in self.generations.values() if g.status is _S.PARKED)
         waiting = self.scheduler.metrics().waiting_sequences + parked
         return waiting < self.scheduler.config.max_waiting_sequences
 
     def _enter_policy(self, gen: Generation, admission: Admission) -> None:
-        """Submit to the policy; a refusal ends the request with its error."""
+        """Submit to the policy; a refusal ends the generation with its error."""
         sequence = self._make_sequence(gen, admission)
         try:
             self.scheduler.submit(sequence)
@@ -294,14 +294,14 @@ class GenerationWorker:
             self._enter_policy(gen, admission)
 
     def cancel(self, req_id: str, *, seen_before_submit: bool = False) -> None:
-        """End a request its consumer gave up on; idempotent.
+        """End a generation its consumer gave up on; idempotent.
 
         Args:
-            req_id: The request.
+            req_id: The generation's ``request_id``.
             seen_before_submit: The cancel overtook the queue (it found the queue full):
                 an unknown id may still have its Submit queued, which is then refused.
         """
-        gen = self.requests.get(req_id)
+        gen = self.generations.get(req_id)
         if gen is not None:
             self.retire(gen, ErrorEvent(RequestCancelledError(f"request {req_id} was cancelled")))
         elif seen_before_submit:
@@ -334,10 +334,10 @@ class GenerationWorker:
                 self._drop_session(gen)
             self.speculation.forget(gen)
             orphans = self._forks.leave(gen)
-            orphans += [g for g in self.requests.values() if g.parked_behind is gen]
+            orphans += [g for g in self.generations.values() if g.parked_behind is gen]
         finally:
-            if self.requests.get(gen.id) is gen:
-                del self.requests[gen.id]
+            if self.generations.get(gen.id) is gen:
+                del self.generations[gen.id]
             if isinstance(event, CompleteEvent):
                 self._num_completed += 1
                 if gen.drafts is not None:
@@ -358,7 +358,7 @@ class GenerationWorker:
         gen.has_session = False
 
     def _fail_locally(self, gen: Generation, what: str, exc: Exception) -> None:
-        """A request-local failure: this request ends with an error, the worker goes on."""
+        """A failure of one generation: it ends with an error, the worker goes on."""
         if isinstance(exc, RuntimeFailure):
             error = worker_error_from_runtime(f"{what} for {gen.id}", exc)
         else:
@@ -367,8 +367,8 @@ class GenerationWorker:
         self.retire(gen, ErrorEvent(error))
 
     def fail_all(self, error: WorkerError) -> None:
-        """End every held request with ``error`` (a runtime failure no retry fixes)."""
-        for gen in list(self.requests.values()):
+        """End every held generation with ``error`` (a runtime failure no retry fixes)."""
+        for gen in list(self.generations.values()):
             self.retire(gen, ErrorEvent(error))
 
     # -- one turn ---------------------------------------------------------------------------
@@ -380,17 +380,17 @@ class GenerationWorker:
         try:
             self._run_iteration(started)
         finally:
-            if not self.requests:  # idle now: who finished together may come back together
+            if not self.generations:  # idle now: who finished together may come back together
                 self._wave = (self._num_completed - completed, time.monotonic())
 
     def _run_iteration(self, started: float) -> None:
         self._apply_acks()
         self._expire(started)
-        if not self.requests:
+        if not self.generations:
             return
         if not self.scheduler.num_active:
             self._wait_for_burst()
-            if not self.requests:  # cancelled meanwhile
+            if not self.generations:  # cancelled meanwhile
                 return
         self._loop.faults.reach("plan")
         plan = self.scheduler.plan_iteration()
@@ -403,7 +403,7 @@ class GenerationWorker:
         plan = self._prepare_sessions(plan)
         if plan.is_empty():
             return
-        plan = self.speculation.attach(plan, self.requests,
+        plan = self.speculation.attach(plan, self.generations,
                                        self.scheduler.config.max_tokens_per_iteration,
                                        self.scheduler.step_costs)
         try:
@@ -414,7 +414,7 @@ class GenerationWorker:
         for victim in execution.preempted:
             self._note_preempted(victim)
         for req_id, error in execution.failed:
-            gen = self.requests.get(req_id)
+            gen = self.generations.get(req_id)
             if gen is not None:
                 self.retire(gen, ErrorEvent(error))
         result = execution.result
@@ -424,26 +424,27 @@ class GenerationWorker:
             # NOTE: works re-run one by one take the sum of their times: fed to the
             # calibration, one bad token id would switch mixed batches off for good.
             self.scheduler.observe_iteration_duration(result.plan, result.execution_s)
-            self.speculation.observe(result.plan, result.execution_s, self.requests)
+            self.speculation.observe(result.plan, result.execution_s, self.generations)
         step = self.scheduler.complete_iteration(result.plan, result.predictions())
         self._deliver(result)
         self._release_parked()
         self._publish_step(step, time.monotonic() - started, result.execution_s)
 
     def _apply_acks(self) -> None:
-        """End the requests whose consumer answered Stop (or vanished); never waits."""
-        for gen in [g for g in self.requests.values() if g.pending_acks and g.consumer_stopped()]:
+        """End the generations whose consumer answered Stop (or vanished); never waits."""
+        for gen in [g for g in self.generations.values()
+                    if g.pending_acks and g.consumer_stopped()]:
             self.retire(gen, CompleteEvent(gen.finish_reason()))
 
     def _expire(self, now: float) -> None:
-        """End the requests whose admission or stall deadline passed (checked every
+        """End the generations whose admission or stall deadline passed (checked every
         :data:`DEADLINE_CHECK_INTERVAL_S`)."""
         if now < self._next_deadline_check:
             return
         self._next_deadline_check = now + DEADLINE_CHECK_INTERVAL_S
         settings = self._loop.settings
         admission_s, stall_s = settings.admission_timeout_s, settings.stall_timeout_s
-        for gen in list(self.requests.values()):
+        for gen in list(self.generations.values()):
             if gen.finished:
                 continue
             if gen.status in NOT_ADMITTED:
@@ -457,9 +458,9 @@ class GenerationWorker:
                     "(runtime.stall_timeout_s)")))
 
     def _wait_for_burst(self) -> None:
-        """Starting from idle, let the requests arriving with this one join its first step.
+        """Starting from idle, let the generations arriving with this one join its first step.
 
-        Waits while the API layer is still preparing requests, or while fewer requests are
+        Waits while the API layer is still preparing requests, or while fewer generations are
         held than finished together in the step that left the worker idle (their clients
         are likely on their way back), else until a quiet spell of :data:`BURST_QUIET_S`;
         at most ``burst_wait_s`` (worker settings) in all. Nobody is decoding, so only the
@@ -471,14 +472,14 @@ class GenerationWorker:
         self._wave = (0, 0.0)
         deadline = now + most_s
         while (remaining := deadline - time.monotonic()) > 0:
-            awaited = self._arrivals.pending > 0 or len(self.requests) < expected
+            awaited = self._arrivals.pending > 0 or len(self.generations) < expected
             wait = remaining if awaited else min(remaining, BURST_QUIET_S)
             if not self._loop.wait_for_command(wait) and not awaited:
                 return
 
     def _note_admissions(self, plan: IterationPlan, now: float) -> None:
         for req_id in plan.admitted_ids:
-            gen = self.requests[req_id]
+            gen = self.generations[req_id]
             gen.move_to(_S.PREFILLING)
             gen.progressed_at = now
             if gen.admitted_at is None:
@@ -489,19 +490,19 @@ class GenerationWorker:
                     (now - gen.submitted_at) * 1000.0))
 
     def _note_preempted(self, req_id: str) -> None:
-        gen = self.requests.get(req_id)
+        gen = self.generations.get(req_id)
         if gen is not None:
             gen.has_session = False
             gen.move_to(_S.PREEMPTED)
             self._loop.telemetry.publish(RequestPreempted(gen.id, gen.num_generated))
 
     def _prepare_sessions(self, plan: IterationPlan) -> IterationPlan:
-        """Bind a runtime session to every newly planned request; one that cannot be
+        """Bind a runtime session to every newly planned generation; one that cannot be
         prepared ends alone."""
         dropped: list[str] = []
         chunk_tokens = self.scheduler.config.prefill_chunk_tokens
         for work in plan.work:
-            gen = self.requests.get(work.sequence_id)
+            gen = self.generations.get(work.sequence_id)
             if gen is None:  # ended while an earlier work was prepared
                 dropped.append(work.sequence_id)
                 continue
@@ -527,7 +528,7 @@ class GenerationWorker:
         missing: list[Generation] = []
         gone: list[Generation] = []
         for index, work in enumerate(result.plan.work):
-            gen = self.requests.get(work.sequence_id)
+            gen = self.generations.get(work.sequence_id)
             if gen is None:
                 continue
             gen.progressed_at = now
@@ -567,16 +568,16 @@ class GenerationWorker:
             self.retire(gen, ErrorEvent(RequestCancelledError(
                 f"the consumer of {gen.id} is gone")))
         for work in result.plan.work:
-            gen = self.requests.get(work.sequence_id)
+            gen = self.generations.get(work.sequence_id)
             if (gen is not None and gen.sequence is not None
                     and gen.sequence.status is SequenceStatus.FINISHED):
                 self.retire(gen, CompleteEvent(gen.finish_reason()))
 
     def _release_parked(self) -> None:
-        """Route again the parked requests whose shared prefix is now recorded."""
+        """Route again the parked generations whose shared prefix is now recorded."""
         if self.prefix is None:
             return
-        parked = [g for g in self.requests.values() if g.status is _S.PARKED]
+        parked = [g for g in self.generations.values() if g.status is _S.PARKED]
         if not parked:
             return
         try:

@@ -103,8 +103,8 @@ class TurnDriver:
         self.role.run_turn()
 
     @property
-    def requests(self) -> dict[str, Any]:
-        return self.role.requests
+    def generations(self) -> dict[str, Any]:
+        return self.role.generations
 
     @property
     def scheduler(self) -> Any:

@@ -58,9 +58,9 @@ def test_a_consumer_that_vanishes_is_stopped_within_a_turn(make_worker):
     worker.handle(SubmitCommand(GenerationRequest("r", [1, 2], max_tokens=500),
                                         consumer))
     worker.run_turn()  # prefill and the first token, dropped by the consumer
-    assert "r" in worker.requests
+    assert "r" in worker.generations
     worker.run_turn()  # its ack reads disconnected: the request ends here
-    assert "r" not in worker.requests
+    assert "r" not in worker.generations
     assert consumer.recorder.next(0) == CompleteEvent("stop")
     assert runtime.session_token_count("r") is None  # the lane is free again
     assert len(runtime.calls) <= 2
@@ -139,7 +139,7 @@ def test_a_cancel_that_overtook_its_submit_cancels_it(make_worker):
     worker.submit(GenerationRequest("late", [1, 2], max_tokens=4), recorder)
     event = recorder.next(0)
     assert isinstance(event, ErrorEvent) and isinstance(event.error, RequestCancelledError)
-    assert "late" not in worker.requests and runtime.calls == []
+    assert "late" not in worker.generations and runtime.calls == []
     again = EventRecorder()  # the id is free again afterwards
     worker.submit(GenerationRequest("late", [1, 2], max_tokens=1), again)
-    assert "late" in worker.requests
+    assert "late" in worker.generations

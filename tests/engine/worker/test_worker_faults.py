@@ -149,14 +149,14 @@ def test_a_request_that_gets_no_lane_in_time_fails_with_a_retryable_error(make_w
     worker.submit(GenerationRequest("holder", [1, 2], max_tokens=100), holder)
     worker.run_turn()
     worker.submit(GenerationRequest("waiter", [3, 4], max_tokens=4), waiter)
-    worker.requests["waiter"].submitted_at -= 31.0  # as if it had waited 31 s
+    worker.generations["waiter"].submitted_at -= 31.0  # as if it had waited 31 s
     worker.role._next_deadline_check = 0.0  # noqa: SLF001 - skip the 0.1 s check interval
     worker.run_turn()
     event = waiter.next(0)
     assert isinstance(event, ErrorEvent) and isinstance(event.error, AdmissionTimeoutError)
     assert event.error.status == 503 and event.error.retry_after_s > 0
     assert "runtime.admission_timeout_s" in event.error.message
-    assert "waiter" not in worker.requests and "holder" in worker.requests
+    assert "waiter" not in worker.generations and "holder" in worker.generations
 
 
 def test_an_admitted_request_that_makes_no_progress_fails(make_worker):
@@ -167,9 +167,9 @@ def test_an_admitted_request_that_makes_no_progress_fails(make_worker):
     worker.run_turn()
     first = recorder.next(0)  # kept: a dropped ack would mean the consumer left
     assert isinstance(first, TokenEvent)
-    worker.requests["stuck"].progressed_at -= 61.0
+    worker.generations["stuck"].progressed_at -= 61.0
     worker.role._next_deadline_check = 0.0  # noqa: SLF001 - skip the 0.1 s check interval
     worker.run_turn()
     event = recorder.pending()[-1]
     assert isinstance(event, ErrorEvent) and isinstance(event.error, StalledError)
-    assert "stuck" not in worker.requests and runtime.active_session_count() == 0
+    assert "stuck" not in worker.generations and runtime.active_session_count() == 0

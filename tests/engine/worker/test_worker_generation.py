@@ -84,20 +84,20 @@ def test_token_control_is_applied_without_blocking_the_scheduler_iteration(
     worker.run_turn()
     first = recorder.next(0)
     assert isinstance(first, TokenEvent)
-    assert "r" in worker.requests
+    assert "r" in worker.generations
 
     worker.run_turn()  # the unanswered ack does not hold the next decode back
     second = recorder.next(0)
     assert isinstance(second, TokenEvent)
-    assert "r" in worker.requests
+    assert "r" in worker.generations
 
     first.ack.send(TokenControl.CONTINUE)
     worker.run_turn()  # answered acks are applied first: Continue keeps it running
     assert isinstance(recorder.next(0), TokenEvent)
-    assert "r" in worker.requests
+    assert "r" in worker.generations
     second.ack.send(TokenControl.STOP)
     worker.run_turn()
-    assert "r" not in worker.requests
+    assert "r" not in worker.generations
     assert "r" not in worker.scheduler
     assert recorder.next(0) == CompleteEvent("stop")
     assert runtime.session_token_count("r") is None

@@ -30,7 +30,7 @@ def submit(worker, req_id: str, prompt: list[int], max_tokens: int) -> Collector
 
 
 def num_parked(worker) -> int:
-    return sum(1 for gen in worker.requests.values() if gen.status is GenerationStatus.PARKED)
+    return sum(1 for gen in worker.generations.values() if gen.status is GenerationStatus.PARKED)
 
 
 def run_until(worker, done, max_turns: int = 200) -> None:
@@ -63,7 +63,7 @@ def test_a_parked_request_can_be_cancelled_and_its_leader_goes_on(worker):
     follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
     worker.handle(CancelCommand("follower"))
     worker.handle(CancelCommand("follower"))  # idempotent
-    assert num_parked(worker) == 0 and "follower" not in worker.requests
+    assert num_parked(worker) == 0 and "follower" not in worker.generations
     assert isinstance(follower.error, RequestCancelledError) and follower.tokens == []
     run_until(worker, lambda: leader.done.is_set())
     assert len(leader.result()) == 3
@@ -86,10 +86,10 @@ def test_a_duplicate_id_never_replaces_a_parked_request(worker):
     worker.run_turn()
     submit(worker, "leader", SHARED + tokens(8, 10), 3)
     follower = submit(worker, "follower", SHARED + tokens(9, 10), 3)
-    parked = worker.requests["follower"]
+    parked = worker.generations["follower"]
     duplicate = submit(worker, "follower", tokens(4, 30), 3)
     assert isinstance(duplicate.error, InvalidRequestError)
     assert "already queued or active: follower" in str(duplicate.error)
-    assert worker.requests["follower"] is parked and num_parked(worker) == 1
+    assert worker.generations["follower"] is parked and num_parked(worker) == 1
     run_until(worker, lambda: follower.done.is_set())
     assert len(follower.result()) == 3 and follower.cached_tokens == len(SHARED)
