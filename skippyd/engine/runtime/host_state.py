@@ -22,7 +22,7 @@ from skippyd.engine.runtime.contract import DecodeFailedError
 
 logger = logging.getLogger(__name__)
 
-#: ``llama_state_seq_*_ext`` flags: 0 saves every layer's KV of the sequence.
+#: ``llama_state_seq_*_ext`` flags: 0 saves every layer's KV of the lane.
 _STATE_FLAGS = 0
 
 #: mmap flags of a fresh state mapping: its pages are faulted in by one call (Linux).
@@ -83,7 +83,7 @@ class StateMappings:
 
 
 class HostState:
-    """A saved sequence state in an anonymous mapping; ``len()`` is its size in bytes.
+    """A lane's saved KV state in an anonymous mapping; ``len()`` is its size in bytes.
 
     The mapping is unmapped when the object is collected; :meth:`release` unmaps it at
     once, or hands it back to the :class:`StateMappings` it came from.
@@ -131,7 +131,7 @@ class HostState:
 
 
 class HostStates:
-    """Saves and loads sequence states of one llama.cpp context; worker thread only.
+    """Saves and loads the KV states of one llama.cpp context's lanes; worker thread only.
 
     Args:
         ctx: The context.
@@ -143,15 +143,15 @@ class HostStates:
         self.mappings = StateMappings() if mappings is None else mappings
 
     def size_of(self, seq_id: int) -> int:
-        """Bytes a save of sequence ``seq_id`` takes, without saving it."""
+        """Bytes a save of lane ``seq_id`` takes, without saving it."""
         return int(L.llama_state_seq_get_size_ext(self._ctx, seq_id, _STATE_FLAGS))
 
     def save(self, seq_id: int, size: int | None = None) -> HostState:
-        """Serialize sequence ``seq_id``'s KV into host memory.
+        """Serialize lane ``seq_id``'s KV into host memory.
 
         Args:
-            seq_id: The sequence (a lane).
-            size: Its :meth:`size_of`, when the caller has just read it and the sequence
+            seq_id: The lane.
+            size: Its :meth:`size_of`, when the caller has just read it and the lane
                 has not changed since (llama.cpp walks the whole state to size it).
 
         Raises:
@@ -168,7 +168,7 @@ class HostStates:
         return state
 
     def load(self, seq_id: int, state: HostState) -> bool:
-        """Load ``state`` into sequence ``seq_id`` (which the caller emptied first).
+        """Load ``state`` into lane ``seq_id`` (which the caller emptied first).
 
         Returns:
             False when llama.cpp could not load it.
