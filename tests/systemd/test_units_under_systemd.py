@@ -363,24 +363,33 @@ def test_stop_lets_a_streaming_request_finish_and_the_unit_ends_inactive(machine
     unit.configure(http={"drain_timeout_s": 30.0})
     cursor = machine.cursor()
     machine.run("systemctl", "start", "skippyd")
+    # Long enough that most of it is generated after the stop even on a machine ten times
+    # faster than one that takes 5 s for it (the stop reaches the daemon within about
+    # 0.1 s of the 4th token), short enough for the drain time on one three times slower.
+    max_tokens = 400
+    arrivals: list[float] = []  # when each chunk with a token reached the client (epoch s)
     result: dict = {}
-    first_token = threading.Event()
+    streaming = threading.Event()
 
     def stream() -> None:
         tokens, finish = 0, None
         with httpx.stream("POST", unit.url + "/v1/completions", timeout=60, json={
-                "prompt": "the cat", "max_tokens": 150, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}) as response:
+                "prompt": "the cat", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
             result["status"] = response.status_code
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                first_token.set()
                 chunk = httpx.Response(200, content=line[6:]).json()
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:
                     finish = choice["finish_reason"] or finish
+                    if choice["text"]:
+                        arrivals.append(time.time())
+                if len(arrivals) >= 4:
+                    streaming.set()
         result.update(tokens=tokens, finish=finish)
 
     def stream_or_error() -> None:
@@ -388,10 +397,12 @@ def test_stop_lets_a_streaming_request_finish_and_the_unit_ends_inactive(machine
             stream()
         except httpx.HTTPError as exc:
             result["error"] = repr(exc)
+        finally:
+            streaming.set()  # never leave the test waiting
 
     client = threading.Thread(target=stream_or_error)
     client.start()
-    assert first_token.wait(60)
+    assert streaming.wait(60) and "error" not in result, result
     started = time.monotonic()
     machine.run("systemd-analyze", "set-log-level", "debug")  # systemd logs each message
     try:
@@ -400,12 +411,25 @@ def test_stop_lets_a_streaming_request_finish_and_the_unit_ends_inactive(machine
         machine.run("systemd-analyze", "set-log-level", "info")
     stopped_in = time.monotonic() - started
     client.join(60)
-    assert result == {"status": 200, "tokens": 150, "finish": "length"}, unit.log(cursor)
+    assert result == {"status": 200, "tokens": max_tokens, "finish": "length"}, unit.log(cursor)
     assert stopped_in < 30  # within http.drain_timeout_s
     assert unit.show("ActiveState", "Result", "ExecMainStatus") == {
         "ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}
     assert "STOPPING=1, STATUS=draining: finishing running requests" in notifications(
         machine, "skippyd.service", cursor)
+
+    # The stream was running when the daemon began to drain, and went on after it: most of
+    # its tokens reached the client after the draining line was in the journal (which
+    # stamps a line when it reads it, so never before the daemon wrote it; the container
+    # reads the host's clock), and its request line, written as it ended, comes after.
+    log = own(machine.journal("-u", "skippyd", after=cursor))
+    [draining] = [i for i, e in enumerate(log) if "draining: waiting up to" in e["MESSAGE"]]
+    [finished] = [i for i, e in enumerate(log) if re.search(
+        rf"request \S+: 200 length, .* generated {max_tokens} tok", e["MESSAGE"])]
+    assert draining < finished, messages(log)
+    drain_began = int(log[draining]["__REALTIME_TIMESTAMP"]) / 1e6
+    after = sum(arrival > drain_began for arrival in arrivals)
+    assert 0 < len(arrivals) - after and after > max_tokens // 2, (len(arrivals), after)
 
 
 def test_two_template_instances_run_side_by_side_with_their_own_sockets_and_directories(
