@@ -320,7 +320,7 @@ class HttpSection:
     """Model name the API reports instead of ``stage.model_id``."""
     default_max_tokens: int | None = _setting(None, lo=1)
     """``max_tokens`` of requests that give none; ``None`` generates until the end of
-    generation or a full context, as llama-server and vLLM do."""
+    generation or a full context, so a request without a limit gets a whole answer."""
     max_body_bytes: int = _setting(MIB, lo=1024, hi=1 << 30)
     """Largest request body accepted."""
     max_prompt_tokens: int | None = _setting(None, lo=1)

@@ -1,4 +1,4 @@
-"""The periodic throughput line, as vLLM prints one every few seconds while it works.
+"""The periodic throughput line: what a busy stage did in the last few seconds.
 
 Every ``telemetry.stats_interval_s`` seconds a busy stage logs what happened since the
 last line: on a stage with the HTTP API, prompt and generation tokens per second,

@@ -1,8 +1,8 @@
 """The OpenAI error shape and the typed error every HTTP handler raises.
 
 Every failure the API reports, before or during a generation, is an :class:`ApiError`;
-it renders as ``{"error": {"message", "type", "param", "code"}}`` like the OpenAI API
-(and llama-server and vLLM), so SDK clients raise their usual exception types.
+it renders as ``{"error": {"message", "type", "param", "code"}}``, the OpenAI API's
+error shape, so SDK clients raise their usual exception types.
 """
 
 from __future__ import annotations

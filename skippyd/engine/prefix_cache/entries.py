@@ -103,7 +103,8 @@ class PrefixCacheStats:
     matched_tokens: int = 0
     """Prompt tokens restored instead of computed, summed over hits."""
     queried_tokens: int = 0
-    """Prompt tokens looked up, summed over every lookup (vLLM's "queries")."""
+    """Prompt tokens looked up, summed over every lookup: the token hit rate is
+    ``matched_tokens / queried_tokens``."""
     bytes_resident: int = 0
     bytes_host: int = 0
     evictions: int = 0

@@ -88,8 +88,8 @@ def _build_info(labels: Mapping[str, str]) -> Iterator[Any]:
 def _prefix_cache(prefix: Mapping[str, Any]) -> Iterator[Any]:
     hits, misses = int(prefix.get("hits", 0)), int(prefix.get("misses", 0))
     for name, doc, value in (
-        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (as vLLM "
-         "counts queries).", prefix.get("queried_tokens", 0)),
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (the token "
+         "hit rate's denominator).", prefix.get("queried_tokens", 0)),
         ("prefix_cache_hits", "Prompt tokens found in the prefix cache (restored instead of "
          "computed).", prefix.get("matched_tokens", 0)),
         ("prefix_cache_lookups", "Prefix-cache lookups, one per request.", hits + misses),

@@ -1,4 +1,4 @@
-"""One ``info`` line per finished request, as llama-server prints one per task.
+"""One ``info`` line per finished request: where its time went, and what the cache saved.
 
 The line is built from what the request's :class:`~skippyd.http.observability.request_timer.RequestTimer`
 already measured on the event loop (submit, admission, first and last token, the

@@ -105,9 +105,10 @@ def reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
 
 
 def _check_min_tokens(body: dict[str, Any]) -> None:
-    """vLLM's ``min_tokens`` holds end-of-generation tokens back for that many tokens:
-    ``ignore_eos`` already holds them back for the whole generation (load generators
-    send both to get exact lengths), so it is honoured with it and refused without.
+    """``min_tokens`` holds end-of-generation tokens back for that many tokens; load
+    generators send it beside ``ignore_eos`` to get exact lengths. ``ignore_eos`` already
+    holds them back for the whole generation, so it is honoured with it and refused
+    without.
     """
     value = body.get("min_tokens")
     if value is None:
