@@ -1,9 +1,9 @@
 """SmolLM2 split into 2 and 3 stage processes behaves like the unsplit server.
 
 Greedy output must be identical bit for bit for requests sent one at a time (same batch
-shapes on both sides, DESIGN item 8), including a prompt longer than ``n_ubatch``; with
-requests in flight together the batch shapes differ, so only prompts with a clear
-greedy margin are compared. Streaming, stop strings, usage, errors and cancellation go
+shapes on both sides, and a batch's shape is all that can change a session's numbers),
+including a prompt longer than ``n_ubatch``; with requests in flight together the batch
+shapes differ, so only prompts with a clear greedy margin are compared. Streaming, stop strings, usage, errors and cancellation go
 through stage 0's unchanged HTTP layer and worker.
 """
 

@@ -168,7 +168,8 @@ def test_explicit_positions_replay_the_last_token(runtime, tokenizer):
 
 
 def test_no_cross_talk_between_sessions(runtime, tokenizer):
-    """X's logits are bit-identical next to B or next to C of the same shape (DESIGN item 8)."""
+    """X's logits are bit-identical next to B or next to C of the same shape: a session
+    never sees another's content, only the batch's shape can change its numbers."""
     x = prompt(tokenizer, "the cat is")
     b = prompt(tokenizer, "a dog and")
     c = [b[0], *reversed(b[1:])]  # other content, same shape

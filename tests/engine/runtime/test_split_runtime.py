@@ -1,4 +1,4 @@
-"""Split equals unsplit: SmolLM2 cut into 2 and 3 stages, chained in process (DESIGN item 5).
+"""Split equals unsplit: SmolLM2 cut into 2 and 3 stages, chained in process.
 
 Each stage is a real sliced GGUF loaded by stock llama.cpp; stage k's captured ``l_out``
 rows are stage k+1's input. For the same batches, the chain's greedy tokens must equal
@@ -13,7 +13,13 @@ import pytest
 
 from skippyd.engine.runtime import llama_ext, native
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
-from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.llama import (
+    MIN_ROWS_PER_CALL,
+    OUTPUT_BUFFER_BUDGET,
+    LlamaRuntime,
+    RuntimeOptions,
+    output_window,
+)
 from skippyd.engine.runtime.tokenizer import Tokenizer
 from skippyd.model_files.slice import cached_slice
 
@@ -31,9 +37,10 @@ STEPS = 10
 GREEDY = SamplingConfig(temperature=0.0)
 
 
-def _options(path, *, first=True, final=True) -> RuntimeOptions:
+def _options(path, *, first=True, final=True, unified=False) -> RuntimeOptions:
     return RuntimeOptions(str(path), lane_count=4, ctx_size=512, n_batch=256,
-                          n_ubatch=N_UBATCH, threads=2, first_stage=first, final_stage=final)
+                          n_ubatch=N_UBATCH, threads=2, first_stage=first, final_stage=final,
+                          kv_unified=unified)
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +55,15 @@ def slice_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("slices")
 
 
-def _chain(smollm2_path, slice_dir, bounds):
+def _chain(smollm2_path, slice_dir, bounds, *, unified=False, rows_per_call=None):
     paths = [cached_slice(smollm2_path, a, b, slice_dir) for a, b in zip(bounds, bounds[1:], strict=False)]
     last = len(paths) - 1
-    return [LlamaRuntime(_options(p, first=i == 0, final=i == last)) for i, p in enumerate(paths)]
+    stages = [LlamaRuntime(_options(p, first=i == 0, final=i == last, unified=unified))
+              for i, p in enumerate(paths)]
+    if rows_per_call is not None:
+        for stage in stages[:-1]:
+            stage.rows_per_call = rows_per_call
+    return stages
 
 
 @pytest.fixture(params=["native", "python"])
@@ -129,8 +141,49 @@ def test_split_chain_matches_unsplit_model(smollm2_path, slice_dir, tokenizer, u
             stage.close()
 
 
+def test_a_chain_in_one_kv_pool_matches_the_unsplit_model(smollm2_path, slice_dir,
+                                                          tokenizer):
+    """In one pool llama.cpp keeps a batch's rows in order: nothing to reorder."""
+    prompts = {f"s{i}": tokenizer.tokenize(p) for i, p in enumerate(PROMPTS)}
+    stages = _chain(smollm2_path, slice_dir, (0, 15, 30), unified=True)
+    try:
+        with LlamaRuntime(_options(smollm2_path, unified=True)) as whole:
+            assert _generate(stages, prompts) == _generate([whole], prompts)
+    finally:
+        for stage in stages:
+            stage.close()
+
+
+def test_a_stage_that_runs_an_iteration_in_several_calls_matches_the_unsplit_model(
+        smollm2_path, slice_dir, tokenizer, unsplit):
+    """A non-final stage cuts an iteration into calls of ``rows_per_call`` rows; the
+    rows it hands on are those of one call, in batch order."""
+    prompts = {f"s{i}": tokenizer.tokenize(p) for i, p in enumerate(PROMPTS)}
+    stages = _chain(smollm2_path, slice_dir, (0, 10, 20, 30), rows_per_call=5)
+    try:
+        calls_before = stages[0].decode_calls
+        assert _generate(stages, prompts) == _generate(unsplit, prompts)
+        rows = sum(len(t) for t in prompts.values()) + (STEPS - 1) * len(prompts)
+        assert stages[0].decode_calls - calls_before >= rows / 5
+    finally:
+        for stage in stages:
+            stage.close()
+
+
+def test_a_non_final_stage_bounds_what_llama_cpp_reserves_for_logits():
+    """Every row of a non-final stage is an output, and llama.cpp reserves a vocabulary
+    of floats for each output of a call: the rows per call keep that bounded."""
+    for n_vocab in (32_000, 49_152, 128_256, 262_144):
+        rows = output_window(n_vocab)
+        assert rows >= MIN_ROWS_PER_CALL
+        assert rows * n_vocab * 4 <= max(OUTPUT_BUFFER_BUDGET, MIN_ROWS_PER_CALL * n_vocab * 4)
+    assert output_window(128_256) * 128_256 * 4 <= 32 << 20
+
+
 def test_batched_logits_stay_close_to_solo(unsplit, tokenizer):
-    """Batch shape changes kernels, not isolation: a stated tolerance (DESIGN item 8)."""
+    """A prompt's logits batched with others stay within a stated tolerance of its logits
+    alone, with the same argmax: the batch's shape changes which kernels run, not what a
+    session attends to."""
     import ctypes
 
     from llama_cpp import llama_cpp as L
