@@ -202,8 +202,8 @@ def cpu_per_token(before: dict[int, float], after: dict[int, float], wall_s: flo
     Busy threads ran for more than half the wall time: llama.cpp's compute threads
     (they spin between graph nodes), which in skippyd include the worker thread and
     its Python between decodes. The rest is the HTTP side: skippyd's event loop,
-    llama-server's HTTP threads. On two cores the rest takes its CPU from the busy
-    threads. Empty when the per-thread CPU cannot be read (not Linux).
+    llama-server's HTTP threads. When every core is busy, the rest takes its CPU from the
+    busy threads. Empty when the per-thread CPU cannot be read (not Linux).
     """
     if not after or tokens <= 0 or wall_s <= 0:
         return {}

@@ -227,8 +227,9 @@ class RuntimeSection:
     tokens. ``unified``: the lanes share one pool of ``ctx_size`` cells, so one request
     may use all of it while the others use little, in less memory; requests are admitted
     by the cells they need, and when the pool runs out the youngest is preempted and
-    recomputed later; every row's attention spans the pool's used cells, which cost about
-    5 % of the CPU per token at 8 streams on a 1B model, more with long prompts beside."""
+    recomputed later; every row's attention spans the pool's used cells, so each token
+    costs more CPU, the more so with long prompts beside (``docs/scheduler.md``, *KV
+    memory*, has the figures)."""
     lane_count: int = _setting(4, lo=1, hi=MAX_LANES)
     """Concurrent sequences (llama.cpp sequence ids)."""
     n_batch: int = _setting(2048, lo=1, hi=1 << 16)
@@ -265,8 +266,9 @@ class RuntimeSection:
     iteration (their decode rows plus the chunk) takes about this long: running streams
     keep getting a token every step instead of freezing for a whole prompt. Smaller
     values smooth streams more and delay long prompts' first token. A chunk is at least
-    65 tokens (below 64, llama.cpp's CPU attention to the prompt's cached part runs a
-    fifth to a third slower per token) when such a step is estimated within twice this.
+    65 tokens (below 64, llama.cpp's CPU attention to the prompt's cached part takes a
+    slower kernel; ``docs/scheduler.md``, *Planning an iteration*, has the figures) when
+    such a step is estimated within twice this.
     While long prompts queue up or prompts arrive in a burst, a step may take up to 4
     times this, so the queue cannot grow without end; 0 prefills prompts whole, between
     decode steps."""

@@ -35,11 +35,11 @@ MIN_PREFILL_TOKENS = 16
 #: decoders' micro-batch, so the chunk's own holds 64 of these 65.
 EFFICIENT_PREFILL_TOKENS = 65
 #: How many times its target a step may take to carry an efficient chunk (see above):
-#: while a prompt waits, up to a third more prompt throughput is worth a step this long.
+#: while a prompt waits, the faster kernel's prompt speed is worth a step this long.
 EFFICIENT_CHUNK_STRETCH = 2
 #: How far past its prompt budget a step may go when that saves a long prompt a whole
-#: chunk (see ``planning.even_chunk``): a chunk's pass over the weights costs about a
-#: decode step, so an eighth more tokens in each of the prompt's steps is cheaper.
+#: chunk (see ``planning.even_chunk``): every chunk pays a pass over the weights, so a
+#: few more tokens in each of the prompt's steps cost less than one more chunk.
 CHUNK_OVERRUN = 1.125
 #: Most times its target a step may take while prompts queue up (see :class:`TargetStretch`).
 MAX_TARGET_STRETCH = 4

@@ -61,8 +61,8 @@ class SamplerChain:
         self._pending_sampled: int | None = None
         self._n_vocab = n_vocab
         # Plain greedy needs no chain: an argmax over the row's logits picks the same
-        # token (the first highest, as llama.cpp's greedy sampler does) in a third of
-        # the time, without filling a candidate array of the whole vocabulary.
+        # token (the first highest, as llama.cpp's greedy sampler does) without filling
+        # a candidate array of the whole vocabulary.
         self._argmax = is_plain_greedy(config)
         self._masked = np.array(sorted(eog_tokens) if config.ignore_eos else [], dtype=np.intp)
         self._masked_set = frozenset(self._masked.tolist())

@@ -27,7 +27,7 @@ def row_logits(ctx: int, row: int, n_vocab: int) -> np.ndarray:
     """
     # NOTE: a cached ctypes array type over the row's address, not np.ctypeslib.as_array,
     # which builds a new array type per call: this runs once per sampled token, right
-    # after a decode has evicted the caches, where that costs tens of microseconds.
+    # after a decode has evicted the caches, where building a type is dear.
     address = ctypes.addressof(L.llama_get_logits_ith(ctx, row).contents)
     view = np.frombuffer(_logits_row_type(n_vocab).from_address(address),  # type: ignore[call-overload]  # a ctypes array is a buffer
                          dtype=np.float32)

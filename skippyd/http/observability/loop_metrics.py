@@ -1,10 +1,11 @@
 """Prometheus histograms and counters for the per-token path of the event loop.
 
 ``prometheus_client``'s own ``Histogram.observe`` takes two locks and walks the bucket
-list in Python, and ``Counter.inc`` takes one: tens of microseconds per token on a small
-CPU, paid on the event loop thread while llama.cpp's threads compute. On two cores that
-thread's time comes out of the decode twice over (one compute thread is preempted and the
-other waits for it at the next barrier), so per-token bookkeeping has to be cheap.
+list in Python, and ``Counter.inc`` takes one, on every token, on the event loop thread
+while llama.cpp's threads compute. When the cores are few, that thread's time comes out
+of the decode twice over (one compute thread is preempted and the other waits for it at
+the next barrier), so per-token bookkeeping has to be cheap (``docs/performance-notes.md``
+has the figures).
 
 The classes here keep plain numbers that only the event loop thread updates (a bisect
 and two additions per observation) and are registered in a ``CollectorRegistry`` like
