@@ -1,16 +1,17 @@
 """One llama.cpp context: lanes, sessions and batched iterations.
 
 One model and one context with ``n_seq_max = lane_count``; every call to
-:meth:`LlamaRuntime.run_iteration` is exactly one ``llama_decode`` holding the rows of many
+:meth:`LlamaRuntime.run_iteration` is one ``llama_decode`` holding the rows of many
 sessions, each bound to a lane (a sequence id) while it is active. The lanes share one
-KV pool of ``ctx_size`` cells (``runtime.kv_layout = "unified"``, the default: a session
-may use all of it) or have a stream each of ``ctx_size / lane_count`` cells
-(``per_lane``); a lane keeps its KV after its session ends, for the prefix cache
+KV pool of ``ctx_size`` cells (``runtime.kv_layout = "unified"``: a session may use all
+of it) or have a stream each of ``ctx_size / lane_count`` cells (``per_lane``, the
+default); a lane keeps its KV after its session ends, for the prefix cache
 (:mod:`skippyd.engine.runtime.lanes`). With a stream per lane llama.cpp keeps rows in one
 micro-batch only for consecutive lanes, so rows go in lane order and a lane left out
 between two gets a throw-away filler row (``LlamaRuntime._padding_lanes``).
-``docs/scheduler.md``, *KV memory*, has the trade-off. No policy lives here; only the
-worker thread may call a runtime.
+``docs/scheduler.md``, *KV memory*, has the trade-off. A non-final stage runs an
+iteration's rows in calls of at most ``LlamaRuntime.rows_per_call`` rows
+(:func:`output_window` says why). No policy lives here; only the worker thread may call a runtime.
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ class LlamaRuntime:
         self._batch = L.llama_batch_init(
             options.n_batch, 0 if options.first_stage else self.n_embd, 1
         )
+        self.rows_per_call = self.n_batch if options.final_stage else output_window(self.n_vocab)
+        """Most rows one ``llama_decode`` holds (an iteration may take several calls)."""
         self._host_states = HostStates(self._ctx)
         self._lanes = LaneTable(self._mem, self._host_states, options.lane_count,
                                 unified=options.kv_unified)
@@ -420,7 +423,8 @@ class LlamaRuntime:
 
     # -- iterations ------------------------------------------------------------------
     def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
-        """Run one ``llama_decode`` for every request; sample where asked.
+        """Run every request's rows in one ``llama_decode`` (on a non-final stage, calls
+        of at most :attr:`rows_per_call` rows); sample where asked.
 
         Raises:
             InvalidIterationError: the batch is malformed (nothing ran, nothing changed).
@@ -641,16 +645,10 @@ class LlamaRuntime:
         # Last: no call into llama.cpp between the hook and the decode.
         wake = self._compute_hook() if self._compute_hook is not None else ()
         try:
-            if wake:
-                ret = wake_decode.decode_signalling(wake, self._ctx, self._batch)
-            else:
-                ret = L.llama_decode(self._ctx, self._batch)
+            ret = self._decode_rows(wake)
         finally:
             self._remove_padding()
-        self.decode_calls += 1
-        # A non-final stage stops the graph from its eval callback: llama.cpp reports that
-        # as an abort (2) although the layers it owns all ran.
-        if ret == 0 or (ret == 2 and self._capture is not None):
+        if self._decoded(ret):
             return
         for session, start in zip(sessions, starts, strict=True):
             L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
@@ -662,6 +660,28 @@ class LlamaRuntime:
                 f" ({self.lane_capacity_tokens} cells per lane)"
             )
         raise DecodeFailedError(f"llama_decode failed with code {ret}")
+
+    def _decoded(self, ret: int) -> bool:
+        # A non-final stage stops the graph from its eval callback: llama.cpp reports that
+        # as an abort (2) although the layers it owns all ran.
+        return ret == 0 or (ret == 2 and self._capture is not None)
+
+    def _decode_rows(self, wake: Sequence[int]) -> int:
+        """``llama_decode`` the batch, in calls of at most :attr:`rows_per_call` rows
+        (waking ``wake`` before the first); the first failing call's code, else 0."""
+        batch, n = self._batch, self._batch.n_tokens
+        ret = 0
+        for first in range(0, n, self.rows_per_call):
+            part = batch if n <= self.rows_per_call else _batch_rows(
+                batch, first, min(self.rows_per_call, n - first), self.n_embd)
+            if wake and first == 0:
+                ret = wake_decode.decode_signalling(wake, self._ctx, part)
+            else:
+                ret = L.llama_decode(self._ctx, part)
+            self.decode_calls += 1
+            if not self._decoded(ret):
+                return ret
+        return ret
 
     def _finish(self, requests, sessions, starts, layout: _BatchLayout,
                 compute_s: float) -> IterationOutput:
@@ -761,11 +781,12 @@ class LlamaRuntime:
         """The captured rows, reordered from micro-batch order to batch row order."""
         assert self._capture is not None
         captured = self._capture.take()
-        if self.options.lane_count == 1:
+        if self.options.lane_count == 1 or self.options.kv_unified:
             return captured  # one KV stream: micro-batches take the rows in order
-        n = self._batch.n_tokens
+        n, step = self._batch.n_tokens, self.rows_per_call
         seq_ids = [self._batch.seq_id[row][0] for row in range(n)]
-        order = stream_split_order(seq_ids, self.n_ubatch)
+        order = [first + row for first in range(0, n, step)
+                 for row in stream_split_order(seq_ids[first:first + step], self.n_ubatch)]
         in_batch_order = np.empty_like(captured)
         in_batch_order[order] = captured
         return in_batch_order
@@ -793,6 +814,47 @@ class LlamaRuntime:
             session.sampler.observe(session.history)
         assert session.sampler is not None
         return session.sampler.sample(self._ctx, row, argmax)
+
+
+#: Most bytes llama.cpp's output buffer may take on a non-final stage (:func:`output_window`).
+OUTPUT_BUFFER_BUDGET = 32 << 20
+#: Fewest rows a non-final stage's call holds, whatever the vocabulary.
+MIN_ROWS_PER_CALL = 16
+
+
+def output_window(n_vocab: int) -> int:
+    """Rows per ``llama_decode`` on a non-final stage.
+
+    Such a stage marks every row an output, so that llama.cpp keeps all rows of its last
+    layer for the next stage. llama.cpp sizes its output buffer by a call's outputs, a
+    vocabulary of floats each, zero-fills it and copies into it although no logits are
+    computed there: at n_batch 2048 and a 128k vocabulary that is 1 GiB the stage holds
+    for nothing. Calls of this many rows keep it within :data:`OUTPUT_BUFFER_BUDGET`;
+    llama.cpp computes a call in micro-batches anyway, and these are wide enough that
+    the weights' arithmetic, not their reading, still sets a call's pace.
+    """
+    return max(MIN_ROWS_PER_CALL, OUTPUT_BUFFER_BUDGET // (4 * max(n_vocab, 1)))
+
+
+def _batch_rows(batch: L.llama_batch, first: int, count: int, n_embd: int) -> L.llama_batch:
+    """A view of ``count`` rows of ``batch`` from row ``first`` (no copy: it points into
+    ``batch``'s arrays, so it is used while ``batch`` lives)."""
+
+    def at(pointer, offset: int):
+        if not pointer:
+            return pointer
+        size = ctypes.sizeof(pointer._type_)
+        return ctypes.cast(ctypes.addressof(pointer.contents) + offset * size, type(pointer))
+
+    view = L.llama_batch()
+    view.n_tokens = count
+    view.token = at(batch.token, first)
+    view.embd = at(batch.embd, first * n_embd)
+    view.pos = at(batch.pos, first)
+    view.n_seq_id = at(batch.n_seq_id, first)
+    view.seq_id = at(batch.seq_id, first)
+    view.logits = at(batch.logits, first)
+    return view
 
 
 def _wants_prompt_logprobs(request: IterationRequest) -> bool:
