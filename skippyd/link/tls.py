@@ -1,28 +1,14 @@
 """TLS on the stage link: TLS 1.3, both ends authenticated by the pipeline's own CA.
 
-With ``link.tls = true`` every connection of a stage (CHAIN, RETURN, STATUS, both
-directions) runs inside TLS, and the HMAC handshake of ``handshake`` runs inside it as
-before: a stolen certificate alone opens nothing. Each end presents its certificate and
-verifies the other's against ``link.tls_ca``, and nothing else (no system CAs).
+With ``link.tls = true`` every connection of a stage runs inside TLS, and the HMAC
+handshake runs inside it unchanged, so a stolen certificate alone opens nothing. A
+certificate names a stage id, not a host; a plaintext greeting lets both ends of a
+TLS/plaintext mismatch log why. ``docs/stage-protocol.md``, *TLS*, has the rules.
 
-**Identity.** A certificate names a stage id in its subject's common name
-(``skippyd.link.keys``); host names are not checked, so stages may move between
-machines. Where a link knows whom it talks to, the name must match: a stage dialling
-its ``[downstream]`` requires that stage's id, stage 0 dialling the final stage for
-predictions requires the id the chain announced, and a listener requires its
-``[upstream]``'s id on a CHAIN connection. RETURN and STATUS connections are accepted
-from any certificate of the pipeline's CA (a RETURN connection must also name a live
-chain, and STATUS needs a secret).
-
-**Greeting.** A TLS listener first sends one plaintext frame, a REFUSE whose text says
-that the link needs TLS: a plaintext dialer gives up with that reason, a TLS dialer
-checks it and starts the TLS handshake. A TLS dialer that meets a plaintext listener
-(a CHALLENGE) answers it with a REFUSE saying so. Both ends of a mismatch thus log why.
-
-**Threads.** A stage connection is read by one thread while others write to it (the
-pinger, a completer), and OpenSSL forbids concurrent calls on one TLS session. So the
-session runs over memory buffers (``ssl.SSLObject``): a lock is held only while bytes
-are encrypted or decrypted in memory, never while the socket blocks.
+A connection is read by one thread while others write to it (the pinger, a completer),
+and OpenSSL forbids concurrent calls on one TLS session, so the session runs over memory
+buffers (``ssl.SSLObject``): a lock is held only while bytes are encrypted or decrypted
+in memory, never while the socket blocks.
 """
 
 from __future__ import annotations

@@ -321,25 +321,22 @@ class Runtime(Protocol):
     def run_iteration(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         """Run every request's rows in one batched model call, then sample.
 
-        Each request's rows go into its session at its explicit positions (the first one
-        at most the session's token count; what the session held from there on is
-        replaced), or after what it holds when positions are None; a session not yet
-        active gets a lane. When this raises an invalid-iteration, lanes-busy or no-KV-slot
-        error, no session changed; after any other failure the caller must treat the
-        sessions in the batch as lost.
+        Each request's rows go into its session at its explicit positions (the first at
+        most the session's token count; what it held from there on is replaced), or after
+        what it holds when positions are None; a new session gets a lane.
 
         Returns:
-            One output entry per request, in order (captured activation rows on a stage
-            that sends them on), and one sample per request with ``sample_last``.
+            One output per request, in order (captured activation rows on a stage that
+            sends them on), and one sample per request with ``sample_last``.
 
         Raises:
-            InvalidIterationError: A request is malformed (unknown token, a gap in
-                positions, a duplicate session); it names the request.
-            LanesBusyError: More new sessions than free lanes.
-            KvSlotUnavailableError: No room in the KV pool: back-pressure, retry later.
-            UnavailableError: A part that lives elsewhere (the rest of a pipeline) is
-                unreachable.
-            DecodeFailedError: The model call failed otherwise.
+            InvalidIterationError: A malformed request (unknown token, a gap in positions,
+                a duplicate session), named; no session changed.
+            LanesBusyError: More new sessions than free lanes; no session changed.
+            KvSlotUnavailableError: No room in the KV pool (retry later); no session changed.
+            UnavailableError: The rest of a pipeline is unreachable; the batch's sessions
+                are lost.
+            DecodeFailedError: The model call failed otherwise; the batch's sessions are lost.
         """
 
     def align_session_to_token_count_if_ahead(

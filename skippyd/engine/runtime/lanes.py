@@ -3,22 +3,10 @@
 Each lane is one llama.cpp sequence id, with a KV stream of its own or a share of one
 pool all lanes use. A session is bound to a lane while it is active; the lane keeps its
 KV after its session ends, until it is given to another session (or the pool needs the
-cells), which is what lets the prefix cache reuse it:
-
-* a new session may start in a lane with a leading part of what it holds
-  (:meth:`LaneTable.bind` with ``keep_tokens``): a hit costs nothing;
-* :meth:`LaneTable.copy_prefix` gives a session another lane's prefix: in one pool
-  ``llama_memory_seq_cp`` makes the session's sequence share the prefix's cells (no
-  copy, no extra memory); between streams it copies the lane's KV through a saved
-  state, then trims the rest (``llama_memory_seq_cp`` across streams copies the whole
-  stream, and only at the start of the next ``llama_decode``, so a state saved or
-  loaded in between would see stale cells);
-* :meth:`LaneTable.fork` copies a session into another for the choices of one request
-  (``n > 1``), which share their prompt: there ``llama_memory_seq_cp`` is right, as the
-  copy is read only by the next decode.
-
-Which prefix goes where is the prefix cache's business, not this table's. Only the
-worker thread may use it.
+cells), so the prefix cache can reuse it: in place (:meth:`LaneTable.bind` with
+``keep_tokens``: a hit costs nothing), from another lane (:meth:`LaneTable.copy_prefix`),
+or for the choices of one request (:meth:`LaneTable.fork`). Which prefix goes where is
+the prefix cache's business, not this table's. Only the worker thread may use it.
 """
 
 from __future__ import annotations
@@ -182,9 +170,11 @@ class LaneTable:
     def fork(self, src_session_id: str, dst_session_id: str, num_tokens: int | None) -> None:
         """Make ``dst`` hold ``src``'s first ``num_tokens`` tokens (all by default).
 
-        The whole sequence is copied (``llama_memory_seq_cp`` over every position: in a
-        unified cache that shares cells, across KV streams it copies the stream at the
-        next decode), then ``dst`` is trimmed to ``num_tokens``.
+        For the choices of one request (``n > 1``), which share their prompt. The whole
+        sequence is copied (``llama_memory_seq_cp`` over every position: in a unified
+        cache that shares cells, across KV streams it copies the stream at the next
+        decode, which is the copy's only reader), then ``dst`` is trimmed to
+        ``num_tokens``.
 
         Raises:
             InvalidIterationError: ``src`` is unknown, holds too few tokens or is ``dst``.
@@ -207,7 +197,11 @@ class LaneTable:
         """Make the session hold the first ``num_tokens`` tokens of lane ``source``.
 
         The session's lane must hold nothing the session needs: it is replaced. From its
-        own lane this only trims; from another lane the lane's KV is copied.
+        own lane this only trims. From another lane in one pool, ``llama_memory_seq_cp``
+        makes the session's sequence share the prefix's cells (no copy, no extra memory);
+        between streams the lane's KV goes through a saved state, because
+        ``llama_memory_seq_cp`` across streams copies the whole stream, and only at the
+        next ``llama_decode``, so a state saved or loaded in between would see stale cells.
 
         Raises:
             InvalidIterationError: Unknown session or lane, or a count the lane lacks.

@@ -114,9 +114,6 @@ def create_app(
         max_concurrent_requests: Requests in flight beyond which new ones get 429.
         metrics: Records each generation's lifecycle and every refused request.
 
-    Returns:
-        The ASGI app.
-
     Raises:
         ValueError: ``default_max_tokens`` is not positive.
     """
