@@ -51,6 +51,7 @@ from skippyd.engine.runtime.llama_ext import (
     make_layer_capture,
     stream_split_order,
 )
+from skippyd.engine.runtime.mapped_pages import release_file_pages
 from skippyd.engine.runtime.pipeline_types import StageTimeline
 from skippyd.engine.runtime.progress import make_compute_progress
 from skippyd.engine.runtime.sampling import SamplerChain, is_plain_greedy
@@ -187,6 +188,11 @@ class LlamaRuntime:
             else make_layer_capture(self.info.n_layer, self.info.n_embd, options.n_batch)
         )
         self._ctx = self._new_context(options)
+        released = release_file_pages(options.model_path)
+        if released:
+            logger.info("%s: %d MiB of the file's pages left the process's memory (read again"
+                        " only where the model computes from them in place)",
+                        os.path.basename(options.model_path), released >> 20)
         # Counts computed graph nodes, so a long call that progresses is not "hung".
         self.compute_progress = make_compute_progress()
         if self.compute_progress is not None:
