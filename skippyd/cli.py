@@ -312,15 +312,36 @@ def _measured_work(model: Path, costs: ModelCosts, threads: int | None) -> Work:
 
 
 def _split_keys(directory: Path, stages: int) -> dict[int, tuple[str, str, str]]:
-    from skippyd.link.keys import KeygenError, write_pipeline_keys
+    """The TLS files of each stage under ``directory/tls``: a stage that has its
+    certificate and key there keeps them (splitting again keeps the pipeline's keys),
+    the others get new ones from the pipeline CA there (made if missing)."""
+    from skippyd.link.keys import CA_CERT_FILE, KeygenError, write_pipeline_keys
 
+    keys_dir = directory / "tls"
+    ids = [f"stage-{i}" for i in range(stages)]
+    files = {i: (keys_dir / f"{i}.crt", keys_dir / f"{i}.key") for i in ids}
+    kept = [i for i, pair in files.items() if all(path.exists() for path in pair)]
+    missing = [i for i in ids if i not in kept]
     try:
-        written = write_pipeline_keys(directory / "tls", [f"stage-{i}" for i in range(stages)])
+        if kept and not (keys_dir / CA_CERT_FILE).exists():
+            raise KeygenError(f"{files[kept[0]][0]} has no pipeline CA beside it "
+                              f"({keys_dir / CA_CERT_FILE}); remove {keys_dir} or restore it")
+        written = write_pipeline_keys(keys_dir, missing) if missing else None
     except KeygenError as exc:
         raise fail(str(exc)) from None
-    ca = str(written.ca_cert.relative_to(directory))
-    return {i: (ca, str(keys.cert.relative_to(directory)), str(keys.key.relative_to(directory)))
-            for i, keys in enumerate(written.stages)}
+    except OSError as exc:
+        raise fail(f"cannot write {keys_dir}: {exc}") from None
+    if kept:
+        stderr.print(f"kept the TLS keys of {', '.join(kept)} in {escape(str(keys_dir))}",
+                     highlight=False)
+    if written is not None and written.ca_created:
+        stderr.print(f"wrote the pipeline CA and its key {escape(str(written.ca_key))} (it "
+                     "signs new certificates: keep it off the stages' machines)",
+                     highlight=False)
+    ca = str((keys_dir / CA_CERT_FILE).relative_to(directory))
+    return {int(i.removeprefix("stage-")): (ca, str(cert.relative_to(directory)),
+                                             str(key.relative_to(directory)))
+            for i, (cert, key) in files.items()}
 
 
 def _quantized_size(source: Path, quant: str) -> int:

@@ -119,10 +119,33 @@ def test_with_tls_every_stage_gets_its_own_keys_and_the_pipeline_checks(
         tmp_path, tiny_model_path):
     out, configs = split(tmp_path, tiny_model_path, "--stages", "2", "--tls")
     assert all(c["link"]["tls"] for c in configs)
+    assert not (out / "tls" / "stage-2.crt").exists()
     assert configs[1]["link"]["tls_cert"] == "tls/stage-1.crt"
     assert (out / "tls" / "stage-1.key").stat().st_mode & 0o777 == 0o600
     check = runner.invoke(app, ["config", "check", *map(str, sorted(out.glob("*.toml")))])
     assert check.exit_code == 0, check.output
+
+
+def test_splitting_again_with_tls_keeps_the_pipelines_keys_and_adds_a_new_stages(
+        tmp_path, tiny_model_path):
+    out, _ = split(tmp_path, tiny_model_path, "--stages", "2", "--tls")
+    first = (out / "tls" / "stage-1.crt").read_bytes()
+    result = runner.invoke(app, ["config", "split", str(tiny_model_path), "-o", str(out),
+                                 "--stages", "3", "--tls", "--force"])
+    assert result.exit_code == 0, result.output
+    assert "kept the TLS keys of stage-0, stage-1" in result.output
+    assert (out / "tls" / "stage-1.crt").read_bytes() == first
+    assert (out / "tls" / "stage-2.key").stat().st_mode & 0o777 == 0o600
+    check = runner.invoke(app, ["config", "check", *map(str, sorted(out.glob("*.toml")))])
+    assert check.exit_code == 0, check.output
+
+
+def test_a_split_whose_keys_lost_their_ca_is_refused(tmp_path, tiny_model_path):
+    out, _ = split(tmp_path, tiny_model_path, "--stages", "2", "--tls")
+    (out / "tls" / "ca.crt").unlink()
+    result = runner.invoke(app, ["config", "split", str(tiny_model_path), "-o", str(out),
+                                 "--stages", "2", "--tls", "--force"])
+    assert result.exit_code != 0 and "no pipeline CA" in result.output
 
 
 def test_a_split_that_cannot_be_made_is_refused_with_its_reason(tmp_path, tiny_model_path):
