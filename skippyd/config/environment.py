@@ -1,11 +1,11 @@
 """Environment switches that change a stage's config, read once, when a config is parsed.
 
-Two variables, kept for deployments that already set them, override the config;
-everything else is set in the TOML file:
+Two variables override the config, so a stage can be switched for a debugging run or an
+experiment without editing its file; everything else is set in the TOML file:
 
-* ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE`` (``1``/``true``/``yes``/``on``, any case)
-  turns ``runtime.safe_mode`` on: one sequence per decode, a debugging fallback.
-* ``SKIPPY_PIPELINE_DECODE_GROUPS`` sets ``runtime.pipeline_decode_groups``; a value that
+* ``SKIPPYD_SAFE_MODE`` (``1``/``true``/``yes``/``on``, any case) turns
+  ``runtime.safe_mode`` on: one sequence per decode, a debugging fallback.
+* ``SKIPPYD_PIPELINE_DECODE_GROUPS`` sets ``runtime.pipeline_decode_groups``; a value that
   is not a positive integer means 1 (ungrouped), never "use the default".
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SAFE_MODE_ENV = "SKIPPY_ITERATION_SCHEDULER_SAFE_MODE"
-PIPELINE_DECODE_GROUPS_ENV = "SKIPPY_PIPELINE_DECODE_GROUPS"
+SAFE_MODE_ENV = "SKIPPYD_SAFE_MODE"
+PIPELINE_DECODE_GROUPS_ENV = "SKIPPYD_PIPELINE_DECODE_GROUPS"
 _TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 
 

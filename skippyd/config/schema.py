@@ -258,7 +258,7 @@ class RuntimeSection:
     three quarters on the first GPU (``--tensor-split``); ``None``: by free memory."""
     safe_mode: bool = False
     """Serialise every sequence (one per decode): a debugging fallback; also turned on
-    by ``SKIPPY_ITERATION_SCHEDULER_SAFE_MODE``."""
+    by ``SKIPPYD_SAFE_MODE``."""
     continuous_batching: bool = True
     """Admit new sequences into running batches."""
     target_step_ms: float = _setting(250.0, lo=0.0, hi=60_000.0)
@@ -275,7 +275,7 @@ class RuntimeSection:
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration into, so every stage works on one
     while the next computes another; ``None``: one per stage plus one (the one
-    travelling). Also set by ``SKIPPY_PIPELINE_DECODE_GROUPS``."""
+    travelling). Also set by ``SKIPPYD_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
     admission_timeout_s: float = _setting(60.0, lo=0.0, hi=86_400.0)

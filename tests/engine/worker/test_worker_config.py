@@ -105,7 +105,7 @@ def test_settings_for_a_stage_follow_its_config(runtime_factory):
     settings = WorkerSettings.for_stage(later, runtime)
     assert later.planned_decode_groups == 2  # final stage 1 of 2
     assert settings.direct_group_batch_size == 2
-    safe = parse_config({}, environ={"SKIPPY_ITERATION_SCHEDULER_SAFE_MODE": "on"})
+    safe = parse_config({}, environ={"SKIPPYD_SAFE_MODE": "on"})
     settings = WorkerSettings.for_stage(safe, runtime)
     assert settings.safe_mode and settings.policy.max_active_sequences == 1
 
