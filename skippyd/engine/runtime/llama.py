@@ -11,7 +11,8 @@ micro-batch only for consecutive lanes, so rows go in lane order and a lane left
 between two gets a throw-away filler row (``LlamaRuntime._padding_lanes``).
 ``docs/scheduler.md``, *KV memory*, has the trade-off. A non-final stage runs an
 iteration's rows in calls of at most ``LlamaRuntime.rows_per_call`` rows
-(:func:`output_window` says why). No policy lives here; only the worker thread may call a runtime.
+(:func:`output_window` says why). No policy lives here; only the worker thread may call
+a runtime.
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ class LlamaRuntime:
         self._batch = L.llama_batch_init(
             options.n_batch, 0 if options.first_stage else self.n_embd, 1
         )
-        self.rows_per_call = self.n_batch if options.final_stage else output_window(self.n_vocab)
+        offloads = options.gpu_layers != 0 and bool(self.offload["gpu_backend"])
+        self.rows_per_call = (self.n_batch if options.final_stage
+                              else output_window(self.n_vocab, self.n_ubatch if offloads else 0))
         """Most rows one ``llama_decode`` holds (an iteration may take several calls)."""
         self._host_states = HostStates(self._ctx)
         self._lanes = LaneTable(self._mem, self._host_states, options.lane_count,
@@ -828,18 +831,19 @@ OUTPUT_BUFFER_BUDGET = 32 << 20
 MIN_ROWS_PER_CALL = 16
 
 
-def output_window(n_vocab: int) -> int:
-    """Rows per ``llama_decode`` on a non-final stage.
+def output_window(n_vocab: int, at_least: int = 0) -> int:
+    """Rows per ``llama_decode`` on a non-final stage (and never fewer than ``at_least``).
 
     Such a stage marks every row an output, so that llama.cpp keeps all rows of its last
     layer for the next stage. llama.cpp sizes its output buffer by a call's outputs, a
     vocabulary of floats each, zero-fills it and copies into it although no logits are
     computed there: at n_batch 2048 and a 128k vocabulary that is 1 GiB the stage holds
-    for nothing. Calls of this many rows keep it within :data:`OUTPUT_BUFFER_BUDGET`;
-    llama.cpp computes a call in micro-batches anyway, and these are wide enough that
-    the weights' arithmetic, not their reading, still sets a call's pace.
+    for nothing. Calls of this many rows keep it within :data:`OUTPUT_BUFFER_BUDGET`.
+    On a CPU a micro-batch of this many rows is still bound by the weights' arithmetic,
+    not by reading them; a GPU reads its weights at every micro-batch and wants wide ones,
+    so a stage that offloads asks for at least its ``n_ubatch`` rows per call.
     """
-    return max(MIN_ROWS_PER_CALL, OUTPUT_BUFFER_BUDGET // (4 * max(n_vocab, 1)))
+    return max(MIN_ROWS_PER_CALL, at_least, OUTPUT_BUFFER_BUDGET // (4 * max(n_vocab, 1)))
 
 
 def _batch_rows(batch: L.llama_batch, first: int, count: int, n_embd: int) -> L.llama_batch:
