@@ -827,8 +827,9 @@ class LlamaRuntime:
 
 #: Most bytes llama.cpp's output buffer may take on a non-final stage (:func:`output_window`).
 OUTPUT_BUFFER_BUDGET = 32 << 20
-#: Fewest rows a non-final stage's call holds, whatever the vocabulary.
-MIN_ROWS_PER_CALL = 16
+#: Fewest rows a non-final stage's call holds, whatever the vocabulary: llama.cpp's CPU
+#: flash attention runs 64 or more query rows through its tiled kernel, fewer row by row.
+MIN_ROWS_PER_CALL = 64
 
 
 def output_window(n_vocab: int, at_least: int = 0) -> int:
