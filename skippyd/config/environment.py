@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 SAFE_MODE_ENV = "SKIPPYD_SAFE_MODE"
 PIPELINE_DECODE_GROUPS_ENV = "SKIPPYD_PIPELINE_DECODE_GROUPS"
 _TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
+#: Names these switches had before they took skippyd's own prefix: no longer read, but
+#: a stage started with one set says so instead of ignoring it in silence.
+FORMER_NAMES = {"SKIPPY_ITERATION_SCHEDULER_SAFE_MODE": SAFE_MODE_ENV,
+                "SKIPPY_PIPELINE_DECODE_GROUPS": PIPELINE_DECODE_GROUPS_ENV}
 
 
 def safe_mode_from_value(value: str | None) -> bool:
@@ -49,6 +53,9 @@ def apply_environment(data: Mapping[str, Any],
         A copy of ``data`` (the same tables where nothing changed).
     """
     env = os.environ if environ is None else environ
+    for former, current in FORMER_NAMES.items():
+        if former in env:
+            logger.warning("%s is no longer read: set %s instead", former, current)
     changes: dict[str, Any] = {}
     if safe_mode_from_value(env.get(SAFE_MODE_ENV)):
         changes["safe_mode"] = True

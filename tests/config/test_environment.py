@@ -17,14 +17,18 @@ LATER_STAGE = {"stage": {"index": 1, "layer_start": 2},
                "link": {"listen": "127.0.0.1:9001", "secret": "s" * 16}}
 
 
-def test_the_switches_carry_skippyds_own_prefix():
+def test_the_switches_carry_skippyds_own_prefix(caplog):
     # The names README.md documents; the former SKIPPY_* names are no longer read.
     assert (SAFE_MODE_ENV, PIPELINE_DECODE_GROUPS_ENV) == (
         "SKIPPYD_SAFE_MODE", "SKIPPYD_PIPELINE_DECODE_GROUPS")
     old = {"SKIPPY_ITERATION_SCHEDULER_SAFE_MODE": "1", "SKIPPY_PIPELINE_DECODE_GROUPS": "4"}
-    config = parse_config(LATER_STAGE, environ=old)
+    with caplog.at_level("WARNING", logger="skippyd.config.environment"):
+        config = parse_config(LATER_STAGE, environ=old)
     assert config.runtime.safe_mode is False
     assert config.runtime.pipeline_decode_groups is None
+    said = " ".join(record.getMessage() for record in caplog.records)
+    assert "SKIPPY_PIPELINE_DECODE_GROUPS is no longer read: set SKIPPYD_PIPELINE" in said
+    assert "SKIPPY_ITERATION_SCHEDULER_SAFE_MODE is no longer read: set SKIPPYD_SAFE" in said
 
 
 @pytest.mark.parametrize(("value", "enabled"), [
