@@ -39,6 +39,7 @@ from skippyd.engine.runtime.pipeline_types import (
     InflightStep,
     Piece,
     PipelineCounters,
+    split_call_groups,
     split_token_groups,
 )
 from skippyd.engine.runtime.watch import CallWatch, unwatched
@@ -248,7 +249,9 @@ class PipelineRuntime:
         groups = max(1, self._num_groups() - len(lookahead_batches))
         # A request with drafts travels whole: its rows count as one decode row here.
         lengths = [1 if requests[i].draft else len(requests[i].token_ids) for i in fresh]
-        for group in split_token_groups(lengths, groups):
+        # A prompt whose last token samples keeps this call waiting for its last batch.
+        taper = any(requests[i].sample_last and n > 1 for i, n in zip(fresh, lengths, strict=True))
+        for group in split_call_groups(lengths, groups, taper=taper):
             items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, look_ahead=False)
             compute_s += seconds

@@ -247,6 +247,62 @@ def split_token_groups(lengths: Sequence[int], groups: int) -> list[list[Piece]]
     return [group for group in result if group]
 
 
+#: A call's prompt tokens go in batches of at least this many (as evenly as they cut):
+#: the smallest call that runs llama.cpp's tiled attention kernel (``docs/scheduler.md``),
+#: above which a row costs no less, so a larger batch only lengthens the pipeline's fill.
+PREFILL_PIECE_TOKENS = 64
+#: Each batch cut off a call's last one keeps this share of its tokens for the end.
+TAPER = 0.5
+
+
+def split_call_groups(lengths: Sequence[int], groups: int, *,
+                      taper: bool = False) -> list[list[Piece]]:
+    """Batches of one pipeline call: :func:`split_token_groups`, but at least one group
+    per :data:`PREFILL_PIECE_TOKENS` prompt tokens whatever ``groups`` says, and with
+    ``taper`` the last batch cut in halves down to :data:`MIN_PIECE_TOKENS`.
+
+    A call that samples a prompt's last token (``taper``) waits until the last stage has
+    run its last batch; stage 0 idles from its own end of that batch until then, so the
+    last batch is kept small (the batches before it overlap stage 0's later work).
+    Without prompt tokens the groups are :func:`split_token_groups`'s.
+    """
+    total = sum(lengths)
+    if total <= len(lengths):
+        return split_token_groups(lengths, groups)
+    prompt = sum(n for n in lengths if n > 1)
+    result = split_token_groups(lengths, max(groups, prompt // PREFILL_PIECE_TOKENS))
+    while taper and result:
+        tokens = sum(p.end - p.begin for p in result[-1])
+        if tokens < 2 * MIN_PIECE_TOKENS:
+            break
+        cut = _cut_tail(result[-1], max(MIN_PIECE_TOKENS, round(tokens * TAPER)))
+        if cut is None:
+            break
+        result[-1:] = cut
+    return result
+
+
+def _cut_tail(group: list[Piece], tail: int) -> list[list[Piece]] | None:
+    """``group`` as two groups, the second holding about its last ``tail`` tokens; a
+    piece is cut only if both parts keep :data:`MIN_PIECE_TOKENS`. None: no cut."""
+    point = sum(p.end - p.begin for p in group) - tail
+    done = 0
+    for k, piece in enumerate(group):
+        size = piece.end - piece.begin
+        if done + size > point:
+            offset = point - done
+            if offset >= MIN_PIECE_TOKENS and size - offset >= MIN_PIECE_TOKENS:
+                middle = piece.begin + offset
+                return [[*group[:k], Piece(piece.index, piece.begin, middle)],
+                        [Piece(piece.index, middle, piece.end), *group[k + 1:]]]
+            at = k if offset < size - offset else k + 1  # the nearer piece boundary
+            if 0 < at < len(group):
+                return [group[:at], group[at:]]
+            return None
+        done += size
+    return None
+
+
 def _share(rest: int, room: int, last_group: bool, group_used: bool) -> int:
     """Tokens of a request's ``rest`` the current group takes; 0 closes the group."""
     if rest <= room or last_group:

@@ -182,6 +182,18 @@ def test_prefill_chunks_do_not_wait_and_drops_reach_the_chain(chain):
     assert chain.runtime.kv_cells_used() == 0
 
 
+def test_a_sampled_prompt_ends_in_a_small_batch(chain):
+    # Stage 0 waits for the last stage to run a call's last batch: cut in halves, it
+    # keeps that wait to a few rows' time instead of a whole group's.
+    call = _run(chain, [IterationRequest("p", list(range(3, 43)), positions=range(40),
+                                         sampling=GREEDY, sample_last=True)])
+    batches = chain.wait_batches(3)
+    assert [(e.first_position, len(e.token_ids), e.sample_last)
+            for _, [e] in batches] == [(0, 20, False), (20, 10, False), (30, 10, True)]
+    chain.answer(2, {0: 40})
+    assert [s.token for s in call.result(TIMEOUT_S).samples] == [40]
+
+
 def test_a_lost_chain_fails_waiting_and_later_calls(chain):
     call = _run(chain, [_decode("a", 5, 0)])
     chain.wait_batches(1)
