@@ -227,6 +227,7 @@ class LlamaRuntime:
         self.timeline = StageTimeline()
         """Seconds in llama_decode (``compute_s``) and in the rest of the calls."""
         self.decode_calls = 0
+        """``llama_decode`` calls made (one per iteration; a non-final stage may make several)."""
 
     # -- lifecycle -------------------------------------------------------------------
     @staticmethod
@@ -790,8 +791,11 @@ class LlamaRuntime:
         """The captured rows, reordered from micro-batch order to batch row order."""
         assert self._capture is not None
         captured = self._capture.take()
-        if self.options.lane_count == 1 or self.options.kv_unified:
-            return captured  # one KV stream: micro-batches take the rows in order
+        # One KV stream takes a batch's rows in order; recurrent state is split by
+        # sequence whatever the layout.
+        if self.options.lane_count == 1 or (self.options.kv_unified
+                                            and self.info.recurrent_bytes() == 0):
+            return captured
         n, step = self._batch.n_tokens, self.rows_per_call
         seq_ids = [self._batch.seq_id[row][0] for row in range(n)]
         order = [first + row for first in range(0, n, step)

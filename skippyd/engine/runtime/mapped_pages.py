@@ -26,13 +26,16 @@ MADV_DONTNEED = 4
 
 
 def file_mappings(path: str | os.PathLike, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
-    """The ``(start, end)`` address ranges of this process's mappings of ``path``."""
-    real = os.path.realpath(path)
+    """The ``(start, end)`` address ranges of this process's read-only mappings of the
+    file at ``path`` (matched by device and inode, whatever name the mapping shows)."""
+    info = os.stat(path)
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
     ranges = []
     with open(maps, encoding="utf-8", errors="replace") as lines:
         for line in lines:
-            fields = line.rstrip("\n").split(maxsplit=5)
-            if len(fields) == 6 and fields[5] == real:
+            fields = line.split(maxsplit=5)
+            if (len(fields) >= 5 and fields[3] == device and fields[4] == str(info.st_ino)
+                    and "w" not in fields[1]):
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 ranges.append((start, end))
     return ranges
@@ -49,8 +52,10 @@ def release_file_pages(path: str | os.PathLike) -> int:
     try:
         ranges = file_mappings(path)
     except OSError as exc:
-        logger.debug("cannot read this process's mappings: %s", exc)
+        logger.debug("cannot read this process's mappings of %s: %s", path, exc)
         return 0
+    if not ranges:
+        logger.debug("%s is not mapped read-only here: no pages to give back", path)
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

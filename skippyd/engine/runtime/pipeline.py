@@ -249,8 +249,8 @@ class PipelineRuntime:
         groups = max(1, self._num_groups() - len(lookahead_batches))
         # A request with drafts travels whole: its rows count as one decode row here.
         lengths = [1 if requests[i].draft else len(requests[i].token_ids) for i in fresh]
-        # A prompt whose last token samples keeps this call waiting for its last batch.
-        taper = any(requests[i].sample_last and n > 1 for i, n in zip(fresh, lengths, strict=True))
+        # A call whose last piece ends a sampled prompt waits for that batch on every stage.
+        taper = bool(fresh) and requests[fresh[-1]].sample_last and lengths[-1] > 1
         for group in split_call_groups(lengths, groups, taper=taper):
             items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, look_ahead=False)

@@ -261,9 +261,9 @@ def split_call_groups(lengths: Sequence[int], groups: int, *,
     per :data:`PREFILL_PIECE_TOKENS` prompt tokens whatever ``groups`` says, and with
     ``taper`` the last batch cut in halves down to :data:`MIN_PIECE_TOKENS`.
 
-    A call that samples a prompt's last token (``taper``) waits until the last stage has
-    run its last batch; stage 0 idles from its own end of that batch until then, so the
-    last batch is kept small (the batches before it overlap stage 0's later work).
+    A call whose last piece is a prompt's sampled end (``taper``) waits until the last
+    stage has run its last batch; stage 0 idles from its own end of that batch until then,
+    so the last batch is kept small (the batches before it overlap stage 0's later work).
     Without prompt tokens the groups are :func:`split_token_groups`'s.
     """
     total = sum(lengths)

@@ -44,6 +44,16 @@ def test_released_pages_of_a_file_mapping_leave_and_read_back_the_same(tmp_path)
         assert bytes(view[:]) == data  # read again from the file
 
 
+def test_a_writable_mapping_keeps_its_pages(tmp_path):
+    path = tmp_path / "scratch.bin"
+    path.write_bytes(b"\0" * (1 << 20))
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as view:
+        view[:4] = b"kept"
+        assert file_mappings(path) == []
+        assert release_file_pages(path) == 0
+        assert view[:4] == b"kept"
+
+
 def test_a_file_not_mapped_releases_nothing(tmp_path):
     path = tmp_path / "other.bin"
     path.write_bytes(b"x" * 8192)
@@ -63,6 +73,7 @@ def _greedy(runtime: LlamaRuntime, prompt: list[int], steps: int = 8) -> list[in
     return tokens
 
 
+@pytest.mark.model
 def test_a_loaded_model_keeps_little_of_its_file_resident_and_generates_as_before(
         smollm2_path, monkeypatch):
     options = RuntimeOptions(str(smollm2_path), lane_count=1, ctx_size=256, threads=2)

@@ -194,6 +194,17 @@ def test_a_sampled_prompt_ends_in_a_small_batch(chain):
     assert [s.token for s in call.result(TIMEOUT_S).samples] == [40]
 
 
+def test_a_call_that_ends_in_a_chunk_sampling_nothing_is_not_tapered(chain):
+    # The taper shortens the wait for a sampled end; here the sampled prompt comes first
+    # and the call ends in another prompt's chunk, so its batches stay as cut.
+    _run(chain, [IterationRequest("p", list(range(3, 43)), positions=range(40),
+                                  sampling=GREEDY, sample_last=True),
+                 IterationRequest("q", list(range(3, 43)), positions=range(40))])
+    batches = chain.wait_batches(2)
+    sizes = [sum(len(e.token_ids) for e in entries) for _, entries in batches]
+    assert sizes == [40, 40], sizes
+
+
 def test_a_lost_chain_fails_waiting_and_later_calls(chain):
     call = _run(chain, [_decode("a", 5, 0)])
     chain.wait_batches(1)

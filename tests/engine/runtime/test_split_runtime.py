@@ -170,6 +170,34 @@ def test_a_stage_that_runs_an_iteration_in_several_calls_matches_the_unsplit_mod
             stage.close()
 
 
+def test_a_failed_call_of_several_leaves_the_stage_as_it_was(
+        smollm2_path, slice_dir, tokenizer, unsplit, monkeypatch):
+    from llama_cpp import llama_cpp as L
+
+    from skippyd.engine.runtime.contract import KvSlotUnavailableError
+
+    prompts = {"s": tokenizer.tokenize(PROMPTS[2])}
+    stages = _chain(smollm2_path, slice_dir, (0, 15, 30), rows_per_call=5)
+    try:
+        real, calls = L.llama_decode, []
+
+        def second_call_fails(ctx, batch):
+            calls.append(batch.n_tokens)
+            return 1 if len(calls) == 2 else real(ctx, batch)
+
+        monkeypatch.setattr(L, "llama_decode", second_call_fails)
+        with pytest.raises(KvSlotUnavailableError):
+            stages[0].run_iteration([IterationRequest("s", prompts["s"])])
+        monkeypatch.undo()
+        assert calls == [5, 5]
+        assert stages[0].kv_cells_used() == 0
+        assert stages[0].session_token_count("s") is None
+        assert _generate(stages, prompts) == _generate(unsplit, prompts)
+    finally:
+        for stage in stages:
+            stage.close()
+
+
 def test_a_non_final_stage_bounds_what_llama_cpp_reserves_for_logits():
     """Every row of a non-final stage is an output, and llama.cpp reserves a vocabulary
     of floats for each output of a call: the rows per call keep that bounded."""
