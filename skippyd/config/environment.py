@@ -6,7 +6,7 @@ experiment without editing its file; everything else is set in the TOML file:
 * ``SKIPPYD_SAFE_MODE`` (``1``/``true``/``yes``/``on``, any case) turns
   ``runtime.safe_mode`` on: one sequence per decode, a debugging fallback.
 * ``SKIPPYD_PIPELINE_DECODE_GROUPS`` sets ``runtime.pipeline_decode_groups``; a value that
-  is not a positive integer means 1 (ungrouped), never "use the default".
+  is not a positive integer means 1 (one decode group), never "use the default".
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def safe_mode_from_value(value: str | None) -> bool:
 
 
 def pipeline_decode_groups_from_value(value: str | None) -> int:
-    """Parse a positive integer group count; anything else means 1 (ungrouped)."""
+    """Parse a positive integer group count; anything else means 1 (one decode group)."""
     try:
         groups = int((value or "").strip())
     except ValueError:
