@@ -27,15 +27,19 @@ MADV_DONTNEED = 4
 
 def file_mappings(path: str | os.PathLike, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
     """The ``(start, end)`` address ranges of this process's read-only mappings of the
-    file at ``path`` (matched by device and inode, whatever name the mapping shows)."""
+    file at ``path``: matched by device and inode, whatever name the mapping shows, or by
+    its path (an overlay file system may show the device and inode of the layer below)."""
     info = os.stat(path)
     device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
+    real = os.path.realpath(path)
     ranges = []
     with open(maps, encoding="utf-8", errors="replace") as lines:
         for line in lines:
-            fields = line.split(maxsplit=5)
-            if (len(fields) >= 5 and fields[3] == device and fields[4] == str(info.st_ino)
-                    and "w" not in fields[1]):
+            fields = line.rstrip("\n").split(maxsplit=5)
+            if len(fields) < 5 or "w" in fields[1]:
+                continue
+            same_file = fields[3] == device and fields[4] == str(info.st_ino)
+            if same_file or (len(fields) == 6 and fields[5] == real):
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 ranges.append((start, end))
     return ranges
