@@ -53,7 +53,12 @@ def test_short_requests_are_never_cut():
 def test_pieces_cover_every_token_once_in_order(lengths, groups):
     result = split_token_groups(lengths, groups)
     assert 1 <= len(result) <= groups
-    pieces = [p for group in result for p in group]
+    assert_cover_in_order(lengths, [p for group in result for p in group])
+
+
+def assert_cover_in_order(lengths, pieces) -> None:
+    """Every request's tokens once, in order, in pieces of at least MIN_PIECE_TOKENS
+    when cut, the requests in order."""
     covered = {i: [] for i in range(len(lengths))}
     for p in pieces:
         covered[p.index].append((p.begin, p.end))
@@ -98,14 +103,5 @@ def test_the_last_batch_of_a_sampled_prompt_is_tapered():
 @pytest.mark.parametrize("groups", [1, 2, 3, 5])
 @pytest.mark.parametrize("taper", [False, True])
 def test_call_pieces_cover_every_token_once_in_order(lengths, groups, taper):
-    pieces = [p for group in split_call_groups(lengths, groups, taper=taper) for p in group]
-    covered = {i: [] for i in range(len(lengths))}
-    for p in pieces:
-        covered[p.index].append((p.begin, p.end))
-    for index, length in enumerate(lengths):
-        spans = covered[index]
-        assert spans[0][0] == 0 and spans[-1][1] == length
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-        if len(spans) > 1:
-            assert all(end - begin >= MIN_PIECE_TOKENS for begin, end in spans)
-    assert [p.index for p in pieces] == sorted(p.index for p in pieces)
+    assert_cover_in_order(
+        lengths, [p for group in split_call_groups(lengths, groups, taper=taper) for p in group])
