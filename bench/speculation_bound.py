@@ -21,6 +21,12 @@ API (no server, no scheduler):
    and costs (draft every proposal whole; only after an 8-token match; whole only after a
    step whose drafts were all kept): what a simple policy gets, between plain decoding
    and the oracle.
+5. **The best table.** A policy without foresight can see, when it picks a step's draft
+   length, only what came before: the length of the run that matched, how many drafts
+   were kept in a row up to this step, and how the last step went. The table that maps
+   each such situation to the draft length doing best over these very answers (fitted
+   on them by coordinate ascent, so it knows their statistics in aggregate though not
+   any one step's outcome) is an optimistic ceiling for every policy that sees no more.
 
 It prints, per prompt and in total: plain decoding's time (``c(1)`` per token), the
 oracle's, and the bound on the copy workload's output tok/s ratio (ngram / off) with the
@@ -182,30 +188,102 @@ def accepted_drafts(prompt: Sequence[int], answer: Sequence[int], most: int) -> 
     return [p.accepted for p in proposals(prompt, answer, most)]
 
 
-#: Fixed rules a policy without foresight could follow, for comparison with the oracle:
-#: each maps (a proposal, whether the last step's drafts were all kept) to a draft length.
-RULES: dict[str, Callable[[Proposal, bool], int]] = {
-    "every proposal, whole": lambda p, kept: p.drafts,
-    "8-token matches only": lambda p, kept: p.drafts if p.match >= 8 else 0,
-    "after a fully kept step": lambda p, kept: p.drafts if kept else min(p.drafts, 2),
+#: The steps an answer took so far, each as (drafts carried, drafts kept).
+History = Sequence[tuple[int, int]]
+#: A policy without foresight: (this step's proposal, the steps so far) -> drafts to carry.
+Rule = Callable[[Proposal, History], int]
+
+
+def _kept_all(history: History) -> bool:
+    return not history or history[-1][0] == history[-1][1]
+
+
+#: Fixed rules a policy without foresight could follow, for comparison with the oracle.
+RULES: dict[str, Rule] = {
+    "every proposal, whole": lambda p, history: p.drafts,
+    "8-token matches only": lambda p, history: p.drafts if p.match >= 8 else 0,
+    "after a fully kept step": lambda p, history: (p.drafts if _kept_all(history)
+                                                   else min(p.drafts, 2)),
 }
 
 
-def follow(rule: Callable[[Proposal, bool], int], found: Sequence[Proposal],
+def follow(rule: Rule, found: Sequence[Proposal],
            costs: Sequence[float]) -> tuple[float, int, int, int]:
     """Decode an answer with ``rule`` choosing each step's drafts (no foresight):
     (seconds, steps, drafted, accepted)."""
     n = len(found) + 1
-    j, seconds, steps, drafted, accepted, kept = 1, 0.0, 0, 0, 0, True
+    j, seconds, drafted, accepted = 1, 0.0, 0, 0
+    history: list[tuple[int, int]] = []
     while j < n:
         proposal = found[j - 1]
-        k = max(0, min(rule(proposal, kept), proposal.drafts, len(costs) - 1))
+        k = max(0, min(rule(proposal, history), proposal.drafts, len(costs) - 1))
         hits = min(k, proposal.accepted)
         seconds += costs[k]
-        steps, drafted, accepted = steps + 1, drafted + k, accepted + hits
-        kept = hits == k
+        drafted, accepted = drafted + k, accepted + hits
+        history.append((k, hits))
         j += hits + 1
-    return seconds, steps, drafted, accepted
+    return seconds, len(history), drafted, accepted
+
+
+#: Draft lengths the fitted table chooses from.
+TABLE_LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
+#: Passes of coordinate ascent over the table's entries.
+TABLE_PASSES = 3
+#: The fitted table's name among the rules reported.
+TABLE_RULE = "best table of what a policy sees (fitted here)"
+
+
+def situation(proposal: Proposal, history: History) -> tuple[int, int, int]:
+    """What a policy can see when it picks a draft length: the matched run's length,
+    the drafts kept in a row up to now (0, 1-7, 8-23, 24 or more: a bin), and the last
+    step (0: none yet, 1: it carried no drafts, 2: it kept them all, 3: it lost some)."""
+    in_a_row = 0
+    for carried, kept in reversed(history):
+        if carried == 0:
+            break
+        in_a_row += kept
+        if kept < carried:
+            break
+    bin_ = 0 if in_a_row == 0 else 1 if in_a_row < 8 else 2 if in_a_row < 24 else 3
+    if not history:
+        last = 0
+    else:
+        carried, kept = history[-1]
+        last = 1 if carried == 0 else 2 if kept == carried else 3
+    return proposal.match, bin_, last
+
+
+def fit_table(answers: Sequence[Sequence[Proposal]], costs: Sequence[float],
+              most: int) -> tuple[dict[tuple[int, int, int], int], float]:
+    """The table of draft lengths by :func:`situation` that decodes ``answers`` in the
+    least total time, by coordinate ascent from "draft nothing": (table, seconds)."""
+    table: dict[tuple[int, int, int], int] = {}
+
+    def rule(proposal: Proposal, history: History) -> int:
+        return table.get(situation(proposal, history), 0)
+
+    def total() -> float:
+        return sum(follow(rule, found, costs)[0] for found in answers)
+
+    keys = sorted({(match, bin_, last) for found in answers for p in found if p.drafts
+                   for match in (p.match,) for bin_ in range(4) for last in range(4)})
+    lengths = [k for k in TABLE_LENGTHS if k <= most]
+    best = total()
+    for _ in range(TABLE_PASSES):
+        improved = False
+        for key in keys:
+            was = table.get(key, 0)
+            for k in lengths:
+                if k == was:
+                    continue
+                table[key] = k
+                seconds = total()
+                if seconds < best - 1e-12:
+                    best, was, improved = seconds, k, True
+            table[key] = was
+        if not improved:
+            break
+    return {key: k for key, k in table.items() if k}, best
 
 
 def oracle(accepted: Sequence[int], costs: Sequence[float], most: int) -> tuple[float, int, int, int]:
@@ -262,14 +340,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             decoder.close()
     tokenizer.close()
     bounds = []
-    ruled: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in RULES}
-    for prompt, answer in zip(prompts, answers, strict=True):
-        found = proposals(prompt, answer.tokens, args.max_draft)
+    ruled: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in [*RULES, TABLE_RULE]}
+    replayed = [proposals(prompt, answer.tokens, args.max_draft)
+                for prompt, answer in zip(prompts, answers, strict=True)]
+    table, _ = fit_table(replayed, costs, args.max_draft)
+    rules_here: dict[str, Rule] = {
+        **RULES, TABLE_RULE: lambda p, history: table.get(situation(p, history), 0)}
+    for answer, found in zip(answers, replayed, strict=True):
         seconds, steps, drafted, hits = oracle([p.accepted for p in found], costs,
                                                args.max_draft)
         bounds.append(Bound(len(answer.tokens), answer.prefill_s,
                             (len(answer.tokens) - 1) * costs[0], seconds, steps, drafted, hits))
-        for name, rule in RULES.items():
+        for name, rule in rules_here.items():
             taken, _, rule_drafted, rule_hits = follow(rule, found, costs)
             ruled[name][0] += taken
             ruled[name][1] += rule_drafted
@@ -288,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "total": {**asdict(total), "ratio": total.ratio},
             "decode_only_ratio": total.plain_s / total.oracle_s,
             "rules": {name: {**asdict(b), "ratio": b.ratio} for name, b in rules.items()},
+            "table": {"/".join(map(str, key)): k for key, k in sorted(table.items())},
             "perfect_drafter_ratio": perfect}, indent=2))
     return 0
 
@@ -314,7 +397,8 @@ def report(costs: Sequence[float], bounds: Sequence[Bound], total: Bound,
     console.print(table)
     console.print(f"decode alone (no prefill): {total.plain_s / total.oracle_s:.3f}x; "
                   f"a drafter that is always right: {perfect:.3f}x")
-    table = Table(title="fixed rules without foresight, the same answers and costs")
+    table = Table(title="rules without foresight, the same answers and costs (the fitted "
+                        "table knows these answers in aggregate: an optimistic ceiling)")
     for column in ("rule", "decode s", "drafts accepted", "tok/s ratio"):
         table.add_column(column, justify="right")
     for name, b in rules.items():

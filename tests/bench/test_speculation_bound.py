@@ -47,7 +47,34 @@ def test_a_rule_without_foresight_pays_for_the_drafts_it_loses(sb) -> None:
     assert sb.follow(sb.RULES["8-token matches only"], found, costs) == (5.0, 5, 0, 0)
 
 
-def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(tiny_model_path: Path,
+def test_what_a_policy_sees_is_the_match_the_drafts_kept_in_a_row_and_the_last_step(
+        sb) -> None:
+    p = sb.Proposal(drafts=6, match=8, accepted=3)
+    assert sb.situation(p, []) == (8, 0, 0)
+    assert sb.situation(p, [(0, 0)]) == (8, 0, 1)
+    # Two fully kept steps after a plain one: 4 + 5 kept in a row.
+    assert sb.situation(p, [(0, 0), (4, 4), (5, 5)]) == (8, 2, 2)
+    # A step that lost drafts ends the run with what it kept.
+    assert sb.situation(p, [(4, 4), (6, 2)]) == (8, 1, 3)
+    assert sb.situation(p, [(16, 16), (16, 16)]) == (8, 3, 2)
+
+
+def test_the_fitted_table_drafts_where_drafts_are_kept_and_not_where_they_are_lost(sb) -> None:
+    # Two kinds of proposals: 8-token matches that are always kept whole, 2-token matches
+    # that are never kept. Rows are cheap (a draft costs a tenth of a step).
+    good = [sb.Proposal(4, 8, 4)] * 20
+    bad = [sb.Proposal(4, 2, 0)] * 20
+    costs = [1.0 + 0.1 * k for k in range(5)]
+    table, seconds = sb.fit_table([good, bad], costs, 4)
+    assert set(table) and all(key[0] == 8 for key in table)
+    plain = sum(sb.follow(lambda p, h: 0, found, costs)[0] for found in (good, bad))
+    assert seconds < plain
+    # Where a draft costs more than a step, the best table is to draft nothing.
+    table, seconds = sb.fit_table([good, bad], [1.0 + 1.5 * k for k in range(5)], 4)
+    assert table == {} and seconds == plain
+
+
+def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(sb, tiny_model_path: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "bound.json"
     result = subprocess.run(
@@ -66,4 +93,9 @@ def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(tiny_model_pat
     assert figures["perfect_drafter_ratio"] >= 1.0
     assert "a drafter that is always right" in result.stdout
     assert set(figures["rules"]) == {"every proposal, whole", "8-token matches only",
-                                     "after a fully kept step"}
+                                     "after a fully kept step", sb.TABLE_RULE}
+    # A policy without foresight never beats the oracle, and the fitted table never
+    # loses to drafting nothing (its starting point).
+    total = figures["total"]
+    table = figures["rules"][sb.TABLE_RULE]
+    assert total["oracle_s"] <= table["oracle_s"] + 1e-9 <= total["plain_s"] + 2e-9
