@@ -9,10 +9,13 @@ drafts then yields ``1 + s1 + s1*s2 + ... + s1*...*sk`` tokens instead of one. T
 itself costs ``fixed + per_row * rows`` (:class:`~skippyd.engine.policy.step_budget.StepCostModel`,
 learned from decode steps) and produces one token per decode row, so its tokens cost
 ``step / decode_rows`` each. A draft length pays when the extra tokens it is expected
-to yield cost less than that. On a small model whose step is mostly the fixed pass over
-the weights that holds even for modest survival; on a model whose rows are
-compute-bound, or in a full batch, it almost never does, and drafting stops. Pure: the
-driver feeds it outcomes and step durations.
+to yield cost less than that, at the rate drafting gets lately (:attr:`DraftControl.rate`):
+a row spent on drafts that are lost could have carried drafts that pay, so once drafting
+yields more than a token per row's cost, a draft must beat that yield, not plain
+decoding's. On a small model whose step is mostly the fixed pass over the weights that
+holds even for modest survival; on a model whose rows are compute-bound, or in a full
+batch, it almost never does, and drafting stops. Pure: the driver feeds it outcomes and
+step durations.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ RETRY_AFTER_TOKENS = 32
 #: Tokens the stage generates without a draft before each kind's record goes halfway
 #: back to hopeful, so a workload that starts copying is noticed again.
 KIND_RETRY_AFTER_TOKENS = 512
+#: Weight an earlier row keeps in the rate drafting gets (:attr:`DraftControl.rate`): the
+#: rate follows the last few tens of rows.
+RATE_MEMORY = 0.95
 
 
 @dataclass(slots=True)
@@ -145,6 +151,21 @@ class DraftControl:
         matched: a longer match is a surer guess; 0 for a draft model), over every
         request."""
         self._plain_tokens = 0
+        self._rate_tokens = 0.0
+        self._rate_cost = 0.0
+        self._price = 0.0
+        """What a draft cost, in the step's tokens, when a length was last chosen."""
+
+    @property
+    def rate(self) -> float:
+        """Tokens a speculating row yields lately per unit of its cost, at least 1: a row
+        without drafts yields one token for one; a row with ``k`` drafts, ``1 + kept``
+        for ``1 + k`` times a draft's price. Weighted by :data:`RATE_MEMORY` per row."""
+        return max(1.0, (self._rate_tokens + 1.0) / (self._rate_cost + 1.0))
+
+    def _count(self, tokens: float, cost: float) -> None:
+        self._rate_tokens = RATE_MEMORY * self._rate_tokens + tokens
+        self._rate_cost = RATE_MEMORY * self._rate_cost + cost
 
     def new_stats(self) -> DraftStats:
         """An empty record for a new request."""
@@ -155,11 +176,13 @@ class DraftControl:
         stats.record(drafted, accepted)
         self._kind(kind).record(drafted, accepted)
         self._plain_tokens = 0
+        self._count(1 + accepted, 1 + self._price * drafted)
 
     def note_plain_step(self, stats: DraftStats, tokens: int) -> None:
         """A speculating request's row carried no drafts and yielded ``tokens``."""
         stats.note_plain_step(tokens)
         self._plain_tokens += tokens
+        self._count(tokens, tokens)
         if self._plain_tokens >= KIND_RETRY_AFTER_TOKENS:
             for survival in self.by_kind.values():
                 survival.forget_half()
@@ -201,6 +224,9 @@ class DraftControl:
             return 0
         step = fixed + per_row * max(step_rows, decode_rows)
         price = per_row * decode_rows / step  # a draft's cost in the step's tokens
+        self._price = price
+        # Priced at what drafting yields lately: a draft must pay at least that.
+        price *= self.rate
         best, best_gain = 0, 0.0
         for drafts in range(self.min_draft, most + 1):
             gain = expected_tokens(chances, drafts) - 1.0 - price * drafts

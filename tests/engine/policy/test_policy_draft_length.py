@@ -144,6 +144,28 @@ def test_a_run_that_usually_fails_at_its_first_draft_is_not_tried():
     assert control.draft_length([0.97] * 8, 1, 1, 8) == 8
 
 
+def test_once_drafting_pays_a_draft_must_pay_at_its_rate_not_at_plain_decoding_s():
+    control = taught(fixed_ms=6.0, per_row_ms=5.0)  # a draft costs half a plain step
+    # A run that survives at 0.6 a depth: the first draft pays at plain decoding's rate
+    # (0.6 tokens for 0.45 of a step's cost)...
+    marginal = [0.6] * 8
+    assert control.rate == 1.0
+    assert control.draft_length(marginal, 1, 1, 8) >= 2
+    # ...but not once drafting yields more per row's cost: whole runs of 8 kept.
+    stats = control.new_stats()
+    for _ in range(20):
+        control.draft_length([0.99] * 8, 1, 1, 8)
+        control.record(stats, 8, drafted=8, accepted=8)
+    assert control.rate > 1.5
+    assert control.draft_length(marginal, 1, 1, 8) == 0
+    assert control.draft_length([0.99] * 8, 1, 1, 8) == 8
+    # Plain rows bring the rate back towards one token per row.
+    for _ in range(200):
+        control.note_plain_step(stats, 1)
+    assert control.rate < 1.05
+    assert control.draft_length(marginal, 1, 1, 8) >= 2
+
+
 def test_drafts_stay_within_what_is_offered_and_the_minimum():
     control = taught(fixed_ms=11.0, per_row_ms=1.0)
     assert control.draft_length([0.9] * 8, decode_rows=1, step_rows=1, available=3) == 3
