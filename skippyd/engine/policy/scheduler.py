@@ -190,7 +190,8 @@ class Scheduler:
         sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
         rows = live_decode_rows(sequences, self._config)
         if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
-            target, most = self._config.target_step_us, self._config.max_tokens_per_iteration - rows
+            target = self._costs.step_target_us(rows, self._config.target_step_us)
+            most = self._config.max_tokens_per_iteration - rows
             budget = self._costs.prefill_budget(rows, target, most)
             # When prompts queue up the target stretches (see ``step_budget``).
             remaining = [sequence.replay_remaining()
