@@ -272,6 +272,11 @@ class RuntimeSection:
     While long prompts queue up or prompts arrive in a burst, a step may take up to 4
     times this, so the queue cannot grow without end; 0 prefills prompts whole, between
     decode steps."""
+    target_decode_steps: float = _setting(4.0, lo=0.0, hi=1000.0)
+    """The step time prompt chunks are sized for is at least this many times the
+    estimated step of the decode rows alone: on a model whose decode rows already take
+    most of ``target_step_ms`` (a 1B model on a few CPU cores), a fixed target leaves
+    room for prompt chunks too small to run at full speed. 0: ``target_step_ms`` alone."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration's decode rows into, so every stage
     works on one while the next computes another; ``None``: one per stage plus one (the

@@ -202,6 +202,8 @@ def test_type_errors_name_expected_and_actual(data: dict, expected: str) -> None
     ({"http": {"drain_timeout_s": -1}},
      "http.drain_timeout_s: must be between 0.0 and 3600.0 (got -1.0)"),
     ({"kv_cache": {"min_tokens": 0}}, "kv_cache.min_tokens: must be at least 1 (got 0)"),
+    ({"runtime": {"target_decode_steps": -1}},
+     "runtime.target_decode_steps: must be between 0.0 and 1000.0 (got -1.0)"),
 ])
 def test_range_errors_give_the_range(data: dict, expected: str) -> None:
     assert issues_of(data) == [expected]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ class SchedulerConfig:
     """With ``mixed_prefill_decode``: give iterations that carry decode rows only as many
     prompt tokens as fit in this step time (µs), from learned costs (``step_budget``);
     0 keeps the calibration-gated mixing."""
+    target_decode_steps: float = 4.0
+    """With ``target_step_us``: the step time is at least this many times the estimated
+    step of the decode rows alone (``StepCostModel.step_target_us``); 0: the target
+    alone."""
     cache_aging_cost_per_iteration: int = 4096
     """Credit a waiting request gains per turn (anti-starvation)."""
     group_waiting_prefixes: bool = True
@@ -113,6 +118,11 @@ class SchedulerConfig:
         for name in ("mixed_prefill_decode", "group_waiting_prefixes"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(name, "must be a bool")
+        steps = self.target_decode_steps
+        if (isinstance(steps, bool) or not isinstance(steps, int | float)
+                or not math.isfinite(steps) or steps < 0):
+            raise SchedulerConfigError("target_decode_steps",
+                                       f"must be a finite number >= 0, got {steps!r}")
         object.__setattr__(self, "memory_components", _components(self.memory_components))
 
     def normalized(self) -> SchedulerConfig:

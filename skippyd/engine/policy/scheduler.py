@@ -77,6 +77,8 @@ class Scheduler:
         self._calibration = MixedCalibration()
         self._costs = StepCostModel()
         self._stretch = TargetStretch()
+        self._target_us = self._config.target_step_us
+        """The step target of the last plan, before its stretch."""
         self._waiting_turn = 0
         self._next_waiting_order = 0
         self._next_admission_serial = 0
@@ -190,7 +192,9 @@ class Scheduler:
         sequences = [self._active[sequence_id] for sequence_id in sorted(self._active)]
         rows = live_decode_rows(sequences, self._config)
         if self._config.mixed_prefill_decode and self._config.target_step_us > 0:
-            target = self._costs.step_target_us(rows, self._config.target_step_us)
+            target = self._costs.step_target_us(rows, self._config.target_step_us,
+                                                self._config.target_decode_steps)
+            self._target_us = target
             most = self._config.max_tokens_per_iteration - rows
             budget = self._costs.prefill_budget(rows, target, most)
             # When prompts queue up the target stretches (see ``step_budget``).
@@ -230,11 +234,12 @@ class Scheduler:
 
     @property
     def step_target_us(self) -> int:
-        """The step time the last plan sized its prompt chunks for (µs): the target,
-        stretched while prompts queue up (``TargetStretch``); 0 without a target."""
+        """The step time the last plan sized its prompt chunks for (µs): the target (at
+        least ``target_decode_steps`` decode steps), stretched while prompts queue up
+        (``TargetStretch``); 0 without a target."""
         if not (self._config.mixed_prefill_decode and self._config.target_step_us > 0):
             return 0
-        return self._config.target_step_us * self._stretch.current
+        return self._target_us * self._stretch.current
 
     @property
     def step_costs(self) -> StepCostModel:

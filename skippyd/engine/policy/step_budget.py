@@ -45,11 +45,6 @@ CHUNK_OVERRUN = 1.125
 MAX_TARGET_STRETCH = 4
 #: Short prompts pending at once that make a burst: the step stretches by their count.
 BURST_PROMPTS = 3
-#: A step's target is at least this many times the estimated step of its decode rows
-#: alone: on a model whose decode step already takes most of ``target_step_ms`` a fixed
-#: target leaves room for a few prompt tokens only, and prompts absorbed a few tokens at
-#: a time cost far more per token than in chunks (see ``docs/scheduler.md``).
-MIN_TARGET_DECODE_STEPS = 4
 
 
 class TargetStretch:
@@ -138,14 +133,17 @@ class StepCostModel:
         fixed, per_token = coefficients
         return fixed + per_token * tokens
 
-    def step_target_us(self, decode_rows: int, target_step_us: int) -> int:
-        """The step time to plan for: ``target_step_us``, or :data:`MIN_TARGET_DECODE_STEPS`
-        times the estimated step of ``decode_rows`` decode rows alone when that is longer
-        (``target_step_us`` until a cost was learned)."""
+    def step_target_us(self, decode_rows: int, target_step_us: int,
+                       decode_steps: float) -> int:
+        """The step time to plan for: ``target_step_us``, or ``decode_steps`` times the
+        estimated step of ``decode_rows`` decode rows alone when that is longer (on a
+        model whose decode rows take most of a fixed target, that target leaves room for
+        prompt chunks too small to run at full speed); ``target_step_us`` until a cost
+        was learned."""
         estimate = self.estimate_us(decode_rows) if decode_rows > 0 else None
-        if estimate is None:
+        if estimate is None or decode_steps <= 0:
             return target_step_us
-        return max(target_step_us, int(MIN_TARGET_DECODE_STEPS * estimate))
+        return max(target_step_us, int(decode_steps * estimate))
 
     def prefill_budget(self, decode_rows: int, target_step_us: int, most: int) -> int:
         """Prompt tokens an iteration with ``decode_rows`` decode rows may carry.

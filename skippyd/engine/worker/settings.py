@@ -61,6 +61,7 @@ def build_scheduler_config(
     queue_capacity: int,
     exports: bool = False,
     target_step_ms: float = 0.0,
+    target_decode_steps: float = 0.0,
 ) -> SchedulerConfig:
     """Build the normalized policy configuration of a stage.
 
@@ -74,6 +75,7 @@ def build_scheduler_config(
         queue_capacity: Waiting-queue capacity.
         exports: The stage sends activations to a downstream stage.
         target_step_ms: Step time that sizes prompt chunks beside decode rows (0: off).
+        target_decode_steps: The step time is at least this many decode steps (0: off).
     """
     max_tokens = min(max(n_batch, 1), MAX_NATIVE_ITERATION_TOKENS)
     max_tokens = iteration_token_budget(exports, max_tokens, max(n_ubatch, 1))
@@ -97,6 +99,7 @@ def build_scheduler_config(
         # Mixing prompt rows into a recurrent model's decode steps slows its decode for good.
         mixed_prefill_decode=not recurrent,
         target_step_us=round(target_step_ms * 1000),
+        target_decode_steps=target_decode_steps,
         cache_aging_cost_per_iteration=CACHE_AGING_COST_PER_ITERATION,
         group_waiting_prefixes=True,
         memory_components=tuple(components),
@@ -164,6 +167,7 @@ class WorkerSettings:
                           exports=not config.is_final,
                           decode_groups=config.planned_decode_groups or 1,
                           target_step_ms=rt.target_step_ms,
+                          target_decode_steps=rt.target_decode_steps,
                           admission_timeout_s=rt.admission_timeout_s,
                           stall_timeout_s=rt.stall_timeout_s)
 
@@ -171,8 +175,8 @@ class WorkerSettings:
     def derive(cls, runtime: Runtime, *, queue_capacity: int, safe_mode: bool = False,
                continuous_batching: bool = True, recurrent_bytes_per_seq: int = 0,
                exports: bool = False, decode_groups: int = 1,
-               target_step_ms: float = 0.0, admission_timeout_s: float = 0.0,
-               stall_timeout_s: float = 0.0,
+               target_step_ms: float = 0.0, target_decode_steps: float = 0.0,
+               admission_timeout_s: float = 0.0, stall_timeout_s: float = 0.0,
                burst_wait_s: float = BURST_WAIT_S) -> WorkerSettings:
         """The settings from explicit stage facts (:meth:`for_stage` reads them from a config).
 
@@ -189,7 +193,8 @@ class WorkerSettings:
         lanes = effective_lane_count(runtime.lane_count, safe_mode, continuous_batching)
         policy = build_scheduler_config(
             lanes, runtime.kv_pool_tokens, recurrent_bytes_per_seq, runtime.max_batch_tokens,
-            runtime.micro_batch_tokens, queue_capacity, exports, target_step_ms)
+            runtime.micro_batch_tokens, queue_capacity, exports, target_step_ms,
+            target_decode_steps)
         capacity = max(queue_capacity + lanes, MIN_COMMAND_QUEUE_CAPACITY)
         max_batch = max(lanes, 1)
         return cls(

@@ -69,7 +69,8 @@ def test_normalization_clamps_zero_and_oversize_values():
 @pytest.mark.parametrize(("field", "value"), [
     ("max_active_sequences", -1), ("max_tokens_per_iteration", 2.5),
     ("prefill_chunk_tokens", True), ("mixed_prefill_decode", 1),
-    ("memory_components", ["kv"]),
+    ("memory_components", ["kv"]), ("target_decode_steps", -1.0),
+    ("target_decode_steps", float("nan")), ("target_decode_steps", True),
 ])
 def test_invalid_config_values_raise_a_typed_error_naming_the_field(field, value):
     with pytest.raises(SchedulerConfigError) as caught:

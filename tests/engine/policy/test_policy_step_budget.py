@@ -15,7 +15,6 @@ from skippyd.engine.policy.step_budget import (
     INITIAL_PREFILL_TOKENS,
     MAX_TARGET_STRETCH,
     MIN_PREFILL_TOKENS,
-    MIN_TARGET_DECODE_STEPS,
     StepCostModel,
     TargetStretch,
 )
@@ -87,24 +86,29 @@ def test_a_chunk_too_small_to_run_at_full_speed_is_rounded_up_within_twice_the_t
 
 def test_the_target_is_at_least_a_few_decode_steps_of_the_model_at_hand():
     costs = StepCostModel()
-    assert costs.step_target_us(8, 250_000) == 250_000  # nothing learned yet
+    assert costs.step_target_us(8, 250_000, 4) == 250_000  # nothing learned yet
     costs.observe(plan_of(8, 0), 0.040)
     costs.observe(plan_of(8, 100), 0.540)  # a small model: 5 ms a token, 0 fixed
-    assert costs.step_target_us(8, 250_000) == 250_000  # 4 x 40 ms is less
-    assert costs.step_target_us(0, 250_000) == 250_000
+    assert costs.step_target_us(8, 250_000, 4) == 250_000  # 4 x 40 ms is less
+    assert costs.step_target_us(0, 250_000, 4) == 250_000
     slow = StepCostModel()
     slow.observe(plan_of(8, 0), 0.165)
     slow.observe(plan_of(8, 64), 1.125)  # a compute-bound one: 15 ms a token, 45 fixed
-    target = slow.step_target_us(8, 250_000)
-    assert target == pytest.approx(MIN_TARGET_DECODE_STEPS * 165_000)
+    target = slow.step_target_us(8, 250_000, 4)
+    assert target == pytest.approx(4 * 165_000)
+    assert slow.step_target_us(8, 250_000, 0) == 250_000  # the floor off
     # At a fixed 250 ms the 8 rows' 165 ms left room for 5 prompt tokens (16, the
     # least); at the model's own target a chunk runs at full speed.
     assert slow.prefill_budget(8, 250_000, 2048) == MIN_PREFILL_TOKENS
     assert slow.prefill_budget(8, target, 2048) >= EFFICIENT_PREFILL_TOKENS
 
 
-def test_a_slow_model_s_steps_carry_prompt_chunks_it_runs_at_full_speed():
+def slow_model_chunks(target_decode_steps: float) -> tuple[list[int], int]:
+    """The chunks of a 600-token prompt beside 8 decoders on a model whose step takes
+    45 ms plus 15 ms a token (8 decode rows alone: 165 ms), at a 250 ms target; and the
+    step target the status shows at the end."""
     scheduler = make_scheduler(mixed_prefill_decode=True, target_step_us=250_000,
+                               target_decode_steps=target_decode_steps,
                                max_tokens_per_iteration=2048, prefill_chunk_tokens=2048,
                                max_active_sequences=16)
     decoders = [f"d{i}" for i in range(8)]
@@ -114,19 +118,30 @@ def test_a_slow_model_s_steps_carry_prompt_chunks_it_runs_at_full_speed():
     run_step(scheduler)
     scheduler.submit(make_sequence("long", 600, max_tokens=4))
     chunks = []
-    for _ in range(40):
+    target = 0
+    for _ in range(60):
         plan = scheduler.plan_iteration()
         decode = [w.sequence_id for w in plan.work if w.phase is IterationPhase.DECODE]
         assert sorted(decode) == decoders
         chunks += [w.token_count for w in plan.work if w.sequence_id == "long"]
-        # 45 ms plus 15 ms a token: 8 decode rows alone take 165 ms.
+        target = scheduler.step_target_us
         scheduler.observe_iteration_duration(plan, 0.045 + 0.015 * plan.token_count)
         scheduler.complete_iteration(plan, sampling_predictions(plan))
         if sum(chunks) == 600:
             break
     assert sum(chunks) == 600
+    return chunks, target
+
+
+def test_a_slow_model_s_steps_carry_prompt_chunks_it_runs_at_full_speed():
+    chunks, target = slow_model_chunks(4)
     # Once the costs are learned, every chunk runs at full speed (64 or more tokens).
     assert min(chunks[2:]) >= EFFICIENT_PREFILL_TOKENS - 1
+    assert target == pytest.approx(4 * 165_000, rel=0.01)  # what the status shows
+    # With the target alone, 8 decode rows leave room for the least chunk only.
+    chunks, target = slow_model_chunks(0)
+    assert max(chunks[2:]) < EFFICIENT_PREFILL_TOKENS - 1
+    assert target == 250_000
 
 
 def test_decoders_get_a_row_every_step_while_a_long_prompt_is_chunked():

@@ -97,6 +97,11 @@ def test_settings_for_a_stage_follow_its_config(runtime_factory):
     assert settings.policy.max_waiting_sequences == 9
     assert settings.command_queue_capacity == 9 + 4
     assert (settings.safe_mode, settings.policy.max_active_sequences) == (False, 4)
+    assert (settings.policy.target_step_us, settings.policy.target_decode_steps) == (250_000, 4)
+    fixed = parse_config({"runtime": {"target_step_ms": 400, "target_decode_steps": 0}},
+                         environ={})
+    settings = WorkerSettings.for_stage(fixed, runtime)
+    assert (settings.policy.target_step_us, settings.policy.target_decode_steps) == (400_000, 0)
     later = parse_config({"stage": {"index": 1, "layer_start": 2},
                           "upstream": {"stage_id": "a", "stage_index": 0,
                                        "endpoint": "127.0.0.1:9000"},
