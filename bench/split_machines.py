@@ -145,8 +145,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slice-cache", type=Path, default=None,
                         help="where stages keep their slices (default: a temporary "
                              "directory; give one to reuse a large model's slices)")
+    parser.add_argument("--set", action="append", default=[], metavar="runtime.KEY=VALUE",
+                        help="a [runtime] key for every server, the chain's and the unsplit "
+                             "one's alike (repeatable), e.g. runtime.target_decode_steps=0")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    args.runtime_extra = []
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or section != "runtime" or not dot or not name.isidentifier():
+            parser.error(f"--set: expected runtime.KEY=VALUE, got {item!r}")
+        args.runtime_extra.append(f"{name} = {value.strip()}\n")
     args.workloads = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown or not args.workloads:
@@ -205,7 +215,7 @@ def _runtime(args: argparse.Namespace, slices: Path) -> str:
     return (f"[runtime]\nctx_size = {args.ctx * args.lanes}\nlane_count = {args.lanes}\n"
             f'kv_layout = "per_lane"\n'
             f"threads = {threads}\nthreads_batch = {threads}\n"
-            f"slice_cache_dir = {json.dumps(str(slices))}\n")
+            f"slice_cache_dir = {json.dumps(str(slices))}\n" + "".join(args.runtime_extra))
 
 
 def _model(args: argparse.Namespace) -> str:
