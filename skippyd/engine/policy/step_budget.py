@@ -3,9 +3,11 @@
 With live decoders a step carries every decode row plus only the prompt tokens that fit
 in a target step time, so running streams get a token every step while a long prompt is
 prefilled over several; without decoders nothing waits and prompts take the whole token
-budget. :class:`TargetStretch` lengthens the target while long prompts queue up (or short
-ones come in a burst); :class:`StepCostModel` learns a step's cost from the plans that
-ran. Pure: no clock, no threads; the driver feeds it durations.
+budget. The target is at least a few steps of the decode rows alone
+(:meth:`StepCostModel.step_target_us`), so a model whose rows are slow still gets prompt
+chunks that run at full speed. :class:`TargetStretch` lengthens the target while long
+prompts queue up (or short ones come in a burst); :class:`StepCostModel` learns a step's
+cost from the plans that ran. Pure: no clock, no threads; the driver feeds it durations.
 
 The reasoning and the measurements behind the constants: ``docs/scheduler.md``,
 *Planning an iteration* ("The step-time budget", "When long prompts queue up").
