@@ -21,12 +21,15 @@ API (no server, no scheduler):
    and costs (draft every proposal whole; only after an 8-token match; whole only after a
    step whose drafts were all kept): what a simple policy gets, between plain decoding
    and the oracle.
-5. **The best table.** A policy without foresight can see, when it picks a step's draft
+5. **skippyd's control** (``DraftControl``, what ``[speculative] mode = "ngram"``
+   runs), replayed over the same answers with these row costs as its step costs: what
+   serving would choose, without a server's noise.
+6. **A fitted table.** A policy without foresight can see, when it picks a step's draft
    length, only what came before: the length of the run that matched, how many drafts
-   were kept in a row up to this step, and how the last step went. The table that maps
-   each such situation to the draft length doing best over these very answers (fitted
-   on them by coordinate ascent, so it knows their statistics in aggregate though not
-   any one step's outcome) is an optimistic ceiling for every policy that sees no more.
+   were kept in a row up to this step, and how the last step went. A table that maps
+   each such situation to a draft length, fitted on these very answers by coordinate
+   descent (a local optimum that knows their statistics in aggregate, though not any one
+   step's outcome), is an optimistic figure for a policy that sees no more.
 
 It prints, per prompt and in total: plain decoding's time (``c(1)`` per token), the
 oracle's, and the bound on the copy workload's output tok/s ratio (ngram / off) with the
@@ -55,9 +58,12 @@ from rich.table import Table
 from skippyd.bench.models import add_model_option, model_path
 from skippyd.bench.runtime import decode_or_raise
 from skippyd.daemon.assembly import chat_prompt_tokens
+from skippyd.engine.policy import IterationPhase, IterationPlan, IterationWork
+from skippyd.engine.policy.draft_length import DraftControl
 from skippyd.engine.policy.ngram import NgramIndex
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
 from skippyd.engine.runtime.tokenizer import Tokenizer
+from skippyd.engine.worker.drafting import SpeculationSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import copy_prompt, standard_library_functions  # noqa: E402
@@ -227,10 +233,47 @@ def follow(rule: Rule, found: Sequence[Proposal],
 
 #: Draft lengths the fitted table chooses from.
 TABLE_LENGTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
-#: Passes of coordinate ascent over the table's entries.
+#: Passes of coordinate descent over the table's entries.
 TABLE_PASSES = 3
 #: The fitted table's name among the rules reported.
-TABLE_RULE = "best table of what a policy sees (fitted here)"
+TABLE_RULE = "a table of what a policy sees, fitted on these answers"
+#: skippyd's control's name among the rules reported.
+CONTROL_RULE = "skippyd's control (DraftControl)"
+
+
+class ControlRule:
+    """skippyd's draft-length control replayed over answers, one after another as one
+    stream's requests: the row costs measured here are its decode steps' costs, each
+    answer starts a request's record, and what drafts of each kind get carries over."""
+
+    def __init__(self, costs: Sequence[float], min_draft: int, max_draft: int) -> None:
+        self.control = DraftControl(min_draft, max_draft)
+        self.min_draft = min_draft
+        for rows, seconds in enumerate(costs, start=1):
+            work = [IterationWork(f"row{i}", (1,), (i,), True, IterationPhase.DECODE)
+                    for i in range(rows)]
+            self.control.observe(IterationPlan(work=work, token_count=rows), seconds)
+        self.stats = self.control.new_stats()
+        self._kind = 0
+
+    def __call__(self, proposal: Proposal, history: History) -> int:
+        if not history:
+            self.stats = self.control.new_stats()  # a new request
+        else:
+            carried, kept = history[-1]
+            if carried:
+                self.control.record(self.stats, self._kind, carried, kept)
+            else:
+                self.control.note_plain_step(self.stats, 1)
+        self._kind = proposal.match
+        if proposal.drafts < self.min_draft:
+            return 0
+        return self.control.draft_length(self.control.chances(self.stats, proposal.match),
+                                         1, 1, proposal.drafts, stats=self.stats)
+
+
+#: Where the bins of drafts kept in a row start (:func:`situation`).
+IN_A_ROW_BINS = (1, 8, 24)
 
 
 def situation(proposal: Proposal, history: History) -> tuple[int, int, int]:
@@ -239,12 +282,12 @@ def situation(proposal: Proposal, history: History) -> tuple[int, int, int]:
     step (0: none yet, 1: it carried no drafts, 2: it kept them all, 3: it lost some)."""
     in_a_row = 0
     for carried, kept in reversed(history):
-        if carried == 0:
+        if carried == 0 or in_a_row >= IN_A_ROW_BINS[-1]:
             break
         in_a_row += kept
         if kept < carried:
             break
-    bin_ = 0 if in_a_row == 0 else 1 if in_a_row < 8 else 2 if in_a_row < 24 else 3
+    bin_ = sum(1 for start in IN_A_ROW_BINS if in_a_row >= start)
     if not history:
         last = 0
     else:
@@ -255,8 +298,9 @@ def situation(proposal: Proposal, history: History) -> tuple[int, int, int]:
 
 def fit_table(answers: Sequence[Sequence[Proposal]], costs: Sequence[float],
               most: int) -> tuple[dict[tuple[int, int, int], int], float]:
-    """The table of draft lengths by :func:`situation` that decodes ``answers`` in the
-    least total time, by coordinate ascent from "draft nothing": (table, seconds)."""
+    """A table of draft lengths by :func:`situation` that decodes ``answers`` in less
+    total time than any table one entry away (coordinate descent from "draft nothing",
+    a local optimum): (table, seconds)."""
     table: dict[tuple[int, int, int], int] = {}
 
     def rule(proposal: Proposal, history: History) -> int:
@@ -265,8 +309,12 @@ def fit_table(answers: Sequence[Sequence[Proposal]], costs: Sequence[float],
     def total() -> float:
         return sum(follow(rule, found, costs)[0] for found in answers)
 
-    keys = sorted({(match, bin_, last) for found in answers for p in found if p.drafts
-                   for match in (p.match,) for bin_ in range(4) for last in range(4)})
+    matches = sorted({p.match for found in answers for p in found if p.drafts})
+    # Drafts kept in a row come only after a step that carried drafts: (last 0 or 1)
+    # means none, and a step that kept all its drafts (last 2) means some.
+    situations = [(0, 0), (0, 1), *((bin_, 2) for bin_ in range(1, len(IN_A_ROW_BINS) + 1)),
+                  *((bin_, 3) for bin_ in range(len(IN_A_ROW_BINS) + 1))]
+    keys = [(match, bin_, last) for match in matches for bin_, last in situations]
     lengths = [k for k in TABLE_LENGTHS if k <= most]
     best = total()
     for _ in range(TABLE_PASSES):
@@ -340,12 +388,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             decoder.close()
     tokenizer.close()
     bounds = []
-    ruled: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in [*RULES, TABLE_RULE]}
+    ruled: dict[str, list[float]] = {name: [0.0, 0.0, 0.0]
+                                     for name in [*RULES, CONTROL_RULE, TABLE_RULE]}
     replayed = [proposals(prompt, answer.tokens, args.max_draft)
                 for prompt, answer in zip(prompts, answers, strict=True)]
     table, _ = fit_table(replayed, costs, args.max_draft)
     rules_here: dict[str, Rule] = {
-        **RULES, TABLE_RULE: lambda p, history: table.get(situation(p, history), 0)}
+        **RULES, CONTROL_RULE: ControlRule(costs, SpeculationSettings().min_draft, args.max_draft),
+        TABLE_RULE: lambda p, history: table.get(situation(p, history), 0)}
     for answer, found in zip(answers, replayed, strict=True):
         seconds, steps, drafted, hits = oracle([p.accepted for p in found], costs,
                                                args.max_draft)
@@ -397,8 +447,8 @@ def report(costs: Sequence[float], bounds: Sequence[Bound], total: Bound,
     console.print(table)
     console.print(f"decode alone (no prefill): {total.plain_s / total.oracle_s:.3f}x; "
                   f"a drafter that is always right: {perfect:.3f}x")
-    table = Table(title="rules without foresight, the same answers and costs (the fitted "
-                        "table knows these answers in aggregate: an optimistic ceiling)")
+    table = Table(title="policies without foresight, the same answers and costs (the fitted "
+                        "table knows these answers in aggregate: an optimistic figure)")
     for column in ("rule", "decode s", "drafts accepted", "tok/s ratio"):
         table.add_column(column, justify="right")
     for name, b in rules.items():

@@ -13,7 +13,7 @@ target (the median over rounds of the per-round ratio; any error is NOT MET)::
 
     python bench/split_machines.py [--stages 2] [--cores-per-stage 1] [--rtt 0,5,20] \\
         [--streams 1,8,16] [--rounds 3] [--only streams,prefill,greedy,memory] \\
-        [--unpinned] [--model MODEL.gguf] [--json out.json]
+        [--unpinned] [--model MODEL.gguf] [--set runtime.KEY=VALUE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import tomllib
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -150,13 +151,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "one's alike (repeatable), e.g. runtime.target_decode_steps=0")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    args.runtime_extra = []
+    args.runtime_extra = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         section, dot, name = key.strip().partition(".")
-        if not sep or section != "runtime" or not dot or not name.isidentifier():
+        value = value.strip()
+        if not sep or section != "runtime" or not dot or not name.isidentifier() or not value:
             parser.error(f"--set: expected runtime.KEY=VALUE, got {item!r}")
-        args.runtime_extra.append(f"{name} = {value.strip()}\n")
+        try:
+            tomllib.loads(f"value = {value}")
+        except tomllib.TOMLDecodeError:
+            value = json.dumps(value)  # a bare string
+        args.runtime_extra[name] = value  # a later one wins
     args.workloads = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown or not args.workloads:
@@ -212,10 +218,10 @@ def layer_ranges(args: argparse.Namespace) -> tuple[int, ...]:
 
 def _runtime(args: argparse.Namespace, slices: Path) -> str:
     threads = args.cores_per_stage
-    return (f"[runtime]\nctx_size = {args.ctx * args.lanes}\nlane_count = {args.lanes}\n"
-            f'kv_layout = "per_lane"\n'
-            f"threads = {threads}\nthreads_batch = {threads}\n"
-            f"slice_cache_dir = {json.dumps(str(slices))}\n" + "".join(args.runtime_extra))
+    keys = {"ctx_size": str(args.ctx * args.lanes), "lane_count": str(args.lanes),
+            "kv_layout": '"per_lane"', "threads": str(threads), "threads_batch": str(threads),
+            "slice_cache_dir": json.dumps(str(slices)), **args.runtime_extra}
+    return "[runtime]\n" + "".join(f"{key} = {value}\n" for key, value in keys.items())
 
 
 def _model(args: argparse.Namespace) -> str:

@@ -74,6 +74,19 @@ def test_the_fitted_table_drafts_where_drafts_are_kept_and_not_where_they_are_lo
     assert table == {} and seconds == plain
 
 
+def test_skippyd_s_control_drafts_runs_that_are_kept_where_rows_are_cheap(sb) -> None:
+    good = [sb.Proposal(4, 8, 4)] * 20
+    costs = [1.0 + 0.1 * k for k in range(5)]
+    rule = sb.ControlRule(costs, 2, 4)
+    seconds, steps, drafted, accepted = sb.follow(rule, good, costs)
+    assert accepted == drafted > 0 and seconds < 20 * costs[0]
+    # Runs that are never kept: it tries them again now and then (rows are cheap here),
+    # in a quarter of the steps at most, where every proposal whole would be 160 drafts.
+    bad = [sb.Proposal(4, 8, 0)] * 40
+    _, steps, drafted, accepted = sb.follow(rule, bad, costs)
+    assert accepted == 0 and steps == 40 and drafted <= 40
+
+
 def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(sb, tiny_model_path: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "bound.json"
@@ -93,7 +106,8 @@ def test_a_tiny_run_reports_row_costs_and_a_bound_of_at_least_one(sb, tiny_model
     assert figures["perfect_drafter_ratio"] >= 1.0
     assert "a drafter that is always right" in result.stdout
     assert set(figures["rules"]) == {"every proposal, whole", "8-token matches only",
-                                     "after a fully kept step", sb.TABLE_RULE}
+                                     "after a fully kept step", sb.CONTROL_RULE,
+                                     sb.TABLE_RULE}
     # A policy without foresight never beats the oracle, and the fitted table never
     # loses to drafting nothing (its starting point).
     total = figures["total"]

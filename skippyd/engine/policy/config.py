@@ -69,6 +69,10 @@ _COUNT_FIELDS = (
 )
 
 
+#: Most decode steps a step's target may be (``target_decode_steps``).
+MAX_TARGET_DECODE_STEPS = 1000
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Scheduler knobs; ``Scheduler`` always works on ``normalized()``.
@@ -120,9 +124,10 @@ class SchedulerConfig:
                 raise SchedulerConfigError(name, "must be a bool")
         steps = self.target_decode_steps
         if (isinstance(steps, bool) or not isinstance(steps, int | float)
-                or not math.isfinite(steps) or steps < 0):
-            raise SchedulerConfigError("target_decode_steps",
-                                       f"must be a finite number >= 0, got {steps!r}")
+                or not math.isfinite(steps) or not 0 <= steps <= MAX_TARGET_DECODE_STEPS):
+            raise SchedulerConfigError(
+                "target_decode_steps",
+                f"must be a number from 0 to {MAX_TARGET_DECODE_STEPS}, got {steps!r}")
         object.__setattr__(self, "memory_components", _components(self.memory_components))
 
     def normalized(self) -> SchedulerConfig:

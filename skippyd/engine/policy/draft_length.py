@@ -106,6 +106,8 @@ class DraftStats:
     """Drafts accepted, in all."""
     idle_tokens: int = 0
     """Tokens generated since the request last drafted."""
+    price: float = 0.0
+    """What one of its drafts cost, in its step's tokens, when its length was last chosen."""
 
     def record(self, drafted: int, accepted: int) -> None:
         self.survival.record(drafted, accepted)
@@ -153,8 +155,6 @@ class DraftControl:
         self._plain_tokens = 0
         self._rate_tokens = 0.0
         self._rate_cost = 0.0
-        self._price = 0.0
-        """What a draft cost, in the step's tokens, when a length was last chosen."""
 
     @property
     def rate(self) -> float:
@@ -176,7 +176,7 @@ class DraftControl:
         stats.record(drafted, accepted)
         self._kind(kind).record(drafted, accepted)
         self._plain_tokens = 0
-        self._count(1 + accepted, 1 + self._price * drafted)
+        self._count(1 + accepted, 1 + stats.price * drafted)
 
     def note_plain_step(self, stats: DraftStats, tokens: int) -> None:
         """A speculating request's row carried no drafts and yielded ``tokens``."""
@@ -205,7 +205,8 @@ class DraftControl:
             self.costs.observe(plan, elapsed_s)
 
     def draft_length(self, chances: list[float], decode_rows: int, step_rows: int,
-                     available: int, fallback: StepCostModel | None = None) -> int:
+                     available: int, fallback: StepCostModel | None = None,
+                     stats: DraftStats | None = None) -> int:
         """Drafts one row should carry (0: none pays).
 
         Args:
@@ -215,6 +216,7 @@ class DraftControl:
             available: Drafts the drafter offers (and room allows).
             fallback: Costs learned from every step, used until decode steps alone show
                 what a row adds (they need rows of different counts to tell).
+            stats: The request's record, which keeps a draft's price for :meth:`record`.
         """
         most = min(self.max_draft, available)
         if most < self.min_draft or decode_rows <= 0:
@@ -224,7 +226,8 @@ class DraftControl:
             return 0
         step = fixed + per_row * max(step_rows, decode_rows)
         price = per_row * decode_rows / step  # a draft's cost in the step's tokens
-        self._price = price
+        if stats is not None:
+            stats.price = price
         # Priced at what drafting yields lately: a draft must pay at least that.
         price *= self.rate
         best, best_gain = 0, 0.0

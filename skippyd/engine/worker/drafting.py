@@ -148,7 +148,7 @@ class Speculation:
             rows = plan.token_count + (budget - plan.token_count - room)
             length = self.control.draft_length(
                 self.control.chances(drafts.stats, drafts.source), decode_rows, rows,
-                limit, fallback)
+                limit, fallback, stats=drafts.stats)
             if not length:
                 continue
             room -= length

@@ -71,6 +71,7 @@ def test_normalization_clamps_zero_and_oversize_values():
     ("prefill_chunk_tokens", True), ("mixed_prefill_decode", 1),
     ("memory_components", ["kv"]), ("target_decode_steps", -1.0),
     ("target_decode_steps", float("nan")), ("target_decode_steps", True),
+    ("target_decode_steps", 1e300),
 ])
 def test_invalid_config_values_raise_a_typed_error_naming_the_field(field, value):
     with pytest.raises(SchedulerConfigError) as caught:

@@ -154,7 +154,7 @@ def test_once_drafting_pays_a_draft_must_pay_at_its_rate_not_at_plain_decoding_s
     # ...but not once drafting yields more per row's cost: whole runs of 8 kept.
     stats = control.new_stats()
     for _ in range(20):
-        control.draft_length([0.99] * 8, 1, 1, 8)
+        control.draft_length([0.99] * 8, 1, 1, 8, stats=stats)
         control.record(stats, 8, drafted=8, accepted=8)
     assert control.rate > 1.5
     assert control.draft_length(marginal, 1, 1, 8) == 0
@@ -164,6 +164,20 @@ def test_once_drafting_pays_a_draft_must_pay_at_its_rate_not_at_plain_decoding_s
         control.note_plain_step(stats, 1)
     assert control.rate < 1.05
     assert control.draft_length(marginal, 1, 1, 8) >= 2
+
+
+def test_each_row_is_charged_the_price_its_own_length_was_chosen_at():
+    control = taught(fixed_ms=6.0, per_row_ms=5.0)
+    alone, crowded = control.new_stats(), control.new_stats()
+    # In a step of 8 decode rows a draft costs more of the step's tokens.
+    control.draft_length([0.99] * 8, 8, 8, 8, stats=crowded)
+    control.draft_length([0.99] * 8, 1, 1, 8, stats=alone)
+    assert alone.price == pytest.approx(5 / 11)
+    assert crowded.price == pytest.approx(5 * 8 / 46)
+    # The crowded row, all 8 kept, counts 9 tokens for 1 + 8 of its own prices, not of
+    # the price chosen last (the rate starts from one token for one).
+    control.record(crowded, 8, drafted=8, accepted=8)
+    assert control.rate == pytest.approx((9 + 1) / (1 + 8 * 40 / 46 + 1))
 
 
 def test_drafts_stay_within_what_is_offered_and_the_minimum():
