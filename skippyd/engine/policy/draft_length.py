@@ -159,8 +159,9 @@ class DraftControl:
     @property
     def rate(self) -> float:
         """Tokens a speculating row yields lately per unit of its cost, at least 1: a row
-        without drafts yields one token for one; a row with ``k`` drafts, ``1 + kept``
-        for ``1 + k`` times a draft's price. Weighted by :data:`RATE_MEMORY` per row."""
+        without drafts yields one token at a cost of one; a row with ``k`` drafts yields
+        ``1 + kept`` at a cost of ``1 + k * price`` (its request's
+        :attr:`DraftStats.price`). Weighted by :data:`RATE_MEMORY` per row."""
         return max(1.0, (self._rate_tokens + 1.0) / (self._rate_cost + 1.0))
 
     def _count(self, tokens: float, cost: float) -> None:
