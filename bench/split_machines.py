@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import tomllib
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +63,9 @@ from skippyd.bench.shaper import READY_LINE
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level
 from skippyd.link.dialer import query_status
 from skippyd.split_plan import model_costs, plan_split
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llama_server import _parse_sets, _toml_value  # noqa: E402  (a sibling script)
 
 logger = logging.getLogger(__name__)
 console = Console(width=None if Console().is_terminal else 140)
@@ -151,18 +153,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "one's alike (repeatable), e.g. runtime.target_decode_steps=0")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
-    args.runtime_extra = {}
+    sets = []
     for item in args.set:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        value = value.strip()
+        key, sep, value = (part.strip() for part in item.partition("="))
+        section, dot, name = key.partition(".")
         if not sep or section != "runtime" or not dot or not name.isidentifier() or not value:
             parser.error(f"--set: expected runtime.KEY=VALUE, got {item!r}")
-        try:
-            tomllib.loads(f"value = {value}")
-        except tomllib.TOMLDecodeError:
-            value = json.dumps(value)  # a bare string
-        args.runtime_extra[name] = value  # a later one wins
+        sets.append(f"{key}={value}")
+    args.runtime_extra = _parse_sets(sets).get("runtime", {})  # a later one wins
     args.workloads = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown or not args.workloads:
@@ -218,10 +216,11 @@ def layer_ranges(args: argparse.Namespace) -> tuple[int, ...]:
 
 def _runtime(args: argparse.Namespace, slices: Path) -> str:
     threads = args.cores_per_stage
-    keys = {"ctx_size": str(args.ctx * args.lanes), "lane_count": str(args.lanes),
-            "kv_layout": '"per_lane"', "threads": str(threads), "threads_batch": str(threads),
-            "slice_cache_dir": json.dumps(str(slices)), **args.runtime_extra}
-    return "[runtime]\n" + "".join(f"{key} = {value}\n" for key, value in keys.items())
+    keys = {"ctx_size": args.ctx * args.lanes, "lane_count": args.lanes,
+            "kv_layout": "per_lane", "threads": threads, "threads_batch": threads,
+            "slice_cache_dir": str(slices), **args.runtime_extra}
+    return "[runtime]\n" + "".join(f"{key} = {_toml_value(value)}\n"
+                                    for key, value in keys.items())
 
 
 def _model(args: argparse.Namespace) -> str:
