@@ -60,6 +60,7 @@ def release_file_pages(path: str | os.PathLike) -> int:
         return 0
     if not ranges:
         logger.debug("%s is not mapped read-only here: no pages to give back", path)
+        return 0
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
