@@ -66,9 +66,14 @@ _COUNT_FIELDS = (
     "max_consecutive_prefill_iterations",
     "cache_aging_cost_per_iteration",
     "target_step_us",
+    "sample_tail_tokens",
 )
 
 
+#: ``sample_tail_tokens`` of stage 0 of a split pipeline: the least piece the pipeline
+#: cuts a prompt into, so the sampled end costs the later stages about as little as a
+#: piece can.
+PIPELINE_SAMPLE_TAIL = 8
 #: Most decode steps a step's target may be (``target_decode_steps``).
 MAX_TARGET_DECODE_STEPS = 1000
 
@@ -106,6 +111,12 @@ class SchedulerConfig:
     """With ``target_step_us``: the step time is at least this many times the estimated
     step of the decode rows alone (``StepCostModel.step_target_us``); 0: the target
     alone."""
+    sample_tail_tokens: int = 0
+    """A prompt's sampled end goes in a chunk of its own of this many tokens, planned
+    after the rest of the prompt, when the rest is at least as long (0: off). Stage 0 of
+    a split pipeline sets it: a call returns only once its samples are back, so a long
+    sampled chunk keeps stage 0 idle while the later stages compute it, where a chunk
+    that samples nothing travels on while stage 0 goes on (``docs/scheduler.md``)."""
     cache_aging_cost_per_iteration: int = 4096
     """Credit a waiting request gains per turn (anti-starvation)."""
     group_waiting_prefixes: bool = True

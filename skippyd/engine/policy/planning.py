@@ -52,16 +52,25 @@ class PlanDraft:
         sequence.prefill_cursor = position + 1
         self.budget -= 1
 
-    def add_prefill_chunk(self, sequence: ScheduledSequence, chunk_tokens: int) -> None:
+    def add_prefill_chunk(self, sequence: ScheduledSequence, chunk_tokens: int,
+                          sample_tail: int = 0) -> None:
         """Emit the next prompt/recompute chunk of a sequence that still needs replay.
 
         Only a prefill that reaches the end of the prompt samples; recompute never does,
-        because its pending decode token already exists.
+        because its pending decode token already exists. With ``sample_tail`` a prompt
+        whose rest is at least twice that long stops that many tokens short of its end,
+        which a later chunk of its own samples (``SchedulerConfig.sample_tail_tokens``);
+        the tokens held back stay spent in this plan (handed to another prompt they would
+        make a chunk of a few tokens).
         """
         replay_len = sequence.recompute_token_count()
         start = sequence.prefill_cursor
         count = min(chunk_tokens, max(0, replay_len - start), self.budget)
+        spent = count
         generated = bool(sequence.generated_tokens)
+        if (sample_tail > 0 and not generated and start + count == replay_len
+                and replay_len - start >= 2 * sample_tail):
+            count = replay_len - sample_tail - start
         self.work.append(IterationWork(
             sequence_id=sequence.id,
             tokens=sequence.replay_slice(start, start + count),
@@ -72,7 +81,7 @@ class PlanDraft:
         ))
         sequence.prefill_cursor = start + count
         self.prefill_sequences += 1
-        self.budget -= count
+        self.budget -= spent
 
 
 def plan_phase_homogeneous(
@@ -104,7 +113,8 @@ def plan_phase_homogeneous(
             if run_prefill and (
                 draft.prefill_sequences < config.max_prefill_sequences_per_iteration
             ):
-                draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens)
+                draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens,
+                                        config.sample_tail_tokens)
         elif not run_prefill and sequence.pending_decode_token() is not None:
             draft.add_decode(sequence)
     if any(work.phase is not IterationPhase.DECODE for work in draft.work):
@@ -138,7 +148,8 @@ def plan_mixed(
         if draft.prefill_sequences >= config.max_prefill_sequences_per_iteration:
             break
         if sequence.needs_replay():
-            draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens)
+            draft.add_prefill_chunk(sequence, config.prefill_chunk_tokens,
+                                    config.sample_tail_tokens)
     return draft.work, decode_cursor
 
 
@@ -188,7 +199,8 @@ def plan_budgeted(
             # this one leaves of the budget is not worth a second prompt's rows (each
             # adds micro-batches to the model call).
             draft.add_prefill_chunk(sequence, min(even_chunk(remaining, prompt_budget),
-                                                  config.prefill_chunk_tokens))
+                                                  config.prefill_chunk_tokens),
+                                    config.sample_tail_tokens)
             break
         if (draft.prefill_sequences and sequence.id != oldest_prompt
                 and prompt_budget < remaining <= prefill_budget):
@@ -196,7 +208,8 @@ def plan_budgeted(
             # cut, its tail would add micro-batches to the next call as well.
             continue
         before = draft.budget
-        draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget))
+        draft.add_prefill_chunk(sequence, min(config.prefill_chunk_tokens, prompt_budget),
+                                config.sample_tail_tokens)
         prompt_budget -= before - draft.budget
     return draft.work, decode_cursor
 

@@ -13,7 +13,12 @@ import logging
 from dataclasses import dataclass
 
 from skippyd.config import StageConfig
-from skippyd.engine.policy.config import UNLIMITED, MemoryComponent, SchedulerConfig
+from skippyd.engine.policy.config import (
+    PIPELINE_SAMPLE_TAIL,
+    UNLIMITED,
+    MemoryComponent,
+    SchedulerConfig,
+)
 from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.worker.direct_batch import (
     MAX_NATIVE_ITERATION_TOKENS,
@@ -100,6 +105,7 @@ def build_scheduler_config(
         mixed_prefill_decode=not recurrent,
         target_step_us=round(target_step_ms * 1000),
         target_decode_steps=target_decode_steps,
+        sample_tail_tokens=PIPELINE_SAMPLE_TAIL if exports else 0,
         cache_aging_cost_per_iteration=CACHE_AGING_COST_PER_ITERATION,
         group_waiting_prefixes=True,
         memory_components=tuple(components),

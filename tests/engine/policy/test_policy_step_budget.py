@@ -400,3 +400,41 @@ def test_a_burst_is_three_short_prompts_and_stretches_only_while_it_lasts():
     assert stretch.factor(1, short_prompts=2) == 1  # a long prompt and two restarts
     assert stretch.factor(1, short_prompts=3) == 3
     assert stretch.factor(1, short_prompts=0) == 1  # not sticky, unlike long queues
+
+
+def _chunks(plan: IterationPlan) -> list[tuple[str, int, bool]]:
+    return [(w.sequence_id, w.token_count, w.sample_last) for w in plan.work
+            if w.phase is not IterationPhase.DECODE]
+
+
+@pytest.mark.parametrize("target_step_us", [0, 250_000])
+def test_a_sampled_prompt_end_goes_in_a_chunk_of_its_own(target_step_us):
+    # Stage 0 of a split pipeline: the chunk that samples is the last 8 tokens, planned
+    # the step after the rest; a prompt too short to cut samples whole.
+    scheduler = make_scheduler(sample_tail_tokens=8, target_step_us=target_step_us,
+                               mixed_prefill_decode=True)
+    scheduler.submit(make_sequence("long", 61))
+    scheduler.submit(make_sequence("short", 15))
+    plan, _ = run_step(scheduler)
+    assert _chunks(plan) == [("long", 53, False), ("short", 15, True)]
+    plan, _ = run_step(scheduler)
+    assert _chunks(plan) == [("long", 8, True)]
+    assert [w.phase for w in plan.work].count(IterationPhase.DECODE) == (
+        1 if target_step_us else 0)
+
+
+def test_the_held_back_tail_is_not_handed_to_another_prompt():
+    scheduler = make_scheduler(sample_tail_tokens=8, max_tokens_per_iteration=64,
+                               prefill_chunk_tokens=64)
+    for name in ("a", "b"):
+        scheduler.submit(make_sequence(name, 64))
+    plan, _ = run_step(scheduler)
+    # 56 of "a"; its last 8 are spent in this plan, not given to a chunk of "b".
+    assert _chunks(plan) == [("a", 56, False)]
+
+
+def test_without_a_tail_the_prompt_samples_in_its_last_chunk():
+    scheduler = make_scheduler()
+    scheduler.submit(make_sequence("p", 61))
+    plan, _ = run_step(scheduler)
+    assert _chunks(plan) == [("p", 61, True)]
