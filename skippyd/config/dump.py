@@ -74,7 +74,8 @@ _KEY_NOTES: dict[str, str] = {
     "stage.layer_end": "default: the model's last layer",
     "runtime.threads": "default: the CPUs available to the process",
     "runtime.threads_batch": "default: threads",
-    "runtime.pipeline_decode_groups": "default: one per stage of a split pipeline, plus one",
+    "runtime.pipeline_decode_groups": "default: sized by stage 0's timed decode steps, at "
+                                      "most one per stage of a split pipeline, plus one",
     "http.max_prompt_tokens": "default: what one request may hold",
     "runtime.ctx_size": "default: the model's trained context, within half the free memory",
     "http.default_max_tokens": "default: until the end of generation or a full context",

@@ -279,9 +279,10 @@ class RuntimeSection:
     room for prompt chunks too small to run at full speed. 0: ``target_step_ms`` alone."""
     pipeline_decode_groups: int | None = _setting(None, lo=1, hi=MAX_LANES)
     """Groups a split pipeline cuts each iteration's decode rows into, so every stage
-    works on one while the next computes another; ``None``: one per stage plus one (the
-    one travelling). Prompt tokens go in batches of about 64 whatever it says. Also set
-    by ``SKIPPYD_PIPELINE_DECODE_GROUPS``."""
+    works on one while the next computes another, in equal groups; ``None``: stage 0
+    times a decode step of 1 to 8 rows when it starts and sizes the groups by those
+    costs, at most one per stage plus one (the one travelling). Prompt tokens go in
+    batches of about 64 whatever it says. Also set by ``SKIPPYD_PIPELINE_DECODE_GROUPS``."""
     queue_capacity: int = _setting(64, lo=1, hi=1 << 20)
     """Generations that may wait for a lane; beyond it requests are refused."""
     admission_timeout_s: float = _setting(60.0, lo=0.0, hi=86_400.0)

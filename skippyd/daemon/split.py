@@ -18,6 +18,7 @@ from skippyd.engine.runtime.contract import Runtime
 from skippyd.engine.runtime.llama import LlamaRuntime
 from skippyd.engine.runtime.pipeline import MAX_INFLIGHT_BATCHES, PipelineRuntime
 from skippyd.engine.runtime.pipeline_types import StageTimeline
+from skippyd.engine.runtime.step_probe import time_decode_steps
 from skippyd.engine.telemetry_events import TelemetryPayload
 from skippyd.engine.worker.handle import BatchHandle, WorkerHandle
 from skippyd.link.dialer import ChainIdentity, ChainLink
@@ -85,8 +86,9 @@ class SplitStage:
             self.link = ChainLink(ChainIdentity.from_config(
                 config, local.n_embd, local.lane_count, local.max_session_tokens,
                 local.max_batch_tokens, tls), publish)
-            self.pipeline = PipelineRuntime(
-                local, self.link, decode_groups=config.runtime.pipeline_decode_groups)
+            groups = config.runtime.pipeline_decode_groups
+            self.pipeline = PipelineRuntime(local, self.link, decode_groups=groups,
+                                            step_ms=None if groups else _step_costs(local))
             self.runtime: Runtime = self.pipeline
         else:
             self.runtime = local
@@ -161,7 +163,8 @@ class SplitStage:
                           inflight_batches=self.pipeline.inflight_batches,
                           max_inflight_batches=MAX_INFLIGHT_BATCHES,
                           reply_ms=_ms(counters.reply_last_s),
-                          reply_avg_ms=_ms(counters.reply_avg_s))
+                          reply_avg_ms=_ms(counters.reply_avg_s),
+                          decode_step_ms=list(self.pipeline.step_ms))
         return status
 
     def link_status(self) -> dict[str, Any]:
@@ -174,6 +177,16 @@ class SplitStage:
         if server is not None:
             return server.status()
         return status_body(self._facts, 0, dict.fromkeys(LISTENER_COUNTERS, 0), self.status())
+
+
+def _step_costs(local: LlamaRuntime) -> list[float]:
+    """Stage 0's decode step costs by rows, timed once before it serves, and logged."""
+    started = time.perf_counter()
+    costs = time_decode_steps(local)
+    logger.info("pipeline: a decode step of 1-%d rows takes %s ms on this stage (timed in "
+                "%.1f s); decode rows go in batches by these costs", len(costs),
+                " / ".join(f"{ms:.0f}" for ms in costs), time.perf_counter() - started)
+    return costs
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -34,6 +34,19 @@ class FakeLocalRuntime:
     timeline = StageTimeline()
     busy_s = 0.0
 
+    def __init__(self) -> None:
+        self.sessions: set[str] = set()
+
+    # Stage 0 times its decode steps on the runtime when it starts.
+    def ensure_session_active(self, session_id: str) -> None:
+        self.sessions.add(session_id)
+
+    def run_iteration(self, requests) -> None:
+        assert {request.session_id for request in requests} <= self.sessions
+
+    def drop_session(self, session_id: str) -> None:
+        self.sessions.remove(session_id)
+
 
 class FakeWorker:
     def stats(self) -> WorkerStats:
@@ -76,11 +89,13 @@ def test_stage_0_without_a_listener_reports_zero_listener_counters() -> None:
         "link": {"secret": SECRET},
         "downstream": {"stage_id": "tiny-1", "endpoint": "127.0.0.1:9"},
     })
-    split = make_split(config, FakeLocalRuntime())
+    local = FakeLocalRuntime()
+    split = make_split(config, local)
     try:
         view = split.link_status()  # not started: the chain is not dialled
     finally:
         split.close()
+    assert len(view["decode_step_ms"]) == local.lane_count and not local.sessions
     assert {key: view[key] for key in (*LISTENER_COUNTERS, "chains")} == dict.fromkeys(
         (*LISTENER_COUNTERS, "chains"), 0)
     assert view["chain"] == {"up": False, "reason": "connecting", "epoch": 0, "num_stages": 2,

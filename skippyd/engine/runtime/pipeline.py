@@ -30,6 +30,7 @@ from skippyd.engine.runtime.contract import (
     SessionAlignment,
 )
 from skippyd.engine.runtime.pipeline_types import (
+    PREFILL_PIECE_TOKENS,
     ChainBatchError,
     ChainEntry,
     ChainSample,
@@ -39,6 +40,7 @@ from skippyd.engine.runtime.pipeline_types import (
     InflightStep,
     Piece,
     PipelineCounters,
+    decode_group_sizes,
     split_call_groups,
     split_token_groups,
 )
@@ -62,15 +64,22 @@ class PipelineRuntime:
             ``on_error`` and ``on_down`` of this object.
         decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
             one per pipeline stage plus one, as the handshake reports the chain's length.
+        step_ms: What a decode step of 1, 2, … rows costs the local slice
+            (``step_probe.time_decode_steps``). With it, a call's decode rows, and
+            predictions that come back together, go in batches of the sizes that cycle
+            the chain fastest (``decode_group_sizes``), at most ``decode_groups`` of
+            them; without it, in equal batches.
     """
 
     def __init__(self, local: Runtime, downstream: Downstream, *,
                  decode_groups: int | None = None,
+                 step_ms: Sequence[float] | None = None,
                  reply_timeout_s: float = REPLY_TIMEOUT_S) -> None:
         self.local = local
         self.counters = PipelineCounters()
         self._link = downstream
         self._decode_groups = decode_groups
+        self.step_ms: tuple[float, ...] = tuple(step_ms or ())
         self._reply_timeout_s = reply_timeout_s
         self._cond = threading.Condition()
         self._steps: dict[str, InflightStep] = {}
@@ -243,15 +252,41 @@ class PipelineRuntime:
         needed, fresh = self._match(requests, starts)
         lookahead_batches = {step.batch_id for step in needed.values()}
         compute_s = 0.0
-        # Look-ahead steps of this call's sequences are shipped in groups of this size.
+        # Look-ahead steps of this call's sequences are shipped in groups of this size:
+        # the largest batch of the call's rows cut by their step costs when measured.
         group_rows = -(-len(requests) // self._num_groups())
+        if self.step_ms:
+            group_rows = max(decode_group_sizes(len(requests), most=self._num_groups(),
+                                                stages=self._stages(), step_ms=self.step_ms))
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
         # A request with drafts travels whole: its rows count as one decode row here.
         lengths = [1 if requests[i].draft else len(requests[i].token_ids) for i in fresh]
         # A call whose last piece ends a sampled prompt waits for that batch on every stage.
         taper = bool(fresh) and requests[fresh[-1]].sample_last and lengths[-1] > 1
-        for group in split_call_groups(lengths, groups, taper=taper):
+        # Prompt chunks at the end of the call that sample nothing are waited for by no
+        # one: they go last, in batches of about PREFILL_PIECE_TOKENS, and the call
+        # returns while the later stages compute them.
+        head = len(lengths)
+        while (head > 0 and lengths[head - 1] > 1
+               and not requests[fresh[head - 1]].sample_last):
+            head -= 1
+        if head == 0:
+            call_groups = split_call_groups(lengths, groups)
+        elif self.step_ms and max(lengths[:head]) == 1:
+            beside = [sum(1 for s in needed.values() if s.batch_id == batch)
+                      for batch in lookahead_batches]
+            call_groups = _runs(decode_group_sizes(head, most=groups, stages=self._stages(),
+                                                   step_ms=self.step_ms, beside=beside))
+        else:
+            call_groups = split_call_groups(lengths[:head], groups,
+                                            taper=taper and head == len(lengths))
+        if 0 < head < len(lengths):
+            rest = lengths[head:]
+            pieces = split_token_groups(rest, max(1, sum(rest) // PREFILL_PIECE_TOKENS))
+            call_groups += [[Piece(head + p.index, p.begin, p.end) for p in group]
+                            for group in pieces]
+        for group in call_groups:
             items = [_piece(requests[fresh[p.index]], starts[fresh[p.index]], p) for p in group]
             steps, seconds = self._ship(items, look_ahead=False)
             compute_s += seconds
@@ -299,6 +334,9 @@ class PipelineRuntime:
                 self._retract(request.session_id)
             fresh.append(index)
         return needed, fresh
+
+    def _stages(self) -> int:
+        return self._link.num_stages + 1
 
     def _num_groups(self) -> int:
         if self._decode_groups is not None:
@@ -390,13 +428,14 @@ class PipelineRuntime:
         """Wait for every step's prediction, starting look-ahead steps (in groups of
         ``group_rows``) meanwhile."""
         compute_s = 0.0
+        held: list[tuple[IterationRequest, int]] = []
         deadline = time.monotonic() + self._reply_timeout_s
         while True:
             with self._cond:
                 arrived = self._poll(steps, deadline)
                 if arrived is None:
                     return compute_s
-            compute_s += self._start_lookahead(arrived, group_rows)
+            compute_s += self._start_lookahead(arrived, group_rows, held)
             deadline = time.monotonic() + self._reply_timeout_s
 
     def _poll(self, steps: list[InflightStep], deadline: float) -> list[InflightStep] | None:
@@ -424,8 +463,14 @@ class PipelineRuntime:
             self._cond.wait(remaining)
             self.counters.timeline.wait_s += time.perf_counter() - started
 
-    def _start_lookahead(self, arrived: list[InflightStep], group_rows: int) -> float:
-        """Run and ship the next decode step of sessions whose prediction just arrived."""
+    def _start_lookahead(self, arrived: list[InflightStep], group_rows: int,
+                         held: list[tuple[IterationRequest, int]]) -> float:
+        """Run and ship the next decode step of sessions whose prediction just arrived.
+
+        With measured step costs, steps are held in ``held`` until ``group_rows`` of them
+        can go together; those still held when the call returns are left to the next
+        call, which cuts its fresh rows by their costs again.
+        """
         items = []
         for step in arrived:
             step.followed = True
@@ -441,7 +486,15 @@ class PipelineRuntime:
         # computed) are shipped again in groups of the call's size, each as soon as it
         # is computed: merged into one batch they would stay merged, and the chain would
         # settle into one large group and one small one, each stage idle while the
-        # other computes the large one.
+        # other computes the large one. With measured step costs the sizes are chosen
+        # beside the batches still in flight.
+        # Predictions that come back one batch at a time would otherwise each go out as
+        # a batch of their own, and the batches would stay that small: held until a
+        # batch of the call's size is ready, they go together.
+        if self.step_ms:
+            held.extend(items)
+            ready = len(held) - len(held) % group_rows
+            items, held[:] = held[:ready], held[ready:]
         parts = -(-len(items) // group_rows)
         for group in split_token_groups([1] * len(items), parts):
             part = [items[piece.index] for piece in group]
@@ -528,6 +581,15 @@ class PipelineRuntime:
                         step.error = ChainUnavailableError(
                             f"the downstream pipeline was lost: {reason}")
             self._cond.notify_all()
+
+
+def _runs(sizes: Sequence[int]) -> list[list[Piece]]:
+    """Consecutive one-row requests in groups of ``sizes`` rows."""
+    groups, first = [], 0
+    for size in sizes:
+        groups.append([Piece(first + k, 0, 1) for k in range(size)])
+        first += size
+    return groups
 
 
 def _piece(request: IterationRequest, start: int,

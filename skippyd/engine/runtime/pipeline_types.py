@@ -312,3 +312,62 @@ def _share(rest: int, room: int, last_group: bool, group_used: bool) -> int:
     if 2 * room >= rest or not group_used:
         return rest  # most of it fits (or the group is empty): take it whole
     return 0
+
+
+#: Partitions of a call's decode rows whose cycle is within this share of the shortest
+#: count as equal, and the one with most groups wins: a further group keeps a stage busy
+#: while another batch travels, which the cycle below does not count.
+GROUP_TIE = 0.03
+
+
+def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[float],
+                       beside: Sequence[int] = ()) -> list[int]:
+    """How many of ``rows`` decode rows go in each batch, smallest batch first.
+
+    On a CPU a decode step's cost is not proportional to its rows: llama.cpp's
+    quantised matrix kernels multiply four activation rows at a time and a shorter
+    remainder row by row, so on the 1b shape one step of 4 rows costs about what 3 rows
+    do. ``step_ms[k - 1]`` is what one step of ``k`` rows costs this stage (measured
+    when it starts, :func:`time_decode_steps`); beyond the table a row costs what the
+    largest step's rows do.
+
+    A chain cycles through its batches: each stage must run all of them, and a batch's
+    next step can start only once it has passed every stage, so a cycle takes at least
+    ``max(sum of steps, stages * largest step)``, every stage's step taken to cost what
+    this stage's does. ``beside`` are the rows of batches already in flight, which share
+    the cycle. Of the partitions into at most ``most`` batches (equal ones, and runs of
+    one size with a remainder), the one with the shortest cycle wins, more batches on a
+    near tie (:data:`GROUP_TIE`).
+    """
+    if rows <= 0:
+        return []
+    table = [max(float(ms), 1e-6) for ms in step_ms] or [1.0]
+    others = [n for n in beside if n > 0]
+
+    def cost(n: int) -> float:
+        return table[n - 1] if n <= len(table) else table[-1] * n / len(table)
+
+    def cycle(sizes: list[int]) -> float:
+        costs = [cost(n) for n in (*sizes, *others)]
+        return max(sum(costs), max(1, stages) * max(costs))
+
+    most = max(1, min(most, rows))
+    candidates: set[tuple[int, ...]] = {tuple(sorted(_equal(rows, m)))
+                                         for m in range(1, most + 1)}
+    for size in range(1, rows + 1):
+        runs = [size] * (rows // size) + ([rows % size] if rows % size else [])
+        if len(runs) <= most:
+            candidates.add(tuple(sorted(runs)))
+    scored = sorted((cycle(list(sizes)), sizes) for sizes in candidates)
+    best = scored[0][0]
+    chosen = scored[0][1]
+    for score, sizes in scored:
+        if score <= best * (1 + GROUP_TIE) and len(sizes) > len(chosen):
+            chosen = sizes
+    return list(chosen)
+
+
+def _equal(rows: int, groups: int) -> list[int]:
+    """``rows`` in ``groups`` parts that differ by at most one."""
+    base, extra = divmod(rows, groups)
+    return [base + 1] * extra + [base] * (groups - extra)

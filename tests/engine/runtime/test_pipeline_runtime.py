@@ -69,13 +69,13 @@ class ScriptedChain:
 
 
 @contextmanager
-def scripted_chain(model_path, decode_groups: int):
+def scripted_chain(model_path, decode_groups: int | None, step_ms=None):
     local = LlamaRuntime(RuntimeOptions(str(model_path), lane_count=4, ctx_size=256,
                                         n_batch=128, n_ubatch=32, threads=1,
                                         final_stage=False))
     scripted = ScriptedChain()
     scripted.runtime = PipelineRuntime(local, scripted, decode_groups=decode_groups,
-                                       reply_timeout_s=5)
+                                       step_ms=step_ms, reply_timeout_s=5)
     try:
         with ThreadPoolExecutor(1) as worker:  # the one thread that calls the runtime
             scripted.worker = worker
@@ -145,6 +145,32 @@ def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
         assert [s.token for s in output.samples] == [40, 41, 42, 43]
 
 
+def _one_token_prompts(names: str) -> list[IterationRequest]:
+    return [IterationRequest(name, [5 + i], positions=[0], sampling=GREEDY, sample_last=True)
+            for i, name in enumerate(names)]
+
+
+def test_timed_step_costs_size_the_decode_batches(tiny_model_path):
+    # Equal groups (the configured way) cut 4 rows in 3; with step costs where a row
+    # costs about as much as the step's fixed part, two batches of 2 cycle fastest.
+    with scripted_chain(tiny_model_path, decode_groups=3) as chain:
+        _run(chain, _one_token_prompts("abcd"))
+        assert [len(entries) for _, entries in chain.wait_batches(3)] == [1, 2, 1]
+        chain.lose()
+    with scripted_chain(tiny_model_path, decode_groups=None,
+                        step_ms=(20.0, 36.0, 52.0, 54.0)) as chain:
+        assert chain.runtime.step_ms == (20.0, 36.0, 52.0, 54.0)
+        call = _run(chain, _one_token_prompts("abcd"))
+        assert [len(entries) for _, entries in chain.wait_batches(2)] == [2, 2]
+        chain.answer(0, {0: 40, 1: 41})
+        # Predictions that come back while the other batch is in flight go out again as
+        # one batch of 2: a cycle of [2, 2], not [1, 1, 2].
+        lookahead = chain.wait_batches(3)[2][1]
+        assert [(e.session_id, e.token_ids) for e in lookahead] == [(1, [40]), (2, [41])]
+        chain.answer(1, {0: 42, 1: 43})
+        assert [s.token for s in call.result(TIMEOUT_S).samples] == [40, 41, 42, 43]
+
+
 def test_a_lookahead_the_scheduler_does_not_want_is_retracted(chain):
     call = _run(chain, [IterationRequest("a", [5, 6], positions=[0, 1], sampling=GREEDY,
                                          sample_last=True),
@@ -196,13 +222,18 @@ def test_a_sampled_prompt_ends_in_a_small_batch(chain):
 
 def test_a_call_that_ends_in_a_chunk_sampling_nothing_is_not_tapered(chain):
     # The taper shortens the wait for a sampled end; here the sampled prompt comes first
-    # and the call ends in another prompt's chunk, so its batches stay as cut.
-    _run(chain, [IterationRequest("p", list(range(3, 43)), positions=range(40),
-                                  sampling=GREEDY, sample_last=True),
-                 IterationRequest("q", list(range(3, 43)), positions=range(40))])
-    batches = chain.wait_batches(2)
-    sizes = [sum(len(e.token_ids) for e in entries) for _, entries in batches]
-    assert sizes == [40, 40], sizes
+    # and the call ends in another prompt's chunk, which nothing waits for: the sampled
+    # prompt goes in the call's groups, the other chunk whole after them (it is shorter
+    # than PREFILL_PIECE_TOKENS), and the call returns once the sample is back.
+    call = _run(chain, [IterationRequest("p", list(range(3, 43)), positions=range(40),
+                                         sampling=GREEDY, sample_last=True),
+                        IterationRequest("q", list(range(3, 43)), positions=range(40))])
+    batches = chain.wait_batches(3)
+    assert [[(e.session_id, len(e.token_ids), e.sample_last) for e in entries]
+            for _, entries in batches] == [[(1, 20, False)], [(1, 20, True)],
+                                           [(2, 40, False)]]
+    chain.answer(1, {0: 40})
+    assert [s.token for s in call.result(TIMEOUT_S).samples] == [40]
 
 
 def test_a_lost_chain_fails_waiting_and_later_calls(chain):
