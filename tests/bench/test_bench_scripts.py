@@ -65,3 +65,24 @@ def test_kv_layout_compares_both_layouts_with_their_kv_bytes(tiny_model_path: Pa
     # 4 layers x 2 KV heads x 16 wide, K and V, 2 bytes each.
     assert {row["kv_bytes_per_token"] for row in report["variants"]} == {4 * 2 * 16 * 2 * 2}
     assert report["variants"][0]["ratio_to_unified"] == 1.0
+
+
+def test_wave_ttft_lists_every_request_of_the_run(tiny_model_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "wave_ttft.py"), "--model", str(tiny_model_path),
+         "--threads", "1", "--streams", "2", "--requests", "4", "--prompt-words", "8",
+         "--output-tokens", "3", "--ctx", "512"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("skippyd: sent") and "median time to first token" in lines[-1]
+    rows = [line.split() for line in lines[1:-1]]
+    assert len(rows) == 4 and all(len(row) == 3 for row in rows), result.stdout
+    sent, ttft, first = (float(cell) for cell in rows[-1])
+    assert ttft > 0 and abs(sent + ttft - first) < 2e-3
+
+
+def test_wave_ttft_rejects_a_run_without_streams() -> None:
+    result = subprocess.run([sys.executable, str(BENCH_DIR / "wave_ttft.py"), "--streams",
+                             "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--streams" in result.stderr
