@@ -486,11 +486,10 @@ class PipelineRuntime:
         # computed) are shipped again in groups of the call's size, each as soon as it
         # is computed: merged into one batch they would stay merged, and the chain would
         # settle into one large group and one small one, each stage idle while the
-        # other computes the large one. With measured step costs the sizes are chosen
-        # beside the batches still in flight.
-        # Predictions that come back one batch at a time would otherwise each go out as
-        # a batch of their own, and the batches would stay that small: held until a
-        # batch of the call's size is ready, they go together.
+        # other computes the large one. With measured step costs, predictions that come
+        # back one small batch at a time would each go out as a batch of their own, and
+        # the batches would stay that small: they are held until a batch of the call's
+        # size is ready, and go together.
         if self.step_ms:
             held.extend(items)
             ready = len(held) - len(held) % group_rows

@@ -171,6 +171,22 @@ def test_timed_step_costs_size_the_decode_batches(tiny_model_path):
         assert [s.token for s in call.result(TIMEOUT_S).samples] == [40, 41, 42, 43]
 
 
+def test_a_prediction_that_comes_back_alone_waits_for_a_batch_of_the_calls_size(
+        tiny_model_path):
+    # Two rows in one step cost hardly more than one: three rows go as [1, 2], and
+    # look-ahead steps go out two at a time.
+    with scripted_chain(tiny_model_path, decode_groups=None,
+                        step_ms=(30.0, 32.0, 60.0)) as chain:
+        call = _run(chain, _one_token_prompts("abc"))
+        assert [len(entries) for _, entries in chain.wait_batches(2)] == [1, 2]
+        chain.answer(0, {0: 40})  # "a" alone: held, not shipped as a batch of one
+        chain.answer(1, {0: 41, 1: 42})  # the rest: the call returns
+        assert [s.token for s in call.result(TIMEOUT_S).samples] == [40, 41, 42]
+        assert len(chain.batches) == 2 and chain.runtime.counters.lookahead_steps == 0
+        # The held step is the next call's own, computed then.
+        assert chain.runtime.session_token_count("a") == 1
+
+
 def test_a_lookahead_the_scheduler_does_not_want_is_retracted(chain):
     call = _run(chain, [IterationRequest("a", [5, 6], positions=[0, 1], sampling=GREEDY,
                                          sample_last=True),
