@@ -8,6 +8,7 @@ not wait, look-ahead steps (used, or retracted from the local KV), and a lost ch
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -178,8 +179,14 @@ def test_a_prediction_that_comes_back_alone_waits_for_a_batch_of_the_calls_size(
     with scripted_chain(tiny_model_path, decode_groups=None,
                         step_ms=(30.0, 32.0, 60.0)) as chain:
         call = _run(chain, _one_token_prompts("abc"))
-        assert [len(entries) for _, entries in chain.wait_batches(2)] == [1, 2]
+        batches = chain.wait_batches(2)
+        assert [len(entries) for _, entries in batches] == [1, 2]
+        step_a = chain.runtime._batches[batches[0][0]].steps[0]
         chain.answer(0, {0: 40})  # "a" alone: held, not shipped as a batch of one
+        deadline = time.monotonic() + TIMEOUT_S
+        while not step_a.followed:  # the worker has taken the prediction in
+            assert time.monotonic() < deadline, "the prediction was never taken in"
+            time.sleep(0.001)
         chain.answer(1, {0: 41, 1: 42})  # the rest: the call returns
         assert [s.token for s in call.result(TIMEOUT_S).samples] == [40, 41, 42]
         assert len(chain.batches) == 2 and chain.runtime.counters.lookahead_steps == 0
