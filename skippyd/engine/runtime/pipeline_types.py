@@ -354,10 +354,9 @@ def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[f
     most = max(1, min(most, rows))
     candidates: set[tuple[int, ...]] = {tuple(sorted(_equal(rows, m)))
                                          for m in range(1, most + 1)}
-    for size in range(1, rows + 1):
+    for size in range(-(-rows // most), rows + 1):  # sizes that make at most `most` runs
         runs = [size] * (rows // size) + ([rows % size] if rows % size else [])
-        if len(runs) <= most:
-            candidates.add(tuple(sorted(runs)))
+        candidates.add(tuple(sorted(runs)))
     scored = sorted((cycle(list(sizes)), sizes) for sizes in candidates)
     best = scored[0][0]
     chosen = scored[0][1]
