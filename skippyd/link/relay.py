@@ -327,7 +327,7 @@ class ChainConnection:
                 # Trim a session that is ahead (a retracted look-ahead step); never
                 # extend one (session alignment).
                 target_token_count=entry.first_position, group=group,
-                deadline=deadline, cancelled=self._closing,
+                deadline=deadline, cancelled=self._closing, lane=entry.lane,
             )
             self._submit(iteration)
             iterations.append(iteration)

@@ -25,7 +25,7 @@ from skippyd.engine.worker.settings import MAX_NATIVE_ITERATION_TOKENS
 logger = logging.getLogger(__name__)
 
 #: Bumped on any incompatible change of a frame layout or of the handshake.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"SKPL"
 #: body_bytes u32, kind u16, flags u16, session_id u64, request_id u64,
 #: first_position i32, token_count u32, row_width u32.
@@ -53,6 +53,7 @@ _RESULT_FLAGS = _RESULT_EOG | _RESULT_FOLLOWS | 0xFF << _RESULT_DRAFTED_SHIFT
 #: Most drafts one entry may carry (the ``speculative.max_draft`` bound).
 MAX_DRAFTS = 64
 _DRAFT_COUNT = struct.Struct("<I")
+_LANE = struct.Struct("<I")
 
 
 class FrameKind(enum.IntEnum):
@@ -81,6 +82,7 @@ class FrameFlag(enum.IntFlag):
     DECODE = 1 << 4
     ROWS_F16 = 1 << 5
     DRAFTS = 1 << 6
+    LANE = 1 << 7
 
 
 #: Kinds whose body has a small fixed bound, refused above it before any body is read.
@@ -91,7 +93,7 @@ _MAX_BODY_BYTES = {
 }
 _ALL_FLAGS = int(FrameFlag.POSITIONS | FrameFlag.SAMPLING | FrameFlag.SAMPLE_LAST
                  | FrameFlag.END_OF_BATCH | FrameFlag.DECODE | FrameFlag.ROWS_F16
-                 | FrameFlag.DRAFTS)
+                 | FrameFlag.DRAFTS | FrameFlag.LANE)
 #: Largest magnitude float16 holds; a frame with a larger value travels as float32.
 F16_MAX = float(np.finfo(np.float16).max)
 _KINDS = {int(kind): kind for kind in FrameKind}
@@ -208,6 +210,9 @@ def encode_iteration(request_id: int, entry: ChainEntry, *, end_of_batch: bool,
     if entry.draft_count:
         flags |= FrameFlag.DRAFTS
         parts.append(_DRAFT_COUNT.pack(entry.draft_count))
+    if entry.lane is not None:
+        flags |= FrameFlag.LANE
+        parts.append(_LANE.pack(entry.lane))
     flags |= (FrameFlag.SAMPLE_LAST if entry.sample_last else 0) | (
         FrameFlag.DECODE if entry.decode else 0)
     return encode_frame(FrameKind.ITERATION, b"".join(parts), flags=int(flags),
@@ -297,10 +302,10 @@ def _check_iteration_header(body_bytes: int, flags: int, first: int, count: int,
         raise LinkProtocolError("ITERATION frame: ROWS_F16 flag without rows")
     if flags & FrameFlag.DRAFTS and not flags & FrameFlag.SAMPLE_LAST:
         raise LinkProtocolError("ITERATION frame: DRAFTS flag without SAMPLE_LAST")
-    # Tokens, positions and rows, one sampling block and a draft count: nothing may
-    # claim more.
+    # Tokens, positions and rows, one sampling block, a draft count and a lane: nothing
+    # may claim more.
     most = (4 * count * (2 + width) + _SAMPLING.size + MAX_LOGIT_BIAS * _BIAS.size
-            + _DRAFT_COUNT.size)
+            + _DRAFT_COUNT.size + _LANE.size)
     if body_bytes > most:
         raise LinkProtocolError(f"ITERATION frame: body_bytes {body_bytes} exceeds the "
                                 f"{most} bytes {count} tokens of width {width} can need")
@@ -345,7 +350,9 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
     row_value_bytes = 2 if flags & FrameFlag.ROWS_F16 else 4
     rows_bytes = row_value_bytes * count * width
     drafts_bytes = _DRAFT_COUNT.size if flags & FrameFlag.DRAFTS else 0
-    sampling_bytes = len(body) - offset - positions_bytes - rows_bytes - drafts_bytes
+    lane_bytes = _LANE.size if flags & FrameFlag.LANE else 0
+    sampling_bytes = (len(body) - offset - positions_bytes - rows_bytes - drafts_bytes
+                      - lane_bytes)
     has_sampling = bool(flags & FrameFlag.SAMPLING)
     if sampling_bytes < 0 or (not has_sampling and sampling_bytes):
         raise LinkProtocolError(f"ITERATION frame body is {len(body)} bytes, which does not "
@@ -382,11 +389,18 @@ def _decode_iteration(header: FrameHeader, body: bytes | bytearray,
         if not 1 <= draft_count <= min(MAX_DRAFTS, count - 1):
             raise LinkProtocolError(f"ITERATION frame: {draft_count} drafts in {count} "
                                     f"tokens (1..{min(MAX_DRAFTS, count - 1)})")
+        offset += drafts_bytes
+    lane = None
+    if lane_bytes:
+        (lane,) = _LANE.unpack_from(body, offset)
+        if lane >= LLAMA_MAX_SEQ:
+            raise LinkProtocolError(f"ITERATION frame: lane {lane} beyond llama.cpp's "
+                                    f"{LLAMA_MAX_SEQ} sequences")
     return ChainEntry(
         session_id=header.session_id, first_position=header.first_position,
         token_ids=tokens.tolist(), rows=rows, sampling=sampling,
         sample_last=bool(flags & FrameFlag.SAMPLE_LAST), decode=bool(flags & FrameFlag.DECODE),
-        has_positions=bool(positions_bytes), draft_count=draft_count,
+        has_positions=bool(positions_bytes), draft_count=draft_count, lane=lane,
     )
 
 

@@ -437,3 +437,21 @@ def test_a_follower_record_without_its_sample_is_refused():
     data = encode_frame(FrameKind.RESULT, record, request_id=3, token_count=1)
     with pytest.raises(LinkProtocolError, match="bad record 0"):
         decode_stream(data, LIMITS)
+
+
+@pytest.mark.parametrize(("drafts", "half_rows"), [(0, False), (3, True)])
+def test_a_lane_round_trips_after_everything_else(drafts, half_rows):
+    entry = dataclasses.replace(_entry(5), draft_count=drafts, lane=7)
+    [frame] = decode_stream(encode_iteration(3, entry, end_of_batch=True, half_rows=half_rows),
+                            LIMITS)
+    assert frame.header.flags & FrameFlag.LANE and frame.payload.lane == 7
+    assert frame.payload.draft_count == drafts and frame.payload.sampling == SAMPLING
+    assert frame.payload.token_ids == [1, 2, 3, 4, 5]
+    [plain] = decode_stream(encode_iteration(3, _entry(5), end_of_batch=True), LIMITS)
+    assert not plain.header.flags & FrameFlag.LANE and plain.payload.lane is None
+
+
+def test_a_lane_beyond_llama_cpp_s_sequences_is_refused():
+    data = encode_iteration(3, dataclasses.replace(_entry(2), lane=256), end_of_batch=True)
+    with pytest.raises(LinkProtocolError, match="lane 256"):
+        decode_stream(data, LIMITS)

@@ -190,6 +190,10 @@ class IterationRequest:
     sampling picks at the row before it; the first that is not, and every row after it,
     leaves the session's KV. Needs ``sample_last``. With row input (a split pipeline's
     final stage) ``input_rows`` holds the draft rows too, after the input's."""
+    lane: int | None = None
+    """The lane to bind a new session to if that lane is idle (a later stage of a split
+    keeps a session where stage 0 does: llama.cpp evaluates rows of consecutive lanes
+    together); ignored for a session already bound, and when the lane is taken."""
 
     @property
     def num_tokens(self) -> int:

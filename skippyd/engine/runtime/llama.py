@@ -465,7 +465,19 @@ class LlamaRuntime:
                 f"iteration requires {len(new_ids)} new sessions but only {free}"
                 " execution lanes are available"
             )
+        # A new session takes the lane it asks for if that one is idle; the others
+        # take the lowest idle lanes after those asked-for lanes are taken.
+        idle = {lane.seq_id for lane in self._lanes.idle()}
+        hints = {r.session_id: r.lane for r in requests if r.lane is not None}
+        later = []
         for session_id in new_ids:
+            hint = hints.get(session_id)
+            if hint in idle:
+                idle.discard(hint)
+                self.ensure_session_active(session_id, hint)
+            else:
+                later.append(session_id)
+        for session_id in later:
             self.ensure_session_active(session_id)
         sessions = [self._lanes.sessions[r.session_id] for r in requests]
         for session, start in zip(sessions, starts, strict=True):

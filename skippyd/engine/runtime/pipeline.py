@@ -271,6 +271,10 @@ class PipelineRuntime:
         while (head > 0 and lengths[head - 1] > 1
                and not requests[fresh[head - 1]].sample_last):
             head -= 1
+        if head and max(lengths[:head]) == 1:
+            # llama.cpp evaluates rows of consecutive lanes together and splits a batch
+            # at every gap between lanes: decode rows are cut into groups in lane order.
+            fresh[:head] = sorted(fresh[:head], key=lambda i: self._lane_rank(requests[i]))
         if head == 0:
             call_groups = split_call_groups(lengths, groups)
         elif self.step_ms and max(lengths[:head]) == 1:
@@ -294,6 +298,10 @@ class PipelineRuntime:
                            if s is not None})
         compute_s += self._await(list(needed.values()), group_rows)
         return self._output(requests, needed, compute_s)
+
+    def _lane_rank(self, request: IterationRequest) -> int:
+        lane = self.local.lane_of(request.session_id)
+        return self.local.lane_count if lane is None else lane
 
     def _check_chain(self, requests: Sequence[IterationRequest]) -> None:
         if not self._link.is_up:
@@ -354,7 +362,8 @@ class PipelineRuntime:
         """
         local = [IterationRequest(r.session_id, (*r.token_ids, *r.draft),
                                   positions=range(start, start + r.num_rows),
-                                  sampling=r.sampling, phase=r.phase) for r, start in items]
+                                  sampling=r.sampling, phase=r.phase, lane=r.lane)
+                 for r, start in items]
         started = time.perf_counter()
         output = self.local.run_iteration(local)
         timeline = self.counters.timeline
@@ -368,7 +377,7 @@ class PipelineRuntime:
                 token_ids=[*request.token_ids, *request.draft], rows=rows,
                 sampling=request.sampling if request.sample_last else None,
                 sample_last=request.sample_last, decode=request.phase is RowPhase.DECODE,
-                draft_count=len(request.draft),
+                draft_count=len(request.draft), lane=self.local.lane_of(request.session_id),
             ))
             steps.append(InflightStep(request.session_id, start, tuple(request.token_ids),
                                       request.sampling, look_ahead,
@@ -601,4 +610,4 @@ def _piece(request: IterationRequest, start: int,
     return IterationRequest(request.session_id, request.token_ids[piece.begin:piece.end],
                             sampling=request.sampling,
                             sample_last=request.sample_last and last,
-                            phase=request.phase), start + piece.begin
+                            phase=request.phase, lane=request.lane), start + piece.begin

@@ -62,6 +62,10 @@ class ChainEntry:
     draft_count: int = 0
     """The last this many tokens (and rows) are drafts the final stage verifies
     (speculative decoding); needs ``sample_last``."""
+    lane: int | None = None
+    """The sending stage's lane of the session: a later stage binds a new session to the
+    same lane when it is idle there, so rows that share a batch on stage 0 lie in
+    consecutive lanes on every stage (llama.cpp evaluates those together)."""
 
     @property
     def num_tokens(self) -> int:

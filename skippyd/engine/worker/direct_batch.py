@@ -159,6 +159,8 @@ class DirectIteration:
     """``time.monotonic()`` after which it must not run, and its caller stops waiting."""
     cancelled: threading.Event | None = None
     """Set by the caller when nobody wants the result any more (the link closed)."""
+    lane: int | None = None
+    """The lane a new session would rather have (see :attr:`IterationRequest.lane`)."""
     enqueued_at: float = field(default_factory=time.monotonic)
     reply: Future[IterationOutcome] = field(default_factory=Future)
 
@@ -207,6 +209,7 @@ class DirectIteration:
             sample_last=self.sample_last,
             phase=self.phase,
             draft=self.draft,
+            lane=self.lane,
         )
 
 

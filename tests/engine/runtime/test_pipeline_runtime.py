@@ -125,6 +125,24 @@ def test_groups_lookahead_and_reuse(chain):
     assert len(chain.batches) == 3 and chain.runtime.counters.lookahead_hits == 1
 
 
+def test_decode_rows_are_grouped_in_lane_order_and_carry_their_lanes(chain):
+    # llama.cpp splits a batch at every gap between lanes: groups of lanes 0-1 and 2-3
+    # run as one evaluation each on every stage, whatever order the scheduler gave.
+    for name, lane in zip("abcd", (2, 0, 3, 1), strict=True):
+        chain.runtime.ensure_session_active(name, lane)
+    call = _run(chain, [IterationRequest(name, [5 + i], positions=[0], sampling=GREEDY,
+                                         sample_last=True, phase=RowPhase.DECODE)
+                        for i, name in enumerate("abcd")])
+    batches = chain.wait_batches(2)
+    assert [[e.lane for e in entries] for _, entries in batches] == [[0, 1], [2, 3]]
+    chain.answer(0, {0: 40, 1: 41})
+    chain.answer(1, {0: 42, 1: 43})
+    output = call.result(TIMEOUT_S)
+    # Samples keep the caller's order: "a" (lane 2) got the first entry of batch 1.
+    assert [(s.request_index, s.token) for s in output.samples] == [
+        (0, 42), (1, 40), (2, 43), (3, 41)]
+
+
 def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
         tiny_model_path):
     with scripted_chain(tiny_model_path, decode_groups=4) as chain:

@@ -53,6 +53,18 @@ def test_new_sessions_take_the_lowest_idle_lane_holding_nothing(runtime):
         runtime.ensure_session_active("f")
 
 
+def test_a_new_session_in_a_call_takes_the_lane_it_asks_for_when_idle(runtime):
+    runtime.ensure_session_active("held")  # lane 0
+    runtime.run_iteration([
+        IterationRequest("free", tokens(4, 3), lane=2),
+        IterationRequest("plain", tokens(5, 3)),  # takes what the asked-for lanes leave
+        IterationRequest("taken", tokens(6, 3), lane=0),  # lane 0 is bound: any lane
+    ])
+    assert [runtime.lane_of(s) for s in ("held", "free", "plain", "taken")] == [0, 2, 1, 3]
+    runtime.run_iteration([IterationRequest("free", tokens(7, 1), lane=3)])
+    assert runtime.lane_of("free") == 2  # a bound session stays where it is
+
+
 def test_a_lane_keeps_its_kv_and_a_new_session_continues_it_in_place(runtime, expected):
     prefill(runtime, "source", PREFIX + tokens(3, 40))  # the source went on past the prefix
     lane = runtime.lane_of("source")
