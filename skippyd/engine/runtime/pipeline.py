@@ -280,14 +280,8 @@ class PipelineRuntime:
         elif self.step_ms and max(lengths[:head]) == 1:
             beside = [sum(1 for s in needed.values() if s.batch_id == batch)
                       for batch in lookahead_batches]
-            # Lanes matter with a KV stream per lane; a session bound to no lane yet
-            # takes one only when it runs.
-            lanes = [self.local.lane_of(requests[i].session_id) for i in fresh[:head]]
-            known = (None if self.local.shares_kv_pool or None in lanes
-                     else [lane for lane in lanes if lane is not None])
             call_groups = _runs(decode_group_sizes(head, most=groups, stages=self._stages(),
-                                                   step_ms=self.step_ms, beside=beside,
-                                                   lanes=known))
+                                                   step_ms=self.step_ms, beside=beside))
         else:
             call_groups = split_call_groups(lengths[:head], groups,
                                             taper=taper and head == len(lengths))

@@ -9,9 +9,7 @@ bookkeeping. They live in the engine so the engine never imports the server laye
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -324,14 +322,11 @@ def _share(rest: int, room: int, last_group: bool, group_used: bool) -> int:
 #: count as equal, and the one with most groups wins: a further group keeps a stage busy
 #: while another batch travels, which the cycle below does not count.
 GROUP_TIE = 0.03
-#: Most ways of cutting a call's decode rows at gaps between lanes that are tried.
-MAX_GAP_CUTS = 512
 
 
 def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[float],
-                       beside: Sequence[int] = (),
-                       lanes: Sequence[int] | None = None) -> list[int]:
-    """How many of ``rows`` decode rows go in each batch, in the rows' order.
+                       beside: Sequence[int] = ()) -> list[int]:
+    """How many of ``rows`` decode rows go in each batch, smallest batch first.
 
     On a CPU a decode step's cost is not proportional to its rows: llama.cpp's
     quantised matrix kernels multiply four activation rows at a time and a shorter
@@ -340,55 +335,33 @@ def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[f
     when it starts, :func:`time_decode_steps`); beyond the table a row costs what the
     largest step's rows do.
 
-    ``lanes`` are the rows' lanes, in order, when every lane has a KV stream of its own:
-    llama.cpp then evaluates each run of consecutive lanes in a batch apart, so a batch
-    costs the steps of its runs, and cutting the rows where their lanes leave a gap
-    costs nothing. None: a batch is one evaluation whatever its lanes (one shared pool).
-
     A chain cycles through its batches: each stage must run all of them, and a batch's
     next step can start only once it has passed every stage, so a cycle takes at least
     ``max(sum of steps, stages * largest step)``, every stage's step taken to cost what
     this stage's does. ``beside`` are the rows of batches already in flight, which share
-    the cycle. Of the partitions into at most ``most`` batches (equal ones, runs of one
-    size with a remainder, and cuts at gaps between lanes), the one with the shortest
-    cycle wins, more batches on a near tie (:data:`GROUP_TIE`).
+    the cycle. Of the partitions into at most ``most`` batches (equal ones, and runs of
+    one size with a remainder), the one with the shortest cycle wins, more batches on a
+    near tie (:data:`GROUP_TIE`).
     """
     if rows <= 0:
         return []
     table = [max(float(ms), 1e-6) for ms in step_ms] or [1.0]
     others = [n for n in beside if n > 0]
-    most = max(1, min(most, rows))
-    # Where a new evaluation starts: every row whose lane does not follow the last one's.
-    breaks = ([i for i in range(1, rows) if lanes[i] != lanes[i - 1] + 1]
-              if lanes is not None and len(lanes) == rows else [])
 
     def cost(n: int) -> float:
         return table[n - 1] if n <= len(table) else table[-1] * n / len(table)
 
-    def batch_cost(first: int, end: int) -> float:
-        cuts = [first, *(b for b in breaks if first < b < end), end]
-        return sum(cost(b - a) for a, b in itertools.pairwise(cuts))
-
-    def cycle(sizes: tuple[int, ...]) -> float:
-        bounds = list(itertools.accumulate(sizes, initial=0))
-        costs = [batch_cost(a, b) for a, b in itertools.pairwise(bounds)]
-        costs += [cost(n) for n in others]
+    def cycle(sizes: list[int]) -> float:
+        costs = [cost(n) for n in (*sizes, *others)]
         return max(sum(costs), max(1, stages) * max(costs))
 
+    most = max(1, min(most, rows))
     candidates: set[tuple[int, ...]] = {tuple(sorted(_equal(rows, m)))
                                          for m in range(1, most + 1)}
     for size in range(-(-rows // most), rows + 1):  # sizes that make at most `most` runs
         runs = [size] * (rows // size) + ([rows % size] if rows % size else [])
         candidates.add(tuple(sorted(runs)))
-    if breaks:  # where a batch starts matters: the larger batches first too
-        candidates |= {sizes[::-1] for sizes in candidates}
-    for count in range(1, most):
-        if math.comb(len(breaks), count) > MAX_GAP_CUTS:
-            break
-        for cuts in itertools.combinations(breaks, count):
-            bounds = (0, *cuts, rows)
-            candidates.add(tuple(b - a for a, b in itertools.pairwise(bounds)))
-    scored = sorted((cycle(sizes), sizes) for sizes in candidates)
+    scored = sorted((cycle(list(sizes)), sizes) for sizes in candidates)
     best = scored[0][0]
     chosen = scored[0][1]
     for score, sizes in scored:

@@ -5,8 +5,6 @@ counted, and the step costs timed on the stage's own runtime."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
@@ -70,40 +68,6 @@ def test_sizes_cover_the_rows_within_most_batches_near_the_best_cycle(rows, most
     for parts in range(1, min(most, rows) + 1):
         equal = [rows // parts + (1 if k < rows % parts else 0) for k in range(parts)]
         assert cycle(sizes, table) <= cycle(equal, table) * (1 + GROUP_TIE) + 1e-9
-
-
-def test_with_a_kv_stream_per_lane_batches_are_cut_where_lanes_leave_a_gap():
-    # Lanes 0-5 and 9-10: llama.cpp runs each run of consecutive lanes in a batch as an
-    # evaluation of its own, so [4, 4] would cost 56.5 + 2 x 34.9 ms.
-    lanes = [0, 1, 2, 3, 4, 5, 9, 10]
-    assert decode_group_sizes(8, most=3, stages=2, step_ms=TILED) == [4, 4]
-    assert decode_group_sizes(8, most=3, stages=2, step_ms=TILED, lanes=lanes) == [3, 3, 2]
-    # Gaps between every run of four: one batch per run.
-    lanes = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15]
-    assert decode_group_sizes(14, most=3, stages=2, step_ms=TILED) == [4, 5, 5]
-    assert decode_group_sizes(14, most=3, stages=2, step_ms=TILED, lanes=lanes) == [4, 4, 6]
-    # Consecutive lanes change nothing.
-    assert decode_group_sizes(8, most=3, stages=2, step_ms=TILED,
-                              lanes=list(range(3, 11))) == [4, 4]
-
-
-@pytest.mark.parametrize("gaps", [(), (2,), (1, 5), (3, 4, 9), tuple(range(1, 19))])
-def test_cuts_at_gaps_cover_the_rows_and_beat_the_unaware_sizes(gaps):
-    rows = 19
-    lanes = [i + sum(1 for g in gaps if g <= i) for i in range(rows)]
-    sizes = decode_group_sizes(rows, most=3, stages=2, step_ms=TILED, lanes=lanes)
-    assert sum(sizes) == rows and all(n > 0 for n in sizes) and len(sizes) <= 3
-
-    def cycle_with_lanes(sizes):
-        bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-        costs = []
-        for a, b in itertools.pairwise(bounds):
-            cuts = [a, *(i for i in range(a + 1, b) if lanes[i] != lanes[i - 1] + 1), b]
-            costs.append(sum(cycle([y - x], TILED, stages=1) for x, y in itertools.pairwise(cuts)))
-        return max(sum(costs), 2 * max(costs))
-
-    unaware = decode_group_sizes(rows, most=3, stages=2, step_ms=TILED)
-    assert cycle_with_lanes(sizes) <= cycle_with_lanes(unaware) * (1 + GROUP_TIE) + 1e-9
 
 
 def test_no_rows_no_batches():
