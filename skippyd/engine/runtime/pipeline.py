@@ -121,12 +121,8 @@ class PipelineRuntime:
 
     def ensure_session_active(self, session_id: str, lane: int | None = None,
                               keep_tokens: int = 0) -> None:
-        # A pipeline keeps no lane's KV for a prefix cache, so a new session takes the
-        # lowest idle lane rather than one that never held anything: sessions stay in
-        # consecutive lanes, which llama.cpp evaluates together. Later stages bind it to
-        # the same lane at its first iteration (ChainEntry.lane).
-        if lane is None and self.local.lane_of(session_id) is None:
-            lane = min(self.local.idle_lanes(), default=None)
+        # Later stages bind the session to the same lane at its first iteration when it
+        # is idle there (ChainEntry.lane).
         self.local.ensure_session_active(session_id, lane, keep_tokens)
 
     def kv_cells_used(self) -> int:

@@ -143,17 +143,6 @@ def test_decode_rows_are_grouped_in_lane_order_and_carry_their_lanes(chain):
         (0, 42), (1, 40), (2, 43), (3, 41)]
 
 
-def test_a_new_session_takes_the_lowest_idle_lane_even_one_that_held_kv(chain):
-    for name in "abc":
-        chain.runtime.ensure_session_active(name)
-    prompt = IterationRequest("a", [5, 6, 7], positions=[0, 1, 2])
-    _run(chain, [prompt]).result(TIMEOUT_S)
-    chain.worker.submit(chain.runtime.drop_session, "a").result(TIMEOUT_S)
-    assert chain.runtime.local.lane_history(0)  # lane 0 still holds "a"'s KV
-    chain.runtime.ensure_session_active("d")
-    assert [chain.runtime.lane_of(s) for s in "bcd"] == [1, 2, 0]
-
-
 def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
         tiny_model_path):
     with scripted_chain(tiny_model_path, decode_groups=4) as chain:
