@@ -132,7 +132,7 @@ def greedy_steps(choices) -> list[tuple[str, dict[str, float]]]:
 def test_eight_concurrent_streams_match_solo_runs(client):
     """Batched streams give each prompt its own greedy answer.
 
-    llama.cpp adds a row's attention over however many KV cells the batch spans, so a
+    llama.cpp sums a row's attention over however many KV cells the batch spans, so a
     batched row's logits can differ from a solo row's in the last bits; where the two best
     tokens are that close, greedy may take either. The streams must agree with their solo
     runs up to such a near-tie, and there both runs must rank the two tokens within
