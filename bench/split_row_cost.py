@@ -3,7 +3,7 @@
 A 2-stage chain can only beat one process if each stage's slice, on its own share of
 the threads, decodes its rows as fast as the whole model does them on all the threads.
 This measures the time of one ``llama_decode`` step for 1, 2, 3, 4 and 8 rows (each row
-a session 60 tokens into its context) for the unsplit model on ``--threads`` threads
+a session at least 60 tokens into its context) for the unsplit model on ``--threads`` threads
 and for each stage's slice on half of them, then prints the decode-only ceiling of a
 chain that cuts 8 rows into G groups: per 8-token step the slowest stage must decode
 every group, so the chain reaches at most ``unsplit(8 rows) / max(stage total)``.

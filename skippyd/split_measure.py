@@ -11,16 +11,15 @@ A fixed cost per step that every stage pays alike cancels out of the comparison.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from skippyd.engine.runtime.contract import IterationRequest, RowPhase, SamplingConfig
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
+from skippyd.engine.runtime.step_probe import time_steps, token_rows
 from skippyd.model_files.model_info import inspect_model
 from skippyd.model_files.slice import cached_slice
 from skippyd.split_plan import ModelCosts, SplitError, Work
@@ -45,36 +44,20 @@ def step_ms(path: str | Path, *, threads: int, first: bool, final: bool, n_embd:
                                           final_stage=final))
     rng = np.random.default_rng(0)
 
-    def request(session: str, count: int, position: int,
-                phase: RowPhase) -> IterationRequest:
-        positions = range(position, position + count)
+    def rows(session: str, index: int, count: int, position: int,
+             phase: RowPhase) -> IterationRequest:
         if first:
-            return IterationRequest(session, [100 + p % 500 for p in positions],
-                                    positions=positions, sampling=_GREEDY,
-                                    sample_last=final, phase=phase)
-        rows = (rng.standard_normal((count, n_embd)) * 0.1).astype(np.float32)
-        return IterationRequest(session, input_rows=rows, positions=positions,
+            request = token_rows(session, index, count, position, phase)
+            return replace(request, sampling=_GREEDY, sample_last=final)
+        values = (rng.standard_normal((count, n_embd)) * 0.1).astype(np.float32)
+        return IterationRequest(session, input_rows=values,
+                                positions=range(position, position + count),
                                 sampling=_GREEDY, sample_last=final, phase=phase)
 
-    medians = {}
     try:
-        for rows in row_counts:
-            sessions = [f"r{rows}-{i}" for i in range(rows)]
-            for session in sessions:
-                runtime.ensure_session_active(session)
-                runtime.run_iteration([request(session, CONTEXT_TOKENS, 0, RowPhase.PREFILL)])
-            times = []
-            for k in range(steps):
-                batch = [request(s, 1, CONTEXT_TOKENS + k, RowPhase.DECODE) for s in sessions]
-                started = time.perf_counter()
-                runtime.run_iteration(batch)
-                times.append((time.perf_counter() - started) * 1000)
-            for session in sessions:
-                runtime.drop_session(session)
-            medians[rows] = statistics.median(times)
+        return time_steps(runtime, row_counts, steps=steps, context=CONTEXT_TOKENS, rows=rows)
     finally:
         runtime.close()
-    return medians
 
 
 @dataclass(frozen=True, slots=True)
