@@ -272,13 +272,14 @@ class PipelineRuntime:
         while (head > 0 and lengths[head - 1] > 1
                and not requests[fresh[head - 1]].sample_last):
             head -= 1
-        if head and max(lengths[:head]) == 1:
+        decode_only = head > 0 and max(lengths[:head]) == 1
+        if decode_only:
             # llama.cpp evaluates rows of consecutive lanes together and splits a batch
             # at every gap between lanes: decode rows are cut into groups in lane order.
             fresh[:head] = sorted(fresh[:head], key=lambda i: self._lane_rank(requests[i]))
         if head == 0:
             call_groups = split_call_groups(lengths, groups)
-        elif self.step_ms and max(lengths[:head]) == 1:
+        elif self.step_ms and decode_only:
             beside = [sum(1 for s in needed.values() if s.batch_id == batch)
                       for batch in lookahead_batches]
             call_groups = _runs(decode_group_sizes(head, most=groups, stages=self._stages(),
