@@ -459,15 +459,27 @@ class LlamaRuntime:
     def _iterate(self, requests: Sequence[IterationRequest]) -> IterationOutput:
         starts = self._validate(requests)
         new_ids = [r.session_id for r in requests if r.session_id not in self._lanes.sessions]
-        free = len(self._lanes.idle())
-        if len(new_ids) > free:
+        if new_ids:
+            self._bind_new(requests, new_ids)
+        sessions = [self._lanes.sessions[r.session_id] for r in requests]
+        for session, start in zip(sessions, starts, strict=True):
+            if start < session.token_count:  # replaying from an earlier position
+                L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
+        layout = self._fill_batch(requests, sessions, starts)
+        started = time.perf_counter()
+        self._decode(requests, sessions, starts, new_ids)
+        compute_s = time.perf_counter() - started
+        return self._finish(requests, sessions, starts, layout, compute_s)
+
+    def _bind_new(self, requests: Sequence[IterationRequest], new_ids: list[str]) -> None:
+        """Bind the call's new sessions: each to the lane it asks for if that one is idle,
+        the others to the lowest idle lanes left after those."""
+        idle = {lane.seq_id for lane in self._lanes.idle()}
+        if len(new_ids) > len(idle):
             raise LanesBusyError(
-                f"iteration requires {len(new_ids)} new sessions but only {free}"
+                f"iteration requires {len(new_ids)} new sessions but only {len(idle)}"
                 " execution lanes are available"
             )
-        # A new session takes the lane it asks for if that one is idle; the others
-        # take the lowest idle lanes after those asked-for lanes are taken.
-        idle = {lane.seq_id for lane in self._lanes.idle()}
         hints = {r.session_id: r.lane for r in requests if r.lane is not None}
         later = []
         for session_id in new_ids:
@@ -479,15 +491,6 @@ class LlamaRuntime:
                 later.append(session_id)
         for session_id in later:
             self.ensure_session_active(session_id)
-        sessions = [self._lanes.sessions[r.session_id] for r in requests]
-        for session, start in zip(sessions, starts, strict=True):
-            if start < session.token_count:  # replaying from an earlier position
-                L.llama_memory_seq_rm(self._mem, session.seq_id, start, -1)
-        layout = self._fill_batch(requests, sessions, starts)
-        started = time.perf_counter()
-        self._decode(requests, sessions, starts, new_ids)
-        compute_s = time.perf_counter() - started
-        return self._finish(requests, sessions, starts, layout, compute_s)
 
     def _validate(self, requests: Sequence[IterationRequest]) -> list[int]:
         seen: set[str] = set()
