@@ -11,6 +11,7 @@ calls this object, except the ``on_*`` listener callbacks (the link's reader thr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from skippyd.engine.runtime.pipeline_types import (
     Piece,
     PipelineCounters,
     decode_group_sizes,
+    lane_block_size,
     split_call_groups,
     split_token_groups,
 )
@@ -65,10 +67,10 @@ class PipelineRuntime:
         decode_groups: Groups per call (``runtime.pipeline_decode_groups``); None means
             one per pipeline stage plus one, as the handshake reports the chain's length.
         step_ms: What a decode step of 1, 2, … rows costs the local slice
-            (``step_probe.time_decode_steps``). With it, a call's decode rows, and
-            predictions that come back together, go in batches of the sizes that cycle
-            the chain fastest (``decode_group_sizes``), at most ``decode_groups`` of
-            them; without it, in equal batches.
+            (``step_probe.time_decode_steps``). With it, decode rows go one batch per
+            lane block (:attr:`block_lanes`), or, for sessions without a lane yet, in
+            batches of the sizes that cycle the chain fastest (``decode_group_sizes``),
+            at most ``decode_groups`` of them; without it, in equal batches.
     """
 
     def __init__(self, local: Runtime, downstream: Downstream, *,
@@ -122,7 +124,11 @@ class PipelineRuntime:
     def ensure_session_active(self, session_id: str, lane: int | None = None,
                               keep_tokens: int = 0) -> None:
         # Later stages bind the session to the same lane at its first iteration when it
-        # is idle there (ChainEntry.lane).
+        # is idle there (ChainEntry.lane). A split keeps no prefix cache, so what an idle
+        # lane still holds is worth nothing: a new session takes the lowest idle lane,
+        # and decoding sessions fill whole lane blocks (block_lanes).
+        if lane is None and self.local.lane_of(session_id) is None:
+            lane = next(iter(self.local.idle_lanes()), None)
         self.local.ensure_session_active(session_id, lane, keep_tokens)
 
     def kv_cells_used(self) -> int:
@@ -277,8 +283,11 @@ class PipelineRuntime:
             # llama.cpp evaluates rows of consecutive lanes together and splits a batch
             # at every gap between lanes: decode rows are cut into groups in lane order.
             fresh[:head] = sorted(fresh[:head], key=lambda i: self._lane_rank(requests[i]))
+        blocks = self._blocks([requests[i] for i in fresh[:head]]) if decode_only else None
         if head == 0:
             call_groups = split_call_groups(lengths, groups)
+        elif blocks is not None:
+            call_groups = _runs([len(list(run)) for _, run in itertools.groupby(blocks)])
         elif self.step_ms and decode_only:
             beside = [sum(1 for s in needed.values() if s.batch_id == batch)
                       for batch in lookahead_batches]
@@ -304,6 +313,34 @@ class PipelineRuntime:
     def _lane_rank(self, request: IterationRequest) -> int:
         lane = self.local.lane_of(request.session_id)
         return self.local.lane_count if lane is None else lane
+
+    @property
+    def block_lanes(self) -> int:
+        """Lanes per decode block (0: no blocks, without measured step costs).
+
+        With step costs, decode rows travel in *lane blocks*: lanes ``[k*n, (k+1)*n)``,
+        ``n`` the step size with the least cost per row (``lane_block_size``). llama.cpp
+        evaluates a batch's rows of consecutive lanes together and runs every other
+        stretch apart (a weight pass each), and a decode batch keeps its rows from one
+        step to the next (look-ahead): a batch cut from whichever rows were ready at the
+        time would stay scattered over the lanes for the rest of its streams' answers.
+        """
+        if not self.step_ms:
+            return 0
+        return lane_block_size(self.local.lane_count, stages=self._stages(),
+                               step_ms=self.step_ms)
+
+    def _blocks(self, requests: Sequence[IterationRequest]) -> list[int] | None:
+        """The lane block of each of ``requests`` (None when there are no blocks, or a
+        session has no lane yet)."""
+        size = self.block_lanes
+        blocks = []
+        for request in requests:
+            lane = self.local.lane_of(request.session_id)
+            if not size or lane is None:
+                return None
+            blocks.append(lane // size)
+        return blocks
 
     def _check_chain(self, requests: Sequence[IterationRequest]) -> None:
         if not self._link.is_up:
@@ -446,7 +483,7 @@ class PipelineRuntime:
                 arrived = self._poll(steps, deadline)
                 if arrived is None:
                     return compute_s
-            compute_s += self._start_lookahead(arrived, group_rows, held)
+            compute_s += self._start_lookahead(arrived, group_rows, held, steps)
             deadline = time.monotonic() + self._reply_timeout_s
 
     def _poll(self, steps: list[InflightStep], deadline: float) -> list[InflightStep] | None:
@@ -475,12 +512,15 @@ class PipelineRuntime:
             self.counters.timeline.wait_s += time.perf_counter() - started
 
     def _start_lookahead(self, arrived: list[InflightStep], group_rows: int,
-                         held: list[tuple[IterationRequest, int]]) -> float:
+                         held: list[tuple[IterationRequest, int]],
+                         steps: list[InflightStep]) -> float:
         """Run and ship the next decode step of sessions whose prediction just arrived.
 
-        With measured step costs, steps are held in ``held`` until ``group_rows`` of them
-        can go together; those still held when the call returns are left to the next
-        call, which cuts its fresh rows by their costs again.
+        With measured step costs, steps are held in ``held``: in lane blocks
+        (:attr:`block_lanes`) until no other step of the call in the same block is still
+        awaited, so the block's rows go on as one batch; without lanes, until
+        ``group_rows`` of them can go together. Those still held when the call returns
+        are left to the next call, which cuts its fresh rows again.
         """
         items = []
         for step in arrived:
@@ -493,21 +533,26 @@ class PipelineRuntime:
                                            phase=RowPhase.DECODE)
                 items.append((request, step.end))
         seconds = 0.0
+        batches: list[list[tuple[IterationRequest, int]]] | None = None
         # Predictions that arrived together (several batches answered while this stage
         # computed) are shipped again in groups of the call's size, each as soon as it
         # is computed: merged into one batch they would stay merged, and the chain would
         # settle into one large group and one small one, each stage idle while the
         # other computes the large one. With measured step costs, predictions that come
         # back one small batch at a time would each go out as a batch of their own, and
-        # the batches would stay that small: they are held until a batch of the call's
-        # size is ready, and go together.
+        # the batches would stay that small: they are held until their lane block is
+        # whole (or, for sessions without a lane, a batch of the call's size is ready).
         if self.step_ms:
             held.extend(items)
-            ready = len(held) - len(held) % group_rows
-            items, held[:] = held[:ready], held[ready:]
-        parts = -(-len(items) // group_rows)
-        for group in split_token_groups([1] * len(items), parts):
-            part = [items[piece.index] for piece in group]
+            batches = self._ready_blocks(held, steps)
+            if batches is None:
+                ready = len(held) - len(held) % group_rows
+                items, held[:] = held[:ready], held[ready:]
+        if batches is None:
+            parts = -(-len(items) // group_rows)
+            batches = [[items[piece.index] for piece in group]
+                       for group in split_token_groups([1] * len(items), parts)]
+        for part in batches:
             try:
                 seconds += self._ship(part, look_ahead=True)[1]
             except RuntimeFailure as exc:
@@ -517,6 +562,27 @@ class PipelineRuntime:
                 continue
             self.counters.lookahead_steps += len(part)
         return seconds
+
+    def _ready_blocks(self, held: list[tuple[IterationRequest, int]],
+                      steps: list[InflightStep]) -> list[list[tuple[IterationRequest, int]]] | None:
+        """Take out of ``held`` the lane blocks none of whose other steps in ``steps`` is
+        still awaited, one batch each in lane order; None when there are no blocks."""
+        blocks = self._blocks([request for request, _ in held])
+        if blocks is None:
+            return None
+        size = self.block_lanes
+        waiting = {lane // size for s in steps if s.result is None
+                   if (lane := self.local.lane_of(s.session_id)) is not None}
+        ready: dict[int, list[tuple[IterationRequest, int]]] = {}
+        kept = []
+        for item, block in zip(held, blocks, strict=True):
+            if block in waiting:
+                kept.append(item)
+            else:
+                ready.setdefault(block, []).append(item)
+        held[:] = kept
+        return [sorted(ready[block], key=lambda item: self._lane_rank(item[0]))
+                for block in sorted(ready)]
 
     def _output(self, requests: Sequence[IterationRequest], needed: dict[int, InflightStep],
                 compute_s: float) -> IterationOutput:

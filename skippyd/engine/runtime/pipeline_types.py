@@ -370,6 +370,24 @@ def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[f
     return list(chosen)
 
 
+def lane_block_size(lanes: int, *, stages: int, step_ms: Sequence[float]) -> int:
+    """Lanes per decode block: the decode step with the least cost per row.
+
+    Of the step sizes that tile the lanes (divide ``lanes``: no ragged last block) and
+    leave every stage a block of its own (at most ``lanes // stages``), the one whose
+    cost per row (``step_ms[k - 1] / k``) is least; the smallest of those within
+    :data:`GROUP_TIE` of it, since one timing of each is noisy and a further block keeps
+    a stage busy while another travels.
+    """
+    most = min(len(step_ms), lanes // max(1, stages))
+    sizes = [k for k in range(1, most + 1) if lanes % k == 0]
+    if not sizes:
+        return 1
+    per_row = {k: max(float(step_ms[k - 1]), 1e-6) / k for k in sizes}
+    best = min(per_row.values())
+    return next(k for k in sizes if per_row[k] <= best * (1 + GROUP_TIE))
+
+
 def _equal(rows: int, groups: int) -> list[int]:
     """``rows`` in ``groups`` parts that differ by at most one."""
     base, extra = divmod(rows, groups)

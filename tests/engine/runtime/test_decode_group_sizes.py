@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 
 from skippyd.engine.runtime.llama import LlamaRuntime, RuntimeOptions
-from skippyd.engine.runtime.pipeline_types import GROUP_TIE, decode_group_sizes
+from skippyd.engine.runtime.pipeline_types import (
+    GROUP_TIE,
+    decode_group_sizes,
+    lane_block_size,
+)
 from skippyd.engine.runtime.step_probe import time_decode_steps
 
 #: One stage of the 1b shape on one core, timed (ms for 1..8 rows): four rows cost about
@@ -72,6 +76,21 @@ def test_sizes_cover_the_rows_within_most_batches_near_the_best_cycle(rows, most
 
 def test_no_rows_no_batches():
     assert decode_group_sizes(0, most=3, stages=2, step_ms=TILED) == []
+
+
+def test_a_lane_block_is_the_step_with_the_least_cost_per_row():
+    # 8 rows cost 13.9 ms a row against 4 rows' 14.1: within the tie, the smaller block.
+    assert lane_block_size(16, stages=2, step_ms=TILED) == 4
+    # Every stage needs a block of its own: 4 lanes over 2 stages make blocks of 2.
+    assert lane_block_size(4, stages=2, step_ms=TILED) == 2
+    # A fixed cost per step favours the largest step within reach.
+    assert lane_block_size(16, stages=2, step_ms=LINEAR) == 8
+    # Blocks tile the lanes: 12 lanes take blocks of 6 (7 and 8 would leave a ragged one).
+    assert lane_block_size(12, stages=2, step_ms=LINEAR) == 6
+    # A noisy timing that makes 5 rows look cheapest still gives blocks that tile 16.
+    assert lane_block_size(16, stages=2, step_ms=(26, 50, 64, 66, 70, 109, 128, 141)) == 4
+    assert lane_block_size(1, stages=2, step_ms=TILED) == 1
+    assert lane_block_size(16, stages=2, step_ms=()) == 1
 
 
 def test_step_costs_are_timed_on_the_runtime_and_leave_nothing_behind(tiny_model_path):

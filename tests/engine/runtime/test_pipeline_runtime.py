@@ -143,6 +143,67 @@ def test_decode_rows_are_grouped_in_lane_order_and_carry_their_lanes(chain):
         (0, 42), (1, 40), (2, 43), (3, 41)]
 
 
+# Step costs under which a full stage of 4 lanes decodes in batches of 2: lane blocks
+# {0, 1} and {2, 3}.
+BLOCKS_OF_TWO = (20.0, 36.0, 52.0, 54.0)
+
+
+def _bind(chain, lanes: dict[str, int]) -> None:
+    for name, lane in lanes.items():
+        chain.runtime.ensure_session_active(name, lane)
+
+
+def test_decode_batches_follow_lane_blocks_not_the_rows_at_hand(tiny_model_path):
+    # Three rows cut by their costs alone would go as [lane 0] and [lanes 1, 3]: a
+    # batch with a gap, which llama.cpp runs as two evaluations, on every step to come.
+    with scripted_chain(tiny_model_path, decode_groups=None, step_ms=BLOCKS_OF_TWO) as chain:
+        assert chain.runtime.block_lanes == 2
+        _bind(chain, {"a": 3, "b": 0, "c": 1})
+        call = _run(chain, [_decode("a", 5, 0), _decode("b", 6, 0), _decode("c", 7, 0)])
+        batches = chain.wait_batches(2)
+        assert [[e.lane for e in entries] for _, entries in batches] == [[0, 1], [3]]
+        chain.answer(0, {0: 40, 1: 41})
+        chain.answer(1, {0: 42})
+        assert [s.token for s in call.result(TIMEOUT_S).samples] == [42, 40, 41]
+
+
+def test_a_block_split_over_two_batches_travels_on_as_one(tiny_model_path):
+    with scripted_chain(tiny_model_path, decode_groups=None, step_ms=BLOCKS_OF_TWO) as chain:
+        _bind(chain, {"a": 0, "b": 1, "c": 2})
+        call = _run(chain, [_decode("a", 5, 0), _decode("c", 6, 0)])
+        chain.wait_batches(2)
+        chain.answer(0, {0: 40})
+        assert chain.wait_batches(3)[2][1][0].token_ids == [40]  # a's look-ahead
+        chain.answer(1, {0: 41})
+        call.result(TIMEOUT_S)
+        # "b" joins block {0, 1} while a's look-ahead step is out: it goes alone now ...
+        call = _run(chain, [_decode("a", 40, 1), _decode("b", 7, 0), _decode("c", 41, 1)])
+        batches = chain.wait_batches(5)
+        assert [[e.lane for e in entries] for _, entries in batches[3:]] == [[1], [2]]
+        step_a = chain.runtime._batches[batches[2][0]].steps[0]
+        chain.answer(2, {0: 50})
+        deadline = time.monotonic() + TIMEOUT_S
+        while not step_a.followed:  # taken in, and held for "b"
+            assert time.monotonic() < deadline, "the prediction was never taken in"
+            time.sleep(0.001)
+        assert len(chain.batches) == 5
+        # ... and once its prediction is back the block goes on as one batch.
+        chain.answer(3, {0: 51})
+        merged = chain.wait_batches(6)[5][1]
+        assert [(e.lane, e.token_ids) for e in merged] == [(0, [50]), (1, [51])]
+        chain.answer(4, {0: 52})
+        assert [s.token for s in call.result(TIMEOUT_S).samples] == [50, 51, 52]
+
+
+def test_a_new_session_takes_the_lowest_idle_lane_even_one_that_held_kv(chain):
+    # No prefix cache on a split stage: old KV is worth nothing, whole lane blocks are.
+    _run(chain, [IterationRequest("a", [5, 6], positions=[0, 1])]).result(TIMEOUT_S)
+    assert chain.runtime.lane_of("a") == 0
+    chain.worker.submit(chain.runtime.drop_session, "a").result(TIMEOUT_S)
+    chain.worker.submit(chain.runtime.ensure_session_active, "b").result(TIMEOUT_S)
+    assert chain.runtime.lane_of("b") == 0
+
+
 def test_predictions_that_arrive_together_are_shipped_again_as_separate_groups(
         tiny_model_path):
     with scripted_chain(tiny_model_path, decode_groups=4) as chain:
