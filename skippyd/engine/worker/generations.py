@@ -464,9 +464,8 @@ class GenerationWorker:
         Waits while the API layer is still preparing requests, or while fewer generations are
         held than finished together in the step that left the worker idle (their clients
         are likely on their way back), else until a quiet spell of :data:`BURST_QUIET_S`;
-        at most ``burst_wait_s`` (worker settings) in all. Once all of the expected
-        generations are back and nothing else is being prepared, it ends at once. Nobody
-        is decoding, so only the newcomers' first token waits.
+        at most ``burst_wait_s`` (worker settings) in all. Nobody is decoding, so only the
+        newcomers' first token waits.
         """
         now, most_s = time.monotonic(), self._loop.settings.burst_wait_s
         wave, idle_since = self._wave
@@ -474,10 +473,7 @@ class GenerationWorker:
         self._wave = (0, 0.0)
         deadline = now + most_s
         while (remaining := deadline - time.monotonic()) > 0:
-            preparing = self._arrivals.pending > 0
-            if expected and not preparing and len(self.generations) >= expected:
-                return
-            awaited = preparing or len(self.generations) < expected
+            awaited = self._arrivals.pending > 0 or len(self.generations) < expected
             wait = remaining if awaited else min(remaining, BURST_QUIET_S)
             if not self._loop.wait_for_command(wait) and not awaited:
                 return

@@ -16,7 +16,6 @@ from skippyd.engine.telemetry_events import (
     RequestPreempted,
     StepFinished,
 )
-from skippyd.engine.worker import generations
 from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.generation_events import (
     CompleteEvent,
@@ -292,30 +291,6 @@ def test_a_lone_request_at_an_idle_worker_does_not_wait_for_a_burst(
     worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), recorder)
     tokens, end = drain_tokens(recorder)  # well before the 60 s a burst may take
     assert (tokens, end) == ([10], CompleteEvent("length"))
-
-
-def test_a_wave_that_is_back_in_full_starts_without_a_quiet_spell(
-        runtime_factory, make_handle, blocked_worker, monkeypatch):
-    runtime = runtime_factory(lane_count=2, script={"a": [10], "b": [20], "c": [30],
-                                                     "d": [40]})
-    worker = make_handle(runtime, arrivals=Arrivals(), burst_wait_s=60.0)
-    _, release = blocked_worker(worker)
-    recorders = {name: EventRecorder() for name in "abcd"}
-    for name in "ab":
-        worker.submit_generation(GenerationRequest(name, [1, 2], max_tokens=1),
-                                 recorders[name])
-    release.set()
-    for name in "ab":
-        assert drain_tokens(recorders[name])[1] == CompleteEvent("length")
-    # With a quiet spell longer than the test waits, only the wave rule can start "c"
-    # and "d": both clients of the wave are back and nothing else is being prepared.
-    monkeypatch.setattr(generations, "BURST_QUIET_S", 60.0)
-    for name in "cd":
-        worker.submit_generation(GenerationRequest(name, [1, 2], max_tokens=1),
-                                 recorders[name])
-    for name in "cd":
-        assert drain_tokens(recorders[name])[1] == CompleteEvent("length")
-    assert runtime.sampled_sessions() == [["a", "b"], ["c", "d"]]
 
 
 def test_requests_that_finished_together_are_awaited_together_when_they_come_back(
