@@ -259,12 +259,9 @@ class PipelineRuntime:
         needed, fresh = self._match(requests, starts)
         lookahead_batches = {step.batch_id for step in needed.values()}
         compute_s = 0.0
-        # Look-ahead steps of this call's sequences are shipped in groups of this size:
-        # the largest batch of the call's rows cut by their step costs when measured.
+        # Without step costs, look-ahead steps of this call's sequences are shipped in
+        # groups of this size (with them, in lane blocks).
         group_rows = -(-len(requests) // self._num_groups())
-        if self.step_ms:
-            group_rows = max(decode_group_sizes(len(requests), most=self._num_groups(),
-                                                stages=self._stages(), step_ms=self.step_ms))
         # Look-ahead batches already form groups of their own.
         groups = max(1, self._num_groups() - len(lookahead_batches))
         # A request with drafts travels whole: its rows count as one decode row here.
@@ -283,7 +280,9 @@ class PipelineRuntime:
             # llama.cpp evaluates rows of consecutive lanes together and splits a batch
             # at every gap between lanes: decode rows are cut into groups in lane order.
             fresh[:head] = sorted(fresh[:head], key=lambda i: self._lane_rank(requests[i]))
-        blocks = self._blocks([requests[i] for i in fresh[:head]]) if decode_only else None
+        size = self.block_lanes
+        blocks = (self._blocks([requests[i].session_id for i in fresh[:head]], size)
+                  if decode_only and size else None)
         if head == 0:
             call_groups = split_call_groups(lengths, groups)
         elif blocks is not None:
@@ -330,14 +329,13 @@ class PipelineRuntime:
         return lane_block_size(self.local.lane_count, stages=self._stages(),
                                step_ms=self.step_ms)
 
-    def _blocks(self, requests: Sequence[IterationRequest]) -> list[int] | None:
-        """The lane block of each of ``requests`` (None when there are no blocks, or a
-        session has no lane yet)."""
-        size = self.block_lanes
+    def _blocks(self, session_ids: Sequence[str], size: int) -> list[int] | None:
+        """The lane block of each session, blocks of ``size`` lanes (None when a session
+        has no lane yet)."""
         blocks = []
-        for request in requests:
-            lane = self.local.lane_of(request.session_id)
-            if not size or lane is None:
+        for session_id in session_ids:
+            lane = self.local.lane_of(session_id)
+            if lane is None:
                 return None
             blocks.append(lane // size)
         return blocks
@@ -516,11 +514,11 @@ class PipelineRuntime:
                          steps: list[InflightStep]) -> float:
         """Run and ship the next decode step of sessions whose prediction just arrived.
 
-        With measured step costs, steps are held in ``held``: in lane blocks
-        (:attr:`block_lanes`) until no other step of the call in the same block is still
-        awaited, so the block's rows go on as one batch; without lanes, until
-        ``group_rows`` of them can go together. Those still held when the call returns
-        are left to the next call, which cuts its fresh rows again.
+        With measured step costs, steps are held in ``held``, by lane block
+        (:attr:`block_lanes`), until no other step of the call in the same block is still
+        awaited, so the block's rows go on as one batch; those still held when the call
+        returns are left to the next call, which cuts its fresh rows again. Without step
+        costs they go at once, in groups of ``group_rows``.
         """
         items = []
         for step in arrived:
@@ -533,7 +531,6 @@ class PipelineRuntime:
                                            phase=RowPhase.DECODE)
                 items.append((request, step.end))
         seconds = 0.0
-        batches: list[list[tuple[IterationRequest, int]]] | None = None
         # Predictions that arrived together (several batches answered while this stage
         # computed) are shipped again in groups of the call's size, each as soon as it
         # is computed: merged into one batch they would stay merged, and the chain would
@@ -541,14 +538,11 @@ class PipelineRuntime:
         # other computes the large one. With measured step costs, predictions that come
         # back one small batch at a time would each go out as a batch of their own, and
         # the batches would stay that small: they are held until their lane block is
-        # whole (or, for sessions without a lane, a batch of the call's size is ready).
+        # whole.
         if self.step_ms:
             held.extend(items)
             batches = self._ready_blocks(held, steps)
-            if batches is None:
-                ready = len(held) - len(held) % group_rows
-                items, held[:] = held[:ready], held[ready:]
-        if batches is None:
+        else:
             parts = -(-len(items) // group_rows)
             batches = [[items[piece.index] for piece in group]
                        for group in split_token_groups([1] * len(items), parts)]
@@ -564,13 +558,12 @@ class PipelineRuntime:
         return seconds
 
     def _ready_blocks(self, held: list[tuple[IterationRequest, int]],
-                      steps: list[InflightStep]) -> list[list[tuple[IterationRequest, int]]] | None:
+                      steps: list[InflightStep]) -> list[list[tuple[IterationRequest, int]]]:
         """Take out of ``held`` the lane blocks none of whose other steps in ``steps`` is
-        still awaited, one batch each in lane order; None when there are no blocks."""
-        blocks = self._blocks([request for request, _ in held])
-        if blocks is None:
-            return None
-        size = self.block_lanes
+        still awaited, one batch each in lane order. Held steps are the local runtime's
+        own sessions, so each has a lane."""
+        size = max(1, self.block_lanes)
+        blocks = [self._lane_rank(request) // size for request, _ in held]
         waiting = {lane // size for s in steps if s.result is None
                    if (lane := self.local.lane_of(s.session_id)) is not None}
         ready: dict[int, list[tuple[IterationRequest, int]]] = {}
