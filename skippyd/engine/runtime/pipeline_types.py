@@ -370,6 +370,11 @@ def decode_group_sizes(rows: int, *, most: int, stages: int, step_ms: Sequence[f
     return list(chosen)
 
 
+#: A lane block size that leaves every stage two blocks wins over a larger one when its
+#: cost per row is within this share of the larger one's (see :func:`lane_block_size`).
+BLOCK_TIE = 0.08
+
+
 def lane_block_size(lanes: int, *, stages: int, step_ms: Sequence[float]) -> int:
     """Lanes per decode block: the decode step with the least cost per row.
 
@@ -377,7 +382,12 @@ def lane_block_size(lanes: int, *, stages: int, step_ms: Sequence[float]) -> int
     leave every stage a block of its own (at most ``lanes // stages``), the one whose
     cost per row (``step_ms[k - 1] / k``) is least; the smallest of those within
     :data:`GROUP_TIE` of it, since one timing of each is noisy and a further block keeps
-    a stage busy while another travels.
+    a stage busy while another travels. When that leaves a stage fewer than two blocks,
+    the largest size that leaves two is taken if its cost per row is within
+    :data:`BLOCK_TIE`: the table is stage 0's alone, and the final stage also runs the
+    output head, whose step grows faster with its rows (on the 1b shape, one core a
+    stage: stage 0 took 61 ms for 4 rows and 125 for 8, the final stage 60 and 144), so
+    with one block a stage the faster stage idles while the other runs the larger step.
     """
     most = min(len(step_ms), lanes // max(1, stages))
     sizes = [k for k in range(1, most + 1) if lanes % k == 0]
@@ -385,7 +395,13 @@ def lane_block_size(lanes: int, *, stages: int, step_ms: Sequence[float]) -> int
         return 1
     per_row = {k: max(float(step_ms[k - 1]), 1e-6) / k for k in sizes}
     best = min(per_row.values())
-    return next(k for k in sizes if per_row[k] <= best * (1 + GROUP_TIE))
+    chosen = next(k for k in sizes if per_row[k] <= best * (1 + GROUP_TIE))
+    if lanes // chosen < 2 * stages:
+        two_each = [k for k in sizes if k < chosen and lanes // k >= 2 * stages
+                    and per_row[k] <= best * (1 + BLOCK_TIE)]
+        if two_each:
+            return max(two_each)
+    return chosen
 
 
 def _equal(rows: int, groups: int) -> list[int]:
