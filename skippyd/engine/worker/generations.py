@@ -120,8 +120,10 @@ class GenerationWorker:
         self._next_deadline_check = 0.0
         self._num_completed = 0
         """Generations that ended with a complete answer (not an error or cancel)."""
-        self._wave: tuple[int, float] = (0, 0.0)
-        """How many completed in the step that left the worker idle, and when."""
+        self._wave: tuple[int, float, bool] = (0, 0.0, False)
+        """How many completed in the step that left the worker idle, when, and whether
+        they were everyone the worker held over its last two steps (a whole wave)."""
+        self._held_last_turn = 0
         self.last_step_ms = 0.0
         self.last_execution_ms = 0.0
 
@@ -377,12 +379,15 @@ class GenerationWorker:
     def run_turn(self) -> None:
         """Plan and run one iteration; see the module docstring for the steps."""
         started = time.monotonic()
-        completed = self._num_completed
+        completed, held = self._num_completed, len(self.generations)
         try:
             self._run_iteration(started)
         finally:
             if not self.generations:  # idle now: who finished together may come back together
-                self._wave = (self._num_completed - completed, time.monotonic())
+                finished = self._num_completed - completed
+                whole = finished == held and self._held_last_turn <= held
+                self._wave = (finished, time.monotonic(), whole)
+            self._held_last_turn = held
 
     def _run_iteration(self, started: float) -> None:
         self._apply_acks()
@@ -465,15 +470,20 @@ class GenerationWorker:
         held than finished together in the step that left the worker idle (their clients
         are likely on their way back), else until a quiet spell of :data:`BURST_QUIET_S`;
         at most ``burst_wait_s`` (worker settings) in all. Nobody is decoding, so only the
-        newcomers' first token waits.
+        newcomers' first token waits. A wave that is back in full starts at once if it was
+        everyone the worker held over its last two steps: nobody who finished a step
+        earlier can still be on the way (a lone chat is the common case).
         """
         now, most_s = time.monotonic(), self._loop.settings.burst_wait_s
-        wave, idle_since = self._wave
-        expected = wave if now - idle_since <= WAVE_WINDOW * most_s else 0
-        self._wave = (0, 0.0)
+        wave, idle_since, whole = self._wave
+        recent = now - idle_since <= WAVE_WINDOW * most_s
+        expected = wave if recent else 0
+        self._wave = (0, 0.0, False)
         deadline = now + most_s
         while (remaining := deadline - time.monotonic()) > 0:
             awaited = self._arrivals.pending > 0 or len(self.generations) < expected
+            if not awaited and whole and expected:
+                return
             wait = remaining if awaited else min(remaining, BURST_QUIET_S)
             if not self._loop.wait_for_command(wait) and not awaited:
                 return

@@ -16,6 +16,7 @@ from skippyd.engine.telemetry_events import (
     RequestPreempted,
     StepFinished,
 )
+from skippyd.engine.worker import generations
 from skippyd.engine.worker.arrivals import Arrivals
 from skippyd.engine.worker.generation_events import (
     CompleteEvent,
@@ -291,6 +292,40 @@ def test_a_lone_request_at_an_idle_worker_does_not_wait_for_a_burst(
     worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), recorder)
     tokens, end = drain_tokens(recorder)  # well before the 60 s a burst may take
     assert (tokens, end) == ([10], CompleteEvent("length"))
+
+
+def test_a_lone_stream_that_comes_back_starts_without_a_quiet_spell(
+        runtime_factory, make_handle, monkeypatch):
+    runtime = runtime_factory(lane_count=2, script={"a": [10, 11], "b": [20]})
+    worker = make_handle(runtime, arrivals=Arrivals(), burst_wait_s=60.0)
+    first = EventRecorder()
+    worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=2), first)
+    assert drain_tokens(first) == ([10, 11], CompleteEvent("length"))  # alone, two steps
+    # Anything but starting at once would now hold "b" for a minute.
+    monkeypatch.setattr(generations, "BURST_QUIET_S", 60.0)
+    second = EventRecorder()
+    worker.submit_generation(GenerationRequest("b", [3, 4], max_tokens=1), second)
+    assert drain_tokens(second) == ([20], CompleteEvent("length"))
+
+
+def test_the_last_of_a_wave_coming_back_alone_still_waits_a_quiet_spell(
+        runtime_factory, make_handle, blocked_worker, monkeypatch):
+    runtime = runtime_factory(lane_count=2, script={"a": [10], "b": [20, 21], "c": [30]})
+    worker = make_handle(runtime, arrivals=Arrivals(), burst_wait_s=60.0)
+    _, release = blocked_worker(worker)
+    recorders = {name: EventRecorder() for name in "abc"}
+    worker.submit_generation(GenerationRequest("a", [1, 2], max_tokens=1), recorders["a"])
+    worker.submit_generation(GenerationRequest("b", [3, 4], max_tokens=2), recorders["b"])
+    release.set()
+    for name in "ab":  # "a" ends a step before "b", which leaves the worker idle alone
+        assert drain_tokens(recorders[name])[1] == CompleteEvent("length")
+    quiet_s = 0.3
+    monkeypatch.setattr(generations, "BURST_QUIET_S", quiet_s)
+    sent = time.monotonic()
+    worker.submit_generation(GenerationRequest("c", [5, 6], max_tokens=1), recorders["c"])
+    assert drain_tokens(recorders["c"]) == ([30], CompleteEvent("length"))
+    # "a"'s client may still be on its way back: "c" waited for it.
+    assert time.monotonic() - sent >= quiet_s
 
 
 def test_requests_that_finished_together_are_awaited_together_when_they_come_back(
