@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from skippyd.bench.chain_config import LocalChain
 from skippyd.bench.loadgen import (
     ProgressHook,
     make_client,
@@ -40,15 +41,14 @@ from skippyd.bench.models import (
     CUT_SHARES,
     add_model_option,
     layer_bounds,
+    model_keys,
     model_layers,
-    model_line,
     model_path,
 )
 from skippyd.bench.process import (
     SKIPPYD_READY,
     STAGE_READY,
     ServerProcess,
-    free_port,
     wait_pipeline_connected,
 )
 from skippyd.bench.report import level_metrics
@@ -96,56 +96,30 @@ class Pipeline:
     def __init__(self, workdir: Path, num_stages: int, args: argparse.Namespace, *,
                  tls: bool = False) -> None:
         self.workdir = workdir
-        self.bounds = layer_bounds(args.n_layer, num_stages)
         self.args = args
-        self.link_ports = [free_port() for _ in range(num_stages)]
-        # Shaper i forwards to stage i+1; the last one carries the return path to the
-        # final stage (stage 0 dials it: the final stage's link.advertise).
-        self.shaper_ports = [free_port() for _ in range(num_stages)]
-        self.targets = [*self.link_ports[1:], self.link_ports[-1]]
+        keys = workdir / "tls" if tls else None
+        self.layout = LocalChain.on_free_ports(workdir, layer_bounds(args.n_layer, num_stages),
+                                               SECRET, shaped=True, tls_keys=keys)
         self.shapers: list[ServerProcess] = []
         self.stages: list[ServerProcess] = []
         """The stage processes, once started (the final stage first)."""
-        self.keys = workdir / "tls" if tls else None
         self.monitor: LinkTls | None = None
-        if self.keys is not None:
-            write_pipeline_keys(self.keys, [*(f"stage-{i}" for i in range(num_stages)),
-                                            "monitor"])
-            self.monitor = LinkTls(TlsFiles(self.keys / "ca.crt", self.keys / "monitor.crt",
-                                            self.keys / "monitor.key"), "monitor")
+        if keys is not None:
+            write_pipeline_keys(keys, [*(f"stage-{i}" for i in range(num_stages)), "monitor"])
+            self.monitor = LinkTls(TlsFiles(keys / "ca.crt", keys / "monitor.crt",
+                                            keys / "monitor.key"), "monitor")
 
     def config(self, i: int) -> Path:
-        last = len(self.bounds) - 2
-        text = (f'[stage]\nid = "stage-{i}"\n{model_line(self.args)}index = {i}\n'
-                f"layer_start = {self.bounds[i]}\n"
-                f"layer_end = {self.bounds[i + 1]}\n[runtime]\nctx_size = 4096\n"
-                f"lane_count = {self.args.lanes}\nthreads = 1\nthreads_batch = 1\n"
-                f'slice_cache_dir = "{self.workdir.parent / "slices"}"\n'
-                f'[control]\nsocket = "{self.workdir / f"stage{i}.sock"}"\n'
-                f'[link]\nsecret = "{SECRET}"\nlisten = "127.0.0.1:{self.link_ports[i]}"\n'
-                f'activation_dtype = "{self.args.activation_dtype}"\n')
-        if self.keys is not None:
-            text += (f'tls = true\ntls_ca = "{self.keys / "ca.crt"}"\n'
-                     f'tls_cert = "{self.keys / f"stage-{i}.crt"}"\n'
-                     f'tls_key = "{self.keys / f"stage-{i}.key"}"\n')
-        if i == last:
-            text += f'advertise = "127.0.0.1:{self.shaper_ports[-1]}"\n'
-        if i == 0:
-            text += '[http]\nlisten = "127.0.0.1:0"\n'
-        else:
-            text += (f'[upstream]\nstage_id = "stage-{i - 1}"\n'
-                     f'endpoint = "127.0.0.1:{self.link_ports[i - 1]}"\n')
-        if i < last:
-            text += (f'[downstream]\nstage_id = "stage-{i + 1}"\n'
-                     f'endpoint = "127.0.0.1:{self.shaper_ports[i]}"\n')
-        path = self.workdir / f"stage{i}.toml"
-        path.write_text(text)
-        return path
+        return self.layout.write(
+            i, stage=model_keys(self.args),
+            runtime={"ctx_size": 4096, "lane_count": self.args.lanes, "threads": 1,
+                     "threads_batch": 1, "slice_cache_dir": str(self.workdir.parent / "slices")},
+            link={"activation_dtype": self.args.activation_dtype})
 
     def start(self, stack: contextlib.ExitStack) -> str:
         """Start every stage (last first); returns stage 0's API URL."""
         url = ""
-        for i in reversed(range(len(self.bounds) - 1)):
+        for i in reversed(range(self.layout.num_stages)):
             argv = [sys.executable, "-m", "skippyd.cli", "serve", "--config", str(self.config(i))]
             proc = stack.enter_context(ServerProcess(
                 argv, SKIPPYD_READY if i == 0 else STAGE_READY, name=f"stage-{i}"))
@@ -156,7 +130,7 @@ class Pipeline:
     def shape(self, rtt_ms: float, rate_mbit: float) -> None:
         """(Re)start every shaper with this shape."""
         self.unshape()
-        for port, target in zip(self.shaper_ports, self.targets, strict=True):
+        for port, target in self.layout.shaper_routes():
             argv = [sys.executable, "-m", "skippyd.bench.shaper", "--listen",
                     f"127.0.0.1:{port}", "--target", f"127.0.0.1:{target}",
                     "--rtt-ms", str(rtt_ms), "--rate-mbit", str(rate_mbit)]
@@ -167,7 +141,7 @@ class Pipeline:
             self.shapers.pop().stop()
 
     def status(self) -> dict[str, Any]:
-        return query_status(("127.0.0.1", self.link_ports[0]), SECRET.encode(),
+        return query_status(("127.0.0.1", self.layout.link_ports[0]), SECRET.encode(),
                             tls=self.monitor)
 
 

@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from skippyd.bench.chain_config import LocalChain, write_config
 from skippyd.bench.loadgen import (
     BenchError,
     RequestRecord,
@@ -54,7 +55,6 @@ from skippyd.bench.process import (
     SKIPPYD_READY,
     STAGE_READY,
     ServerProcess,
-    free_port,
     sigterm_exits,
     wait_pipeline_connected,
 )
@@ -65,7 +65,7 @@ from skippyd.link.dialer import query_status
 from skippyd.split_plan import model_costs, plan_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llama_server import _parse_sets, _toml_value  # noqa: E402  (a sibling script)
+from vs_llama_server import _parse_sets  # noqa: E402  (a sibling script)
 
 logger = logging.getLogger(__name__)
 console = Console(width=None if Console().is_terminal else 140)
@@ -214,17 +214,15 @@ def layer_ranges(args: argparse.Namespace) -> tuple[int, ...]:
 
 # -- servers -----------------------------------------------------------------------------
 
-def _runtime(args: argparse.Namespace, slices: Path) -> str:
+def _runtime(args: argparse.Namespace, slices: Path) -> dict[str, Any]:
     threads = args.cores_per_stage
-    keys = {"ctx_size": args.ctx * args.lanes, "lane_count": args.lanes,
+    return {"ctx_size": args.ctx * args.lanes, "lane_count": args.lanes,
             "kv_layout": "per_lane", "threads": threads, "threads_batch": threads,
             "slice_cache_dir": str(slices), **args.runtime_extra}
-    return "[runtime]\n" + "".join(f"{key} = {_toml_value(value)}\n"
-                                    for key, value in keys.items())
 
 
-def _model(args: argparse.Namespace) -> str:
-    return f"model_path = {json.dumps(str(model_path(args).resolve()))}\n"
+def _model(args: argparse.Namespace) -> dict[str, str]:
+    return {"model_path": str(model_path(args).resolve())}
 
 
 def serve(config: Path, ready: str, name: str, cores: tuple[int, ...] | None) -> ServerProcess:
@@ -251,53 +249,31 @@ class Server:
 
 def start_unsplit(workdir: Path, args: argparse.Namespace, slices: Path,
                   cores: tuple[int, ...] | None, stack: contextlib.ExitStack) -> Server:
-    config = workdir / "unsplit.toml"
-    config.write_text(f'[stage]\nid = "unsplit"\n{_model(args)}{_runtime(args, slices)}'
-                      f'[http]\nlisten = "127.0.0.1:0"\n'
-                      f'[control]\nsocket = {json.dumps(str(workdir / "unsplit.sock"))}\n')
+    config = write_config(workdir / "unsplit.toml", {
+        "stage": {"id": "unsplit", **_model(args)}, "runtime": _runtime(args, slices),
+        "http": {"listen": "127.0.0.1:0"},
+        "control": {"socket": str(workdir / "unsplit.sock")}})
     return Server("unsplit", stack.enter_context(serve(config, SKIPPYD_READY, "unsplit", cores)),
                   cores)
 
 
 class Chain:
-    """The N stage processes; ``shaped``: every link goes through a shaper port.
-
-    Shaper ``i`` forwards to stage ``i + 1``; the last one carries the return path to
-    the final stage (stage 0 dials it: the final stage's ``link.advertise``).
-    """
+    """The N stage processes; ``shaped``: every link goes through a shaper port
+    (:class:`~skippyd.bench.chain_config.LocalChain` says which)."""
 
     def __init__(self, workdir: Path, args: argparse.Namespace, bounds: Sequence[int],
                  cores: Sequence[tuple[int, ...] | None], slices: Path, *,
                  shaped: bool) -> None:
-        self.workdir, self.args, self.bounds, self.cores = workdir, args, bounds, cores
-        self.slices = slices
-        self.num_stages = len(bounds) - 1
-        self.link_ports = [free_port() for _ in range(self.num_stages)]
-        self.shaper_ports = [free_port() for _ in range(self.num_stages)] if shaped else []
+        self.args, self.cores, self.slices = args, cores, slices
+        self.layout = LocalChain.on_free_ports(workdir, bounds, SECRET, shaped=shaped)
+        self.num_stages = self.layout.num_stages
         self.shapers: list[ServerProcess] = []
         self.stages: list[Server] = []
         self.url = ""
 
     def config(self, i: int) -> Path:
-        last = self.num_stages - 1
-        text = (f'[stage]\nid = "stage-{i}"\nindex = {i}\n{_model(self.args)}'
-                f"layer_start = {self.bounds[i]}\nlayer_end = {self.bounds[i + 1]}\n"
-                f"{_runtime(self.args, self.slices)}"
-                f'[control]\nsocket = {json.dumps(str(self.workdir / f"stage{i}.sock"))}\n'
-                f'[link]\nsecret = "{SECRET}"\nlisten = "127.0.0.1:{self.link_ports[i]}"\n')
-        if i == last and self.shaper_ports:
-            text += f'advertise = "127.0.0.1:{self.shaper_ports[-1]}"\n'
-        if i == 0:
-            text += '[http]\nlisten = "127.0.0.1:0"\n'
-        else:
-            text += (f'[upstream]\nstage_id = "stage-{i - 1}"\n'
-                     f'endpoint = "127.0.0.1:{self.link_ports[i - 1]}"\n')
-        if i < last:
-            port = self.shaper_ports[i] if self.shaper_ports else self.link_ports[i + 1]
-            text += f'[downstream]\nstage_id = "stage-{i + 1}"\nendpoint = "127.0.0.1:{port}"\n'
-        path = self.workdir / f"stage{i}.toml"
-        path.write_text(text)
-        return path
+        return self.layout.write(i, stage=_model(self.args),
+                                 runtime=_runtime(self.args, self.slices))
 
     def start(self, stack: contextlib.ExitStack) -> Chain:
         """Start every stage, the last first; a direct chain is connected on return."""
@@ -308,15 +284,14 @@ class Chain:
                                              else STAGE_READY, name, self.cores[i]))
             self.stages.insert(0, Server(name, proc, self.cores[i]))
         self.url = self.stages[0].proc.url
-        if not self.shaper_ports:
+        if not self.layout.shaper_ports:
             wait_pipeline_connected(self.url, CONNECT_TIMEOUT_S)
         return self
 
     def shape(self, rtt_ms: float) -> None:
         """(Re)start every shaper at this RTT and wait until the chain is connected."""
         self.unshape()
-        targets = [*self.link_ports[1:], self.link_ports[-1]]
-        for port, target in zip(self.shaper_ports, targets, strict=True):
+        for port, target in self.layout.shaper_routes():
             argv = [sys.executable, "-m", "skippyd.bench.shaper", "--listen",
                     f"127.0.0.1:{port}", "--target", f"127.0.0.1:{target}",
                     "--rtt-ms", str(rtt_ms)]
@@ -329,7 +304,8 @@ class Chain:
 
     def status(self) -> list[dict[str, Any]]:
         """Every stage's STATUS, read over its own link listener (never shaped)."""
-        return [query_status(("127.0.0.1", port), SECRET.encode()) for port in self.link_ports]
+        return [query_status(("127.0.0.1", port), SECRET.encode())
+                for port in self.layout.link_ports]
 
 
 def thread_affinities(pid: int) -> dict[int, set[int]]:

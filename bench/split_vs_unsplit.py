@@ -38,6 +38,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from skippyd.bench.chain_config import LocalChain, write_config
 from skippyd.bench.loadgen import (
     ProgressHook,
     make_client,
@@ -48,11 +49,11 @@ from skippyd.bench.loadgen import (
 from skippyd.bench.models import (
     add_model_option,
     layer_bounds,
+    model_keys,
     model_layers,
-    model_line,
     model_path,
 )
-from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess, free_port
+from skippyd.bench.process import SKIPPYD_READY, STAGE_READY, ServerProcess
 from skippyd.bench.report import level_metrics
 from skippyd.bench.workload import IntRange, WorkloadSpec, build_level, parse_concurrency
 from skippyd.link.dialer import query_status
@@ -108,16 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def stage_config(workdir: Path, name: str, threads: int, lanes: int, extra: str,
-                 groups: int | None = None, model: str = "") -> Path:
-    path = workdir / f"{name}.toml"
-    path.write_text(
-        f'[stage]\nid = "{name}"\n{model}{extra}'
-        f"[runtime]\nctx_size = 4096\nlane_count = {lanes}\nthreads = {threads}\n"
-        f'threads_batch = {threads}\nslice_cache_dir = "{workdir / "slices"}"\n'
-        + (f"pipeline_decode_groups = {groups}\n" if groups else "")
-        + f'[control]\nsocket = "{workdir / name}.sock"\n')
-    return path
+def _runtime(workdir: Path, threads: int, lanes: int, **extra: Any) -> dict[str, Any]:
+    return {"ctx_size": 4096, "lane_count": lanes, "threads": threads,
+            "threads_batch": threads, "slice_cache_dir": str(workdir / "slices"), **extra}
 
 
 def start_servers(workdir: Path, args: argparse.Namespace,
@@ -127,21 +121,12 @@ def start_servers(workdir: Path, args: argparse.Namespace,
     Besides the unsplit server on ``--threads``, one on a stage's threads is the anchor
     at 1 stream: one stream cannot pipeline, so it shows the link's cost alone.
     """
-    ports = [free_port(), free_port()]
     half = args.stage_threads or max(1, args.threads // 2)
-    link = f'[link]\nsecret = "{SECRET}"\n'
-    stage1 = stage_config(workdir, "stage-1", half, args.lanes,
-                          f"index = 1\nlayer_start = {args.split_at}\n"
-                          f"layer_end = {args.n_layer}\n"
-                          f'{link}listen = "127.0.0.1:{ports[1]}"\n'
-                          f'[upstream]\nstage_id = "stage-0"\nendpoint = "127.0.0.1:{ports[0]}"\n',
-                          model=model_line(args))
-    stage0 = stage_config(workdir, "stage-0", half, args.lanes,
-                          f"index = 0\nlayer_start = 0\nlayer_end = {args.split_at}\n"
-                          f'{link}listen = "127.0.0.1:{ports[0]}"\n'
-                          f'[downstream]\nstage_id = "stage-1"\n'
-                          f'endpoint = "127.0.0.1:{ports[1]}"\n[http]\nlisten = "127.0.0.1:0"\n',
-                          groups=args.decode_groups, model=model_line(args))
+    chain = LocalChain.on_free_ports(workdir, (0, args.split_at, args.n_layer), SECRET)
+    groups = {"pipeline_decode_groups": args.decode_groups} if args.decode_groups else {}
+    stage1 = chain.write(1, stage=model_keys(args), runtime=_runtime(workdir, half, args.lanes))
+    stage0 = chain.write(0, stage=model_keys(args),
+                         runtime=_runtime(workdir, half, args.lanes, **groups))
     env = {"OMP_WAIT_POLICY": "PASSIVE"} if args.omp_passive else None
     stack.enter_context(serve(stage1, STAGE_READY, "stage-1", args.pin, env))
     head = stack.enter_context(serve(stage0, SKIPPYD_READY, "stage-0", args.pin, env))
@@ -149,8 +134,11 @@ def start_servers(workdir: Path, args: argparse.Namespace,
     if not args.only_split:
         for name, threads in (("unsplit", args.unsplit_threads or args.threads),
                               (ONE_THREAD, half)):
-            single = stage_config(workdir, name, threads, args.lanes,
-                                  '[http]\nlisten = "127.0.0.1:0"\n', model=model_line(args))
+            single = write_config(workdir / f"{name}.toml", {
+                "stage": {"id": name, **model_keys(args)},
+                "runtime": _runtime(workdir, threads, args.lanes),
+                "control": {"socket": str(workdir / f"{name}.sock")},
+                "http": {"listen": "127.0.0.1:0"}})
             urls[name] = stack.enter_context(
                 serve(single, SKIPPYD_READY, name, args.pin, env)).url
     deadline = time.monotonic() + 60
@@ -158,7 +146,7 @@ def start_servers(workdir: Path, args: argparse.Namespace,
         if time.monotonic() > deadline:
             raise RuntimeError("the chain did not connect:\n" + head.log_tail())
         time.sleep(0.1)  # stage 0 dials stage 1 with backoff; poll its health
-    return urls, ports
+    return urls, list(chain.link_ports)
 
 
 def serve(config: Path, ready: str, name: str, cpus: str | None,

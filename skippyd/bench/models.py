@@ -44,6 +44,7 @@ def layer_bounds(n_layer: int, stages: int) -> tuple[int, ...]:
     return bounds
 
 
-def model_line(args: argparse.Namespace) -> str:
-    """A ``model_path = ...`` line for a ``[stage]`` table, or nothing for the default."""
-    return f'model_path = "{Path(args.model).resolve()}"\n' if getattr(args, "model", None) else ""
+def model_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The ``[stage]`` key naming ``--model``, or none for the default model."""
+    return {"model_path": str(Path(args.model).resolve())} if getattr(args, "model", None) \
+        else {}

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from skippyd.bench.models import add_model_option, layer_bounds, model_line, model_path
+from skippyd.bench.models import add_model_option, layer_bounds, model_keys, model_path
 
 
 def test_the_cuts_of_smollm2_are_the_measured_ones_and_scale_with_depth():
@@ -26,7 +26,7 @@ def test_the_model_option_defaults_to_the_embedded_model(tmp_path, smollm2_path)
     parser = argparse.ArgumentParser()
     add_model_option(parser)
     assert model_path(parser.parse_args([])) == smollm2_path
-    assert model_line(parser.parse_args([])) == ""
+    assert model_keys(parser.parse_args([])) == {}
     chosen = parser.parse_args(["--model", str(tmp_path / "m.gguf")])
     assert model_path(chosen) == tmp_path / "m.gguf"
-    assert model_line(chosen) == f'model_path = "{tmp_path / "m.gguf"}"\n'
+    assert model_keys(chosen) == {"model_path": str(tmp_path / "m.gguf")}
