@@ -76,6 +76,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from skippyd.bench.chain_config import write_config
 from skippyd.bench.loadgen import (
     RequestRecord,
     Target,
@@ -131,11 +132,6 @@ class Setup:
 
 # -- servers -----------------------------------------------------------------------------
 
-def _toml_value(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, str) else str(value).lower() \
-        if isinstance(value, bool) else str(value)
-
-
 def skippyd_config(setup: Setup, name: str, cache_mode: str | None, *,
                    defaults: bool = False) -> Path:
     sizing = {} if defaults else {"ctx_size": setup.ctx, "lane_count": setup.lanes,
@@ -150,11 +146,7 @@ def skippyd_config(setup: Setup, name: str, cache_mode: str | None, *,
         sections["kv_cache"] = {"mode": cache_mode}
     for section, keys in setup.skippyd_extra.items():
         sections.setdefault(section, {}).update(keys)
-    text = "".join(f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
-                   + "\n" for section, keys in sections.items())
-    path = setup.workdir / f"{name}.toml"
-    path.write_text(text, encoding="utf-8")
-    return path
+    return write_config(setup.workdir / f"{name}.toml", sections)
 
 
 def start_server(setup: Setup, server: str, cache_mode: str | None = None, *,
